@@ -1,0 +1,1 @@
+"""torchtitan integration (see the torchtitan issue); installed as upipe_compile.integrations.torchtitan."""

@@ -1,0 +1,79 @@
+"""Locate every scaled_dot_product_attention call in an FX graph, nested bodies included."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# Dynamo records F.scaled_dot_product_attention (the same object as
+# torch._C._nn.scaled_dot_product_attention); graphs traced below Dynamo carry the aten op.
+SDPA_TARGETS = (
+    F.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention,
+    torch.ops.aten.scaled_dot_product_attention.default,
+)
+
+# SDPA's Python signature, so positional and keyword spellings normalise alike.
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    pass
+
+
+_SIGNATURE = inspect.signature(_sdpa_signature)
+
+
+@dataclass
+class AttentionMatch:
+    """One SDPA call and the arguments it was given (FX nodes or Python constants)."""
+
+    graph_module: fx.GraphModule
+    """The graph module that owns the node: the root, or a nested body (e.g. checkpointed)."""
+    node: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    attn_mask: Any
+    dropout_p: Any
+    is_causal: Any
+    scale: Any
+    enable_gqa: Any
+
+    @property
+    def source_line(self) -> str:
+        return source_line(self.node)
+
+
+def find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
+    """Every SDPA call in ``gm`` and in the graph modules nested in it, in graph order."""
+    return [match for module in _graph_modules(gm) for match in _matches_in(module)]
+
+
+def _graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    for _, module in gm.named_modules():
+        if isinstance(module, fx.GraphModule):
+            yield module
+
+
+def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+            bound.apply_defaults()
+            yield AttentionMatch(graph_module=gm, node=node, **bound.arguments)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>[^\n]*)')
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line in function: code`` of the user's call, from the node's stack trace."""
+    frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
+    if not frames:
+        return f"<graph node {node.name}, no source line recorded>"
+    last = frames[-1]
+    return f'{last["file"]}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'

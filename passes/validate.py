@@ -1,0 +1,63 @@
+"""Every reason an SDPA call cannot be rewritten into UPipe, in words a user can act on."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from upipe_compile.passes.find import AttentionMatch
+from upipe_compile.schedule import ScheduleError, plan_stages
+
+
+def _example(arg):
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("example_value", arg.meta.get("val"))
+    return None
+
+
+def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int) -> list[str]:
+    """Empty when the call can run as UPipe on ``world`` ranks, else one line per problem."""
+    reasons = []
+    if match.attn_mask is not None:
+        reasons.append(
+            "an attention-mask tensor is passed (attn_mask): a mask over the full sequence cannot be "
+            "sharded with the heads; use is_causal=True for causal models and drop padding masks "
+            "(pack or pad sequences to full length instead)"
+        )
+    if isinstance(match.dropout_p, fx.Node) or match.dropout_p != 0.0:
+        reasons.append(
+            f"attention dropout is on (dropout_p={match.dropout_p}): UPipe's kernels have no dropout; "
+            "set the model's attention dropout to 0"
+        )
+    if not isinstance(match.is_causal, bool):
+        reasons.append(f"is_causal must be a Python bool known at compile time, got {match.is_causal}")
+    if match.scale is not None and not isinstance(match.scale, (int, float)):
+        reasons.append(f"scale must be a Python number known at compile time, got {match.scale}")
+    if not isinstance(match.enable_gqa, bool):
+        reasons.append(f"enable_gqa must be a Python bool known at compile time, got {match.enable_gqa}")
+
+    q, k, v = (_example(x) for x in (match.query, match.key, match.value))
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
+        return reasons
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        reasons.append(
+            f"q/k/v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+        return reasons
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]):
+        reasons.append(
+            f"UPipe runs self-attention over one sharded sequence; q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)} do not share batch, sequence length and head_dim"
+        )
+        return reasons
+    q_heads, kv_heads = int(q.shape[1]), int(k.shape[1])
+    if q_heads != kv_heads and match.enable_gqa is False:
+        reasons.append(f"{q_heads} query heads but {kv_heads} KV heads without enable_gqa=True")
+    try:
+        plan_stages(q_heads, kv_heads, world, heads_per_stage)
+    except ScheduleError as error:
+        reasons.append(f"{error} (P={world}, heads_per_stage={heads_per_stage})")
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"q is {q.dtype} on CUDA; UPipe's CUDA kernels need fp16 or bf16")
+    return reasons

@@ -1,0 +1,107 @@
+"""Shared test inputs and the eager reference on the full, unsharded sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    world: int
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq_local: int
+    head_dim: int
+    heads_per_stage: int
+    is_causal: bool
+    scale: float | None
+    dtype: str
+    seed: int = 0
+
+    @property
+    def seq(self) -> int:
+        return self.seq_local * self.world
+
+
+def make_inputs(case: AttentionCase):
+    """Full-sequence q, k, v and an upstream gradient, identical on every process."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = DTYPES[case.dtype]
+
+    def randn(heads):
+        return torch.randn(case.batch, heads, case.seq, case.head_dim, generator=gen).to(dtype)
+
+    return randn(case.q_heads), randn(case.kv_heads), randn(case.kv_heads), randn(case.q_heads)
+
+
+def eager_reference(case: AttentionCase):
+    q, k, v, dout = make_inputs(case)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+class TinyAttention(torch.nn.Module):
+    """An attention layer as models write it: projections, head split, SDPA, output projection."""
+
+    def __init__(self, case: AttentionCase):
+        super().__init__()
+        self.case = case
+        hidden = case.q_heads * case.head_dim
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        dtype = DTYPES[case.dtype]
+
+        def linear(out_features):
+            layer = torch.nn.Linear(hidden, out_features, bias=False)
+            layer.weight.data = (torch.randn(out_features, hidden, generator=gen) / hidden**0.5).to(dtype)
+            return layer
+
+        self.wq = linear(case.q_heads * case.head_dim)
+        self.wk = linear(case.kv_heads * case.head_dim)
+        self.wv = linear(case.kv_heads * case.head_dim)
+        self.wo = linear(hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        c = self.case
+        q = self.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def make_block_inputs(case: AttentionCase):
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    hidden = case.q_heads * case.head_dim
+    dtype = DTYPES[case.dtype]
+    x = torch.randn(case.batch, case.seq, hidden, generator=gen).to(dtype)
+    return x, torch.randn(case.batch, case.seq, hidden, generator=gen).to(dtype)
+
+
+def block_grads(model: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor):
+    """Output, input gradient and parameter gradients (by name) of one forward + backward."""
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x)
+    out.backward(dout)
+    module = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+    return out.detach(), x.grad, {name: p.grad for name, p in module.named_parameters()}
+
+
+def eager_block_reference(case: AttentionCase):
+    x, dout = make_block_inputs(case)
+    return block_grads(TinyAttention(case), x, dout)

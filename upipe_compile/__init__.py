@@ -1,0 +1,22 @@
+"""upipe-compile: a torch.compile backend that turns every scaled_dot_product_attention into
+UPipe (untied Ulysses) context parallelism.
+
+    model = torch.compile(model, backend="upipe", options={"cp_mesh": mesh, "heads_per_stage": U})
+"""
+
+from upipe_compile.attention import upipe_attention
+from upipe_compile.backend import apply_upipe_passes, upipe_backend
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.options import UPipeOptions
+from upipe_compile.sharding import gather_sequence, global_positions, shard_sequence
+
+__all__ = [
+    "UPipeOptions",
+    "UnsupportedAttention",
+    "apply_upipe_passes",
+    "gather_sequence",
+    "global_positions",
+    "shard_sequence",
+    "upipe_attention",
+    "upipe_backend",
+]

@@ -1,0 +1,251 @@
+"""The UPipe stage-loop op: SDPA semantics on sequence-sharded q, k, v.
+
+Forward, per stage (see :mod:`upipe_compile.schedule` for which heads): all-to-all this
+stage's query heads sequence->head (KV only when the stage starts a new KV group), run
+attention over the full sequence for ``m`` heads per rank, all-to-all the output
+head->sequence straight into the preallocated local output. The full-sequence stage
+buffers are allocated once per call and reused by every stage, so intermediate memory is
+O(U) heads, not O(H).
+
+Backward owns its memory: autograd saves only the local q, k, v, out and each stage's
+log-sum-exp; backward redoes each stage's all-to-alls, runs the kernel's backward, and sends
+dq (per stage) and dk/dv (per KV group) back to their sequence shards.
+
+``upipe::attention`` / ``upipe::attention_backward`` are ``torch.library`` custom ops with
+fake kernels, so torch.compile treats the loop as one opaque node and never unrolls it
+(unrolling would let autograd keep every stage's buffers alive; see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+from upipe_compile import collectives, kernels
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.schedule import ScheduleError, StageSchedule, plan_stages
+
+
+def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
+    return plan_stages(q.shape[1], k.shape[1], world, heads_per_stage)
+
+
+_index_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    key = (heads, device)
+    if key not in _index_cache:
+        _index_cache[key] = torch.tensor(heads, dtype=torch.long, device=device)
+    return _index_cache[key]
+
+
+def _stage_kv(kv_full: torch.Tensor, stage, device):
+    """k and v for this stage's query heads in the layout the kernel takes: a slice when the
+    slots already form plain GQA groups, else a gather (one copy of m heads)."""
+    span = stage.kv_slot_range
+    if span is not None:
+        return kv_full[0][:, span[0]:span[1]], kv_full[1][:, span[0]:span[1]]
+    slots = _index(stage.kv_slots, device)
+    return kv_full[0].index_select(1, slots), kv_full[1].index_select(1, slots)
+
+
+def _accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, stage, device) -> None:
+    span = stage.kv_slot_range
+    if span is not None:
+        dkv_full[0][:, span[0]:span[1]] += dk
+        dkv_full[1][:, span[0]:span[1]] += dv
+    else:
+        slots = _index(stage.kv_slots, device)
+        dkv_full[0].index_add_(1, slots, dk)
+        dkv_full[1].index_add_(1, slots, dv)
+
+
+def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str):
+    """The forward loop (called by the custom op; also directly by memory measurements,
+    which run it under FakeTensorMode where the op itself would only run its fake kernel)."""
+    group = collectives.group_from_name(group_name)
+    world = group.size()
+    if not is_fake(q):
+        collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group, q.device)
+    schedule = schedule_for(q, k, world, heads_per_stage)
+    batch, _, s_local, dim = q.shape
+    seq = s_local * world
+    m, kv_per_rank = schedule.q_per_rank, schedule.kv_per_rank
+
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((len(schedule.stages), batch, m, seq), dtype=torch.float32)
+    q_full = q.new_empty((batch, m, seq, dim))
+    kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
+    out_send = q.new_empty((world, m, batch, s_local, dim))
+
+    current_group = None
+    for index, stage in enumerate(schedule.stages):
+        if stage.kv_group != current_group:
+            current_group = stage.kv_group
+            kv_index = _index(schedule.kv_groups[current_group], q.device)
+            recv = collectives.all_to_all(collectives.head_major_send([k, v], kv_index, world), group_name)
+            for t in range(2):
+                collectives.assemble_sequence(recv[:, t], kv_full[t])
+            del recv
+        q_index = _index(stage.q_heads, q.device)
+        recv = collectives.all_to_all(collectives.head_major_send([q], q_index, world), group_name)
+        collectives.assemble_sequence(recv[:, 0], q_full)
+        del recv
+        k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
+        out_stage, lse_stage = kernels.forward(q_full, k_stage, v_stage, is_causal, scale)
+        lse[index].copy_(lse_stage)
+        collectives.split_sequence(out_stage, out_send)
+        del out_stage, lse_stage
+        recv = collectives.all_to_all(out_send, group_name)
+        collectives.scatter_heads_back(recv, q_index, out, accumulate=False)
+        del recv
+    return out, lse
+
+
+def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str):
+    group = collectives.group_from_name(group_name)
+    world = group.size()
+    schedule = schedule_for(q, k, world, heads_per_stage)
+    batch, _, s_local, dim = q.shape
+    seq = s_local * world
+    m, kv_per_rank = schedule.q_per_rank, schedule.kv_per_rank
+
+    dq = q.new_empty(q.shape)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    # One reusable buffer per role: the stage's q / out / dout over the full sequence,
+    # the group's k / v and their gradient accumulators, and the send buffers back.
+    q_out_dout = q.new_empty((3, batch, m, seq, dim))
+    kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
+    dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
+    dq_send = q.new_empty((world, m, batch, s_local, dim))
+    dkv_send = q.new_empty((world, 2, kv_per_rank, batch, s_local, dim))
+
+    def flush_group(group_index: int) -> None:
+        for t in range(2):
+            collectives.split_sequence(dkv_full[t], dkv_send[:, t])
+        recv = collectives.all_to_all(dkv_send, group_name)
+        kv_index = _index(schedule.kv_groups[group_index], q.device)
+        collectives.scatter_heads_back(recv[:, 0], kv_index, dk, accumulate=True)
+        collectives.scatter_heads_back(recv[:, 1], kv_index, dv, accumulate=True)
+
+    current_group = None
+    for index, stage in enumerate(schedule.stages):
+        if stage.kv_group != current_group:
+            if current_group is not None:
+                flush_group(current_group)
+            current_group = stage.kv_group
+            kv_index = _index(schedule.kv_groups[current_group], q.device)
+            recv = collectives.all_to_all(collectives.head_major_send([k, v], kv_index, world), group_name)
+            for t in range(2):
+                collectives.assemble_sequence(recv[:, t], kv_full[t])
+            del recv
+            dkv_full.zero_()
+        q_index = _index(stage.q_heads, q.device)
+        recv = collectives.all_to_all(collectives.head_major_send([q, out, dout], q_index, world), group_name)
+        for t in range(3):
+            collectives.assemble_sequence(recv[:, t], q_out_dout[t])
+        del recv
+        k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
+        dq_stage, dk_stage, dv_stage = kernels.backward(
+            q_out_dout[2], q_out_dout[0], k_stage, v_stage, q_out_dout[1], lse[index], is_causal, scale
+        )
+        _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
+        del dk_stage, dv_stage
+        collectives.split_sequence(dq_stage, dq_send)
+        del dq_stage
+        recv = collectives.all_to_all(dq_send, group_name)
+        collectives.scatter_heads_back(recv, q_index, dq, accumulate=False)
+        del recv
+    flush_group(current_group)
+    return dq, dk, dv
+
+
+# --- the custom ops ---------------------------------------------------------------------
+@torch.library.custom_op("upipe::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, group_name):
+    world = collectives.group_from_name(group_name).size()
+    schedule = schedule_for(q, k, world, heads_per_stage)
+    batch, _, s_local, _ = q.shape
+    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
+
+
+@torch.library.custom_op("upipe::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return stage_loop_backward(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale, heads_per_stage, group_name = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (is_causal, scale, heads_per_stage, group_name)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- public entry point -----------------------------------------------------------------
+def upipe_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+    cp_mesh=None, heads_per_stage: Optional[int] = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on sequence-sharded inputs.
+
+    Rank r passes q ``[B, Hq, S/P, D]`` and k, v ``[B, Hkv, S/P, D]`` for tokens
+    ``[r*S/P, (r+1)*S/P)`` and gets back the same shard of attention over the full
+    sequence. ``heads_per_stage`` (U, a multiple of P; default P) sets how many query heads
+    all ranks together compute per stage; U = Hq is plain Ulysses.
+    """
+    group = collectives.resolve_group(cp_mesh)
+    world = group.size()
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise UnsupportedAttention(
+            f"UPipe needs 4-D [batch, heads, seq, head_dim] q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise UnsupportedAttention(
+            f"{q.shape[1]} query heads but {k.shape[1]} KV heads: pass enable_gqa=True (as for SDPA)"
+        )
+    if k.shape != v.shape or q.shape[2] != k.shape[2] or (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]):
+        raise UnsupportedAttention(
+            f"UPipe runs self-attention over one sharded sequence; q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)} do not share batch, sequence and head_dim"
+        )
+    if world == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    heads_per_stage = world if heads_per_stage is None else heads_per_stage
+    try:
+        plan_stages(q.shape[1], k.shape[1], world, heads_per_stage)
+    except ScheduleError as error:
+        raise UnsupportedAttention(str(error)) from None
+    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, group.group_name)
+    return out

@@ -1,0 +1,59 @@
+"""The torch.compile backend "upipe": find -> validate -> rewrite, then the inner backend."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.options import UPipeOptions
+from upipe_compile.passes import find_attention, rewrite_attention, unsupported_reasons
+
+log = logging.getLogger(__name__)
+
+
+def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphModule:
+    """Rewrite every SDPA call in ``gm`` (nested bodies included) into the stage-loop op, or
+    raise UnsupportedAttention naming each call that cannot be rewritten and why.
+    With one context-parallel rank the graph is left as it is."""
+    group = options.group
+    world = group.size()
+    if world == 1:
+        return gm
+    heads_per_stage = options.stage_heads()
+    matches = find_attention(gm)
+    problems = [
+        f"  {match.source_line}\n" + "".join(f"    - {reason}\n" for reason in reasons)
+        for match in matches
+        if (reasons := unsupported_reasons(match, world, heads_per_stage))
+    ]
+    if problems:
+        raise UnsupportedAttention(
+            f"upipe cannot run {len(problems)} attention call(s) with context parallelism over P={world} ranks:\n"
+            + "".join(problems)
+        )
+    for match in matches:
+        rewrite_attention(match, heads_per_stage, group.group_name)
+    for module in {id(m.graph_module): m.graph_module for m in matches}.values():
+        module.graph.lint()
+        module.recompile()
+    log.info("upipe: rewrote %d attention call(s), P=%d, heads_per_stage=%d", len(matches), world, heads_per_stage)
+    return gm
+
+
+def _inner_backend(name: str):
+    if name == "eager":
+        return lambda gm, example_inputs: gm.forward
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(name)
+
+
+def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
+    """``torch.compile(model, backend="upipe", options={...})``; see UPipeOptions."""
+    if unused.get("mode") not in (None, "default"):
+        raise UnsupportedAttention(f"backend='upipe' takes options=..., not mode={unused['mode']!r}")
+    opts = UPipeOptions.from_user(options)
+    gm = apply_upipe_passes(gm, opts)
+    return _inner_backend(opts.inner_backend)(gm, example_inputs)

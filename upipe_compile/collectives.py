@@ -1,0 +1,120 @@
+"""All-to-all layouts for sequence <-> head exchanges over one process group.
+
+A rank holds a tensor ``x`` of layout ``[B, H, S_local, D]`` (its contiguous slice of the
+sequence, all heads). To give every rank a few heads over the *whole* sequence, it sends
+rank ``r`` the heads that ``r`` owns: the send buffer is ``[P, T, n, B, S_local, D]``
+(destination rank outermost, so ``all_to_all_single`` splits it evenly along dim 0; T
+tensors that travel together, n heads per rank). After the exchange dim 0 indexes the
+*source* rank, i.e. the sequence chunk, and :func:`assemble_sequence` lays the chunks end
+to end. The reverse direction uses the same buffers transposed.
+
+Only functional collectives are used, so the same code runs over gloo, NCCL and the fake
+process group (under FakeTensorMode, for memory measurement).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from upipe_compile.errors import UnsupportedAttention
+
+_c10d = torch.ops._c10d_functional
+
+
+def resolve_group(cp_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group that context parallelism runs over."""
+    if isinstance(cp_mesh, DeviceMesh):
+        if cp_mesh.ndim != 1:
+            raise UnsupportedAttention(
+                f"cp_mesh must be a 1-D DeviceMesh, got {cp_mesh.ndim} dims "
+                f"{cp_mesh.mesh_dim_names}; pass the context-parallel sub-mesh, e.g. mesh['cp']"
+            )
+        return cp_mesh.get_group()
+    if isinstance(cp_mesh, dist.ProcessGroup):
+        return cp_mesh
+    if cp_mesh is not None:
+        raise UnsupportedAttention(
+            f"cp_mesh must be a DeviceMesh, a ProcessGroup or None, got {type(cp_mesh).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise UnsupportedAttention(
+            "no process group: call torch.distributed.init_process_group(...) before the first "
+            "compiled call, or pass options={'cp_mesh': init_device_mesh(...)}"
+        )
+    return dist.group.WORLD
+
+
+def group_from_name(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def head_major_send(tensors: list[torch.Tensor], head_index: torch.Tensor, world: int) -> torch.Tensor:
+    """Pack the heads ``head_index`` (ordered by destination rank) of each local tensor
+    ``[B, H, S_local, D]`` into one contiguous send buffer ``[P, T, n, B, S_local, D]``."""
+    picked = [x.transpose(0, 1).index_select(0, head_index) for x in tensors]
+    n = head_index.numel() // world
+    return torch.stack([p.view(world, n, *p.shape[1:]) for p in picked], dim=1)
+
+
+def all_to_all(send: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Blocking even all-to-all along dim 0 (dim 0 is the world size)."""
+    return _c10d.wait_tensor(start_all_to_all(send, group_name))
+
+
+def start_all_to_all(send: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Launch an even all-to-all; pass the result to :func:`wait` before reading it."""
+    splits = [1] * send.shape[0]
+    return _c10d.all_to_all_single(send, splits, splits, group_name)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(t)
+
+
+def assemble_sequence(recv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Lay a received ``[P, n, B, S_local, D]`` (dim 0 = sequence chunk) end to end into the
+    reusable buffer ``out`` of layout ``[B, n, P * S_local, D]``."""
+    world, n, batch, s_local, d = recv.shape
+    out.view(batch, n, world, s_local, d).copy_(recv.permute(2, 1, 0, 3, 4))
+    return out
+
+
+def split_sequence(full: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`assemble_sequence`: ``[B, n, P * S_local, D]`` into the reusable
+    send buffer ``[P, n, B, S_local, D]`` (dim 0 = destination rank = sequence chunk)."""
+    world, n, batch, s_local, d = send.shape
+    send.copy_(full.view(batch, n, world, s_local, d).permute(2, 1, 0, 3, 4))
+    return send
+
+
+def scatter_heads_back(recv: torch.Tensor, head_index: torch.Tensor, dest: torch.Tensor, accumulate: bool) -> None:
+    """Write a received ``[P, n, B, S_local, D]`` (dim 0 = source rank, which computed the
+    heads ``head_index[r*n:(r+1)*n]``) into the local ``dest`` ``[B, H, S_local, D]``.
+    ``accumulate`` sums heads that appear more than once (replicated KV heads)."""
+    world, n = recv.shape[:2]
+    rows = recv.reshape(world * n, *recv.shape[2:])
+    heads_first = dest.transpose(0, 1)
+    if accumulate:
+        heads_first.index_add_(0, head_index, rows)
+    else:
+        heads_first.index_copy_(0, head_index, rows)
+
+
+def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup, device: torch.device) -> None:
+    """Refuse, on every rank at once, shards whose shapes differ across ranks.
+
+    An even all-to-all over shards of different lengths would silently pair the wrong
+    chunks or hang; one tiny all-gather of the shapes turns that into a clear error."""
+    world = group.size()
+    mine = torch.tensor(shape, dtype=torch.int64, device=device)
+    everyone = wait(_c10d.all_gather_into_tensor(mine, world, group.group_name))
+    rows = everyone.view(world, len(shape)).tolist()
+    if any(row != rows[0] for row in rows):
+        raise UnsupportedAttention(
+            "UPipe needs every rank to hold an equal, contiguous shard of the sequence "
+            f"(and equal batch/heads/head_dim); local q/k shapes [B, Hq, Hkv, S_local, D] per rank: {rows}. "
+            "Pad the sequence to a multiple of the context-parallel size before sharding "
+            "(upipe_compile.shard_sequence refuses uneven lengths)."
+        )

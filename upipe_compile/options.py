@@ -1,0 +1,62 @@
+"""The backend's options, validated once when torch.compile calls the backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from upipe_compile.collectives import resolve_group
+from upipe_compile.errors import UnsupportedAttention
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class UPipeOptions:
+    cp_mesh: DeviceMesh | dist.ProcessGroup | None = None
+    """1-D DeviceMesh or ProcessGroup of the context-parallel ranks; None = default group."""
+    heads_per_stage: int | None = None
+    """U: query heads per stage across all ranks, a multiple of P; None = P (least memory).
+    U = number of query heads is plain Ulysses."""
+    inner_backend: str = "inductor"
+    """What compiles the graph after the UPipe passes: inductor, aot_eager or eager."""
+
+    @classmethod
+    def from_user(cls, options: dict[str, Any] | "UPipeOptions" | None) -> "UPipeOptions":
+        if isinstance(options, cls):
+            return options
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise UnsupportedAttention(f"unknown upipe option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**options)
+
+    def __post_init__(self):
+        if self.inner_backend not in INNER_BACKENDS:
+            raise UnsupportedAttention(
+                f"inner_backend={self.inner_backend!r} is not one of {INNER_BACKENDS}"
+            )
+        if self.heads_per_stage is not None:
+            if isinstance(self.heads_per_stage, bool) or not isinstance(self.heads_per_stage, int):
+                raise UnsupportedAttention(f"heads_per_stage must be an int, got {self.heads_per_stage!r}")
+            world = self.group.size()
+            if self.heads_per_stage < 1 or self.heads_per_stage % world:
+                raise UnsupportedAttention(
+                    f"heads_per_stage={self.heads_per_stage} must be a positive multiple of the "
+                    f"context-parallel size P={world} (each rank computes heads_per_stage/P heads per stage)"
+                )
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return resolve_group(self.cp_mesh)
+
+    @property
+    def world(self) -> int:
+        return self.group.size()
+
+    def stage_heads(self) -> int:
+        return self.world if self.heads_per_stage is None else self.heads_per_stage

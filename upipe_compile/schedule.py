@@ -1,0 +1,110 @@
+"""Which heads each rank computes in each stage (pure arithmetic, no tensors).
+
+Notation: P ranks, Hq query heads, Hkv KV heads, U query heads per stage across all ranks
+(U = m * P, so each rank takes m query heads per stage).
+
+KV heads are first replicated up to ``Hkv' = lcm(Hkv, P)`` (a no-op when P divides Hkv),
+so that every rank can own whole KV heads; replica ``j`` is original head ``j // rep``.
+With ``g = Hq / Hkv'`` query heads per (replicated) KV head, query head ``h`` uses replica
+``h // g``, which is original head ``h // (Hq / Hkv)``: SDPA's GQA rule is preserved.
+
+Stages are grouped by KV group: a group gives each rank ``k`` KV heads (all-to-all'd once),
+and the group's ``g * k`` query heads per rank are split into stages of ``m``. With U = P
+and k = 1 this is the paper's schedule:
+``kv_head(s, r) = (s // g) * P + r`` and ``q_head(s, r) = kv_head(s, r) * g + s % g``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+
+class ScheduleError(ValueError):
+    """The head counts cannot be scheduled for this P and U (message says why)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    q_heads: tuple[int, ...]
+    """Query heads of this stage, ``m`` per rank, ordered by the rank that computes them."""
+    kv_group: int
+    """Index into :attr:`StageSchedule.kv_groups` of the KV heads this stage reads."""
+    kv_slots: tuple[int, ...]
+    """For each of a rank's ``m`` query heads, which of its ``k`` received KV heads it uses."""
+
+    @property
+    def kv_slot_range(self) -> tuple[int, int] | None:
+        """``(a, b)`` when query head i uses KV slot ``a + i // (m // (b - a))`` — the plain
+        GQA layout a kernel handles natively — else None (slots must be gathered)."""
+        a, b = self.kv_slots[0], self.kv_slots[-1] + 1
+        m, span = len(self.kv_slots), b - a
+        if m % span:
+            return None
+        per = m // span
+        return (a, b) if all(slot == a + i // per for i, slot in enumerate(self.kv_slots)) else None
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    world: int
+    q_heads: int
+    kv_heads: int
+    heads_per_stage: int
+    q_per_rank: int
+    """m: query heads per rank per stage."""
+    kv_per_rank: int
+    """k: KV heads per rank per KV group."""
+    kv_groups: tuple[tuple[int, ...], ...]
+    """Per group, the original KV head each rank receives, ``k`` per rank, ordered by rank."""
+    stages: tuple[Stage, ...]
+
+
+def default_heads_per_stage(world: int) -> int:
+    return world
+
+
+@functools.lru_cache(maxsize=256)
+def plan_stages(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> StageSchedule:
+    if world < 1:
+        raise ScheduleError(f"context-parallel size must be >= 1, got {world}")
+    if heads_per_stage < 1 or heads_per_stage % world:
+        raise ScheduleError(
+            f"heads_per_stage={heads_per_stage} must be a positive multiple of the context-parallel size P={world}"
+        )
+    if q_heads % heads_per_stage:
+        raise ScheduleError(
+            f"{q_heads} query heads cannot be split into stages of heads_per_stage={heads_per_stage}; "
+            f"pick a multiple of P={world} that divides {q_heads}"
+        )
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise ScheduleError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
+    kv_eff = math.lcm(kv_heads, world)
+    if q_heads % kv_eff:
+        raise ScheduleError(
+            f"{kv_heads} KV heads cannot be spread over P={world} ranks for {q_heads} query heads: "
+            f"replicating KV heads to lcm({kv_heads}, {world})={kv_eff} needs {kv_eff} to divide {q_heads}"
+        )
+    replicas = kv_eff // kv_heads
+    group_size = q_heads // kv_eff
+    m = heads_per_stage // world
+    k = next(k for k in range(1, kv_eff // world + 1) if (kv_eff // world) % k == 0 and (group_size * k) % m == 0)
+
+    kv_groups, stages = [], []
+    for group in range(kv_eff // (world * k)):
+        replica_of = [[group * world * k + r * k + j for j in range(k)] for r in range(world)]
+        kv_groups.append(tuple(rep // replicas for rank in replica_of for rep in rank))
+        q_of_rank = [[rep * group_size + i for rep in rank for i in range(group_size)] for rank in replica_of]
+        for t in range(group_size * k // m):
+            stages.append(
+                Stage(
+                    q_heads=tuple(h for rank in q_of_rank for h in rank[t * m:(t + 1) * m]),
+                    kv_group=group,
+                    kv_slots=tuple((t * m + i) // group_size for i in range(m)),
+                )
+            )
+    return StageSchedule(
+        world=world, q_heads=q_heads, kv_heads=kv_heads, heads_per_stage=heads_per_stage,
+        q_per_rank=m, kv_per_rank=k, kv_groups=tuple(kv_groups), stages=tuple(stages),
+    )
