@@ -34,3 +34,9 @@ def compiled_block_case(case: AttentionCase, inner_backend: str):
         options={"heads_per_stage": case.heads_per_stage, "inner_backend": inner_backend},
     )
     return block_grads(model, x, dout)
+
+
+def uneven_shards_case():
+    rank = dist.get_rank()
+    q = torch.randn(1, 4, 3 + rank, 8)
+    return upipe_compile.upipe_attention(q, q, q, is_causal=True)

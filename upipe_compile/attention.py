@@ -37,6 +37,10 @@ _index_cache: dict[tuple, torch.Tensor] = {}
 
 
 def _index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Head indices as a tensor on ``device``, made once (a host-to-device copy per stage
+    would stall the GPU). Under FakeTensorMode each mode needs its own, so no caching."""
+    if torch._guards.detect_fake_mode() is not None:
+        return torch.tensor(heads, dtype=torch.long, device=device)
     key = (heads, device)
     if key not in _index_cache:
         _index_cache[key] = torch.tensor(heads, dtype=torch.long, device=device)
@@ -80,27 +84,27 @@ def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_p
     lse = q.new_empty((len(schedule.stages), batch, m, seq), dtype=torch.float32)
     q_full = q.new_empty((batch, m, seq, dim))
     kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
-    out_send = q.new_empty((world, m, batch, s_local, dim))
 
     current_group = None
     for index, stage in enumerate(schedule.stages):
         if stage.kv_group != current_group:
             current_group = stage.kv_group
             kv_index = _index(schedule.kv_groups[current_group], q.device)
-            recv = collectives.all_to_all(collectives.head_major_send([k, v], kv_index, world), group_name)
+            recv = collectives.all_to_all(collectives.pack_heads([k, v], kv_index, world), group_name)
             for t in range(2):
                 collectives.assemble_sequence(recv[:, t], kv_full[t])
             del recv
         q_index = _index(stage.q_heads, q.device)
-        recv = collectives.all_to_all(collectives.head_major_send([q], q_index, world), group_name)
+        recv = collectives.all_to_all(collectives.pack_heads([q], q_index, world), group_name)
         collectives.assemble_sequence(recv[:, 0], q_full)
         del recv
         k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
         out_stage, lse_stage = kernels.forward(q_full, k_stage, v_stage, is_causal, scale)
         lse[index].copy_(lse_stage)
-        collectives.split_sequence(out_stage, out_send)
+        send = collectives.split_sequence(out_stage, world)
         del out_stage, lse_stage
-        recv = collectives.all_to_all(out_send, group_name)
+        recv = collectives.all_to_all(send, group_name)
+        del send
         collectives.scatter_heads_back(recv, q_index, out, accumulate=False)
         del recv
     return out, lse
@@ -118,17 +122,15 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     # One reusable buffer per role: the stage's q / out / dout over the full sequence,
-    # the group's k / v and their gradient accumulators, and the send buffers back.
+    # the group's k / v and their gradient accumulators.
     q_out_dout = q.new_empty((3, batch, m, seq, dim))
     kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
     dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
-    dq_send = q.new_empty((world, m, batch, s_local, dim))
-    dkv_send = q.new_empty((world, 2, kv_per_rank, batch, s_local, dim))
 
     def flush_group(group_index: int) -> None:
-        for t in range(2):
-            collectives.split_sequence(dkv_full[t], dkv_send[:, t])
-        recv = collectives.all_to_all(dkv_send, group_name)
+        send = torch.stack([collectives.split_sequence(dkv_full[t], world) for t in range(2)], dim=1)
+        recv = collectives.all_to_all(send, group_name)
+        del send
         kv_index = _index(schedule.kv_groups[group_index], q.device)
         collectives.scatter_heads_back(recv[:, 0], kv_index, dk, accumulate=True)
         collectives.scatter_heads_back(recv[:, 1], kv_index, dv, accumulate=True)
@@ -140,13 +142,13 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
                 flush_group(current_group)
             current_group = stage.kv_group
             kv_index = _index(schedule.kv_groups[current_group], q.device)
-            recv = collectives.all_to_all(collectives.head_major_send([k, v], kv_index, world), group_name)
+            recv = collectives.all_to_all(collectives.pack_heads([k, v], kv_index, world), group_name)
             for t in range(2):
                 collectives.assemble_sequence(recv[:, t], kv_full[t])
             del recv
             dkv_full.zero_()
         q_index = _index(stage.q_heads, q.device)
-        recv = collectives.all_to_all(collectives.head_major_send([q, out, dout], q_index, world), group_name)
+        recv = collectives.all_to_all(collectives.pack_heads([q, out, dout], q_index, world), group_name)
         for t in range(3):
             collectives.assemble_sequence(recv[:, t], q_out_dout[t])
         del recv
@@ -156,9 +158,10 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
         )
         _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
         del dk_stage, dv_stage
-        collectives.split_sequence(dq_stage, dq_send)
+        send = collectives.split_sequence(dq_stage, world)
         del dq_stage
-        recv = collectives.all_to_all(dq_send, group_name)
+        recv = collectives.all_to_all(send, group_name)
+        del send
         collectives.scatter_heads_back(recv, q_index, dq, accumulate=False)
         del recv
     flush_group(current_group)

@@ -50,12 +50,20 @@ def group_from_name(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def head_major_send(tensors: list[torch.Tensor], head_index: torch.Tensor, world: int) -> torch.Tensor:
-    """Pack the heads ``head_index`` (ordered by destination rank) of each local tensor
-    ``[B, H, S_local, D]`` into one contiguous send buffer ``[P, T, n, B, S_local, D]``."""
-    picked = [x.transpose(0, 1).index_select(0, head_index) for x in tensors]
-    n = head_index.numel() // world
-    return torch.stack([p.view(world, n, *p.shape[1:]) for p in picked], dim=1)
+def pack_heads(tensors: list[torch.Tensor], head_index: torch.Tensor, world: int) -> torch.Tensor:
+    """The send buffer ``[P, T, n, B, S_local, D]`` holding the heads ``head_index`` (``n``
+    per destination rank, in rank order) of each local ``[B, H, S_local, D]`` tensor.
+    One gather per (rank, tensor) straight into its contiguous slot: no temporary copies.
+    The buffer lives only until its all-to-all is done, so it never adds to the peak that
+    the stage's attention kernel sets."""
+    per_rank = head_index.view(world, -1)
+    first = tensors[0]
+    send = first.new_empty((world, len(tensors), per_rank.shape[1], first.shape[0], *first.shape[2:]))
+    for t, x in enumerate(tensors):
+        heads_first = x.transpose(0, 1)
+        for rank in range(world):
+            torch.index_select(heads_first, 0, per_rank[rank], out=send[rank, t])
+    return send
 
 
 def all_to_all(send: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -81,12 +89,11 @@ def assemble_sequence(recv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def split_sequence(full: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`assemble_sequence`: ``[B, n, P * S_local, D]`` into the reusable
-    send buffer ``[P, n, B, S_local, D]`` (dim 0 = destination rank = sequence chunk)."""
-    world, n, batch, s_local, d = send.shape
-    send.copy_(full.view(batch, n, world, s_local, d).permute(2, 1, 0, 3, 4))
-    return send
+def split_sequence(full: torch.Tensor, world: int) -> torch.Tensor:
+    """Inverse of :func:`assemble_sequence`: ``[B, n, P * S_local, D]`` into a send buffer
+    ``[P, n, B, S_local, D]`` (dim 0 = destination rank = sequence chunk)."""
+    batch, n, seq, d = full.shape
+    return full.view(batch, n, world, seq // world, d).permute(2, 1, 0, 3, 4).contiguous()
 
 
 def scatter_heads_back(recv: torch.Tensor, head_index: torch.Tensor, dest: torch.Tensor, accumulate: bool) -> None:

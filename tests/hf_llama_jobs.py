@@ -1,0 +1,206 @@
+"""A tiny transformers Llama under backend="upipe": model, inputs, reference and rank jobs.
+
+Everything here is module-level so that spawned RankPool workers can unpickle the jobs;
+importing this module (which unpickling a job does) also registers the attention
+implementation below in the worker.
+
+Why a registered attention implementation instead of ``attn_implementation="sdpa"``
+-------------------------------------------------------------------------------------
+UPipe can only run SDPA calls with ``attn_mask=None`` (causality as ``is_causal=True``).
+With plain ``"sdpa"``, transformers (5.x, ``masking_utils.create_causal_mask``) *always*
+materialises a boolean mask tensor under torch.compile, even without an ``attention_mask``:
+it passes ``position_ids`` (its own ``arange`` if the caller gives none) to
+``find_packed_sequence_indices``, which can only prove "no packed sequences" by reading
+tensor values, so while tracing it returns a tensor, that sets ``allow_is_causal_skip=False``
+and ``sdpa_mask`` builds a ``[B, 1, S_local, S_local]`` mask. SDPA is then called as
+``sdpa(q, k, v, attn_mask=<mask>, dropout_p=0.0, scale=..., is_causal=False)`` with the KV
+heads repeated (``enable_gqa`` is only used when the mask is None), and upipe refuses it
+(that mask would also be a *local* causal mask, wrong for a sequence shard).
+``test_plain_sdpa_is_refused_under_compile`` pins this down.
+
+The user-facing fix is transformers' own extension point: register the stock
+``sdpa_attention_forward`` under a new name (``AttentionInterface``) with a mask function
+(``AttentionMaskInterface``) that returns None when there is no padding mask. Then
+``sdpa_attention_forward`` calls
+``sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=head_dim**-0.5, is_causal=True,
+enable_gqa=True)`` - exactly what upipe rewrites. Returning None asserts that each batch
+row is one causal sequence (no packing), which is also what sequence sharding assumes.
+With a padding mask the function defers to transformers' ``sdpa_mask``, so the model gets a
+mask tensor and upipe refuses it at compile time instead of silently dropping the padding.
+
+Nothing in the mask path then depends on the local shard's positions: with
+``use_cache=False`` there is no cache, hence ``q_offset = 0`` and ``kv_length = S_local``,
+but those only feed the mask function, which returns None. RoPE gets the GLOBAL
+``position_ids`` the caller passes, so each shard is rotated as in the full sequence.
+(transformers 5.x Llama no longer has a ``cache_position`` argument.)
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import sdpa_mask  # noqa: E402
+
+import upipe_compile  # noqa: E402
+
+CAUSAL_SDPA = "upipe_causal_sdpa"
+
+
+def causal_sdpa_mask(*, attention_mask=None, **kwargs):
+    """No padding mask: None (SDPA then gets is_causal=True). Else transformers' sdpa mask."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+AttentionMaskInterface.register(CAUSAL_SDPA, causal_sdpa_mask)
+
+
+@dataclass(frozen=True)
+class LlamaCase:
+    world: int
+    kv_heads: int
+    heads_per_stage: int
+    q_heads: int = 8
+    hidden: int = 64
+    layers: int = 2
+    vocab: int = 128
+    intermediate: int = 128
+    batch: int = 2
+    seq_local: int = 16
+    seed: int = 0
+
+    @property
+    def seq(self) -> int:
+        return self.seq_local * self.world
+
+
+def build_model(case: LlamaCase, attn_implementation: str) -> LlamaForCausalLM:
+    """Random fp32 weights from a seeded generator: identical on every process and for every
+    attention implementation. Larger than HF's init (std 0.02) so attention is not near-uniform."""
+    config = LlamaConfig(
+        vocab_size=case.vocab, hidden_size=case.hidden, num_hidden_layers=case.layers,
+        num_attention_heads=case.q_heads, num_key_value_heads=case.kv_heads,
+        intermediate_size=case.intermediate, max_position_embeddings=4 * case.seq,
+        attention_dropout=0.0, attention_bias=False, tie_word_embeddings=False,
+        use_cache=False, attn_implementation=attn_implementation, dtype=torch.float32,
+    )
+    torch.manual_seed(case.seed)
+    model = LlamaForCausalLM(config).float()
+    assert model.config._attn_implementation == attn_implementation
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(noise / p.shape[1] ** 0.5)
+            else:
+                p.copy_(noise)
+    model.train()  # dropout is 0 anyway; training mode is what context parallelism is for
+    return model
+
+
+def make_inputs(case: LlamaCase):
+    """Full-sequence token ids and the weights ``dout`` of the loss sum(logits * dout)."""
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    ids = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
+    dout = torch.randn(case.batch, case.seq, case.vocab, generator=gen)
+    return ids, dout
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def eager_reference(case: LlamaCase):
+    """Uncompiled, unsharded Llama with transformers' stock "sdpa": (logits, param grads)."""
+    model = build_model(case, "sdpa")
+    ids, dout = make_inputs(case)
+    logits = model(input_ids=ids, use_cache=False).logits
+    (logits * dout).sum().backward()
+    return logits.detach(), _grads(model)
+
+
+def _attention_events(prof) -> collections.Counter:
+    """upipe ops that ran, and SDPA kernels that ran outside them (plain attention)."""
+    counts = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("upipe::"):
+            counts[event.name] += 1
+        elif "scaled_dot_product" in event.name:
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("upipe::"):
+                parent = parent.cpu_parent
+            if parent is None:
+                counts["plain sdpa outside upipe"] += 1
+    return counts
+
+
+def compiled_llama_case(case: LlamaCase):
+    """This rank's shard through the compiled model, forward and backward of
+    sum(logits * dout): (local logits, param grads, counts of attention ops that ran)."""
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == case.world
+    model = build_model(case, CAUSAL_SDPA)
+    ids, dout = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs(case))
+    positions = upipe_compile.global_positions(case.seq_local)
+    assert positions[0, 0].item() == rank * case.seq_local
+    compiled = torch.compile(
+        model, backend="upipe",
+        options={"heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"},
+    )
+
+    def step():
+        logits = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
+        (logits * dout).sum().backward()
+        return logits.detach()
+
+    step()  # compiles (the profiler would also record the ops traced with fake tensors)
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = step()
+    return logits, _grads(model), dict(_attention_events(prof))
+
+
+def refused_llama_case(case: LlamaCase, attn_implementation: str, with_padding: bool):
+    """Compile and run a shard that upipe must refuse at compile time (before any collective).
+    Returns the exception chain's type names and the UnsupportedAttention message; anything
+    else (no error, or a different one) is raised."""
+    torch._dynamo.reset()
+    model = build_model(case, attn_implementation)
+    ids, _ = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs(case))
+    positions = upipe_compile.global_positions(case.seq_local)
+    kwargs = {}
+    if with_padding:
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0  # one padded token on every rank
+        kwargs["attention_mask"] = mask
+    compiled = torch.compile(
+        model, backend="upipe",
+        options={"heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"},
+    )
+    try:
+        compiled(input_ids=ids, position_ids=positions, use_cache=False, **kwargs)
+    except Exception as error:
+        chain, seen, current = [], set(), error
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            chain.append(current)
+            current = current.__cause__ or current.__context__
+        unsupported = [e for e in chain if isinstance(e, upipe_compile.UnsupportedAttention)]
+        if not unsupported:
+            raise
+        return {"chain": [type(e).__name__ for e in chain], "message": str(unsupported[0])}
+    raise AssertionError(f"{attn_implementation} with padding={with_padding} compiled and ran without UnsupportedAttention")

@@ -1,0 +1,122 @@
+"""A real transformers model under backend="upipe": a tiny LlamaForCausalLM (GQA, RoPE,
+random fp32 weights, no downloads) compiled on P gloo ranks, each feeding its contiguous
+sequence shard with global position_ids, against the uncompiled model on the full sequence.
+
+See tests/hf_llama_jobs.py for why the model uses a registered attention implementation
+(stock sdpa_attention_forward + a mask function returning None) rather than plain "sdpa":
+under torch.compile, transformers always hands plain "sdpa" a mask tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.fx as fx  # noqa: E402
+
+from hf_llama_jobs import (  # noqa: E402
+    CAUSAL_SDPA, LlamaCase, build_model, compiled_llama_case, eager_reference, make_inputs, refused_llama_case,
+)
+from tests_support import relative_error  # noqa: E402
+from upipe_compile.passes import find_attention  # noqa: E402
+
+TOLERANCE = 1e-5
+
+CASES = [
+    LlamaCase(world=2, kv_heads=4, heads_per_stage=2),  # U = P
+    LlamaCase(world=2, kv_heads=2, heads_per_stage=4),  # U = 2P
+    LlamaCase(world=4, kv_heads=2, heads_per_stage=4),  # KV heads replicated to P
+    LlamaCase(world=4, kv_heads=4, heads_per_stage=8),  # U = Hq: plain Ulysses
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c.world}-kv{c.kv_heads}-U{c.heads_per_stage}")
+def test_llama_matches_full_sequence_eager(rank_pools, case):
+    ranks = rank_pools(case.world).run(compiled_llama_case, case)
+    ref_logits, ref_grads = eager_reference(case)
+
+    # The rewrite happened: each layer's attention ran as the upipe op, forward and
+    # backward, on every rank, and no SDPA kernel ran outside it.
+    for rank, (_, _, counts) in enumerate(ranks):
+        assert counts == {"upipe::attention": case.layers, "upipe::attention_backward": case.layers}, (rank, counts)
+
+    logits = torch.cat([r[0] for r in ranks], dim=1)  # rank r holds tokens [r*S/P, (r+1)*S/P)
+    assert logits.shape == ref_logits.shape == (case.batch, case.seq, case.vocab)
+    assert relative_error(logits, ref_logits) < TOLERANCE
+
+    assert set(ranks[0][1]) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        grad = sum(r[1][name] for r in ranks)  # each rank's grads cover its own tokens
+        assert relative_error(grad, ref) < TOLERANCE, name
+        # Not vacuous: attention weights get gradient from every shard's tokens.
+        assert ref.norm() > 0, name
+
+
+def test_padding_mask_is_refused(rank_pools):
+    """A padding attention_mask reaches SDPA as attn_mask: refused at compile time, on every
+    rank, naming the transformers source line of the SDPA call."""
+    case = CASES[0]
+    results = rank_pools(case.world).run(refused_llama_case, case, CAUSAL_SDPA, True)
+    for result in results:
+        assert result["chain"][0] == "BackendCompilerFailed"
+        assert "UnsupportedAttention" in result["chain"]
+        message = result["message"]
+        assert message.startswith(f"upipe cannot run {case.layers} attention call(s)"), message
+        assert "sdpa_attention.py:" in message and "scaled_dot_product_attention(" in message
+        assert "attn_mask" in message
+
+
+def test_plain_sdpa_is_refused_under_compile(rank_pools):
+    """With attn_implementation="sdpa" and no attention_mask at all, transformers still builds
+    a mask tensor under torch.compile: upipe must refuse it rather than run it on shards."""
+    case = CASES[0]
+    results = rank_pools(case.world).run(refused_llama_case, case, "sdpa", False)
+    for result in results:
+        assert "UnsupportedAttention" in result["chain"]
+        assert "sdpa_attention.py:" in result["message"] and "attn_mask" in result["message"]
+
+
+def _sdpa_calls(model, **inputs):
+    """The SDPA calls Dynamo records for ``model(**inputs)``, as their (normalised) kwargs."""
+    calls = []
+
+    def capture(gm: fx.GraphModule, example_inputs):
+        for match in find_attention(gm):
+            calls.append({
+                "attn_mask": None if match.attn_mask is None else "tensor",
+                "dropout_p": match.dropout_p, "is_causal": match.is_causal,
+                "scale": match.scale, "enable_gqa": match.enable_gqa,
+            })
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(**inputs)
+    torch._dynamo.reset()
+    return calls
+
+
+def test_how_transformers_calls_sdpa_under_compile():
+    """Single process, no rewrite: the exact SDPA arguments transformers passes while traced."""
+    case = CASES[0]
+    ids, _ = make_inputs(case)
+    inputs = dict(input_ids=ids[:, :case.seq_local], position_ids=torch.arange(case.seq_local).unsqueeze(0) + 16,
+                  use_cache=False)
+    scale = (case.hidden // case.q_heads) ** -0.5
+    causal = _sdpa_calls(build_model(case, CAUSAL_SDPA), **inputs)
+    assert causal == [dict(attn_mask=None, dropout_p=0.0, is_causal=True, scale=scale, enable_gqa=True)] * case.layers
+    plain = _sdpa_calls(build_model(case, "sdpa"), **inputs)
+    assert plain == [dict(attn_mask="tensor", dropout_p=0.0, is_causal=False, scale=scale, enable_gqa=False)] * case.layers
+
+
+def test_registered_implementation_is_the_same_model():
+    """Uncompiled and unsharded, the registered implementation equals stock "sdpa" (so the
+    distributed comparison is against transformers' own attention path)."""
+    case = CASES[0]
+    ids, _ = make_inputs(case)
+    with torch.no_grad():
+        ours = build_model(case, CAUSAL_SDPA)(input_ids=ids, use_cache=False).logits
+        ref = build_model(case, "sdpa")(input_ids=ids, use_cache=False).logits
+    assert relative_error(ours, ref) < 1e-6

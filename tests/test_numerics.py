@@ -1,0 +1,102 @@
+"""UPipe equals eager SDPA on the full, unsharded sequence: outputs and gradients.
+
+Every example runs on real gloo ranks (kept alive across examples) and is compared with
+``F.scaled_dot_product_attention`` on the gathered full sequence in this process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rank_jobs
+from tests_support import (
+    TOLERANCE,
+    AttentionCase,
+    eager_block_reference,
+    eager_reference,
+    relative_error,
+)
+
+SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+
+
+@st.composite
+def attention_cases(draw, worlds=(1, 2, 4)):
+    world = draw(st.sampled_from(worlds))
+    # KV heads: MHA, GQA, MQA and fewer KV heads than ranks (replicated), kept schedulable.
+    kv_heads = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    kv_eff = math.lcm(kv_heads, world)
+    group_multiplier = draw(st.sampled_from([1, 2, 3, 4]))
+    q_heads = kv_eff * group_multiplier
+    if q_heads > 24:
+        q_heads = kv_eff
+    # U: any multiple of P that divides Hq (U = Hq is Ulysses).
+    stage_choices = [u for u in range(world, q_heads + 1, world) if q_heads % u == 0]
+    return AttentionCase(
+        world=world,
+        batch=draw(st.integers(1, 2)),
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        seq_local=draw(st.integers(1, 12)),
+        head_dim=draw(st.sampled_from([4, 8, 16, 32])),
+        heads_per_stage=draw(st.sampled_from(stage_choices)),
+        is_causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _assert_close(name: str, actual, expected, case) -> None:
+    error = relative_error(actual, expected)
+    assert error < TOLERANCE[case.dtype], f"{name}: relative error {error:.3e} for {case}"
+
+
+@settings(max_examples=int(__import__("os").environ.get("UPIPE_OP_EXAMPLES", "220")), **SETTINGS)
+@given(case=attention_cases())
+def test_op_matches_eager_sdpa(rank_pools, case):
+    shards = rank_pools(case.world).run(rank_jobs.op_case, case)
+    expected = eager_reference(case)
+    for i, name in enumerate(["out", "dq", "dk", "dv"]):
+        gathered = torch.cat([shard[i] for shard in shards], dim=2)
+        assert gathered.dtype == expected[i].dtype and gathered.shape == expected[i].shape
+        _assert_close(name, gathered, expected[i], case)
+
+
+def _check_block(shards, case):
+    out, dx, grads = eager_block_reference(case)
+    _assert_close("out", torch.cat([s[0] for s in shards], dim=1), out, case)
+    _assert_close("dx", torch.cat([s[1] for s in shards], dim=1), dx, case)
+    for name, grad in grads.items():
+        # Each rank's parameter gradient covers its shard of the sequence: they sum to the full one.
+        _assert_close(f"grad {name}", sum(s[2][name] for s in shards), grad, case)
+
+
+@settings(max_examples=int(__import__("os").environ.get("UPIPE_COMPILED_EXAMPLES", "24")), **SETTINGS)
+@given(case=attention_cases(worlds=(2, 4)), inner=st.sampled_from(["eager", "aot_eager"]))
+def test_compiled_block_matches_eager(rank_pools, case, inner):
+    _check_block(rank_pools(case.world).run(rank_jobs.compiled_block_case, case, inner), case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        AttentionCase(2, 1, 8, 2, 8, 16, 2, True, None, "float32"),
+        AttentionCase(4, 2, 8, 8, 4, 8, 4, False, 0.3, "bfloat16"),
+        AttentionCase(4, 1, 12, 1, 6, 8, 12, True, None, "float32"),  # Ulysses, MQA replicated
+    ],
+    ids=str,
+)
+def test_inductor_block_matches_eager(rank_pools, case):
+    _check_block(rank_pools(case.world).run(rank_jobs.compiled_block_case, case, "inductor"), case)
+
+
+def test_uneven_shards_refused_on_every_rank(rank_pools):
+    """Shards of different lengths would pair the wrong chunks; every rank gets a clear error."""
+    with pytest.raises(Exception, match="equal, contiguous shard"):
+        rank_pools(2).run(rank_jobs.uneven_shards_case)

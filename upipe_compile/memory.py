@@ -1,0 +1,97 @@
+"""Peak memory of the attention op at real scale, measured without the memory.
+
+Runs the real stage loops on fake tensors over a fake process group, under
+``torch.distributed._tools.mem_tracker.MemTracker``: every allocation the loops make is
+counted, no data exists, and a 1M-token layer takes well under a second on a CPU.
+
+What is reported is the op's peak *beyond its own inputs and outputs* (q, k, v, dout live
+before the call; out, lse, dq, dk, dv are what it returns): the intermediate memory that
+UPipe's stage loop is meant to shrink from O(H) to O(U).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from upipe_compile.attention import stage_loop_backward, stage_loop_forward
+
+
+@contextmanager
+def fake_process_group(world: int):
+    """A fake default process group of ``world`` ranks (this process is rank 0)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists; measure memory in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class OpMemory:
+    forward_bytes: int
+    """Forward peak beyond q, k, v and the returned out + lse."""
+    backward_bytes: int
+    """Backward peak beyond q, k, v, out, lse, dout and the returned dq, dk, dv."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_bytes, self.backward_bytes)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _peak(tracker: MemTracker) -> int:
+    return sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+
+
+def measure_op_memory(
+    group: dist.ProcessGroup, *, seq: int, q_heads: int, kv_heads: int, head_dim: int,
+    heads_per_stage: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
+) -> OpMemory:
+    """Peak intermediate memory of one rank's forward and backward of the stage-loop op."""
+    world = group.size()
+    s_local = seq // world
+    with FakeTensorMode():
+        q = torch.empty(batch, q_heads, s_local, head_dim, dtype=dtype)
+        k = torch.empty(batch, kv_heads, s_local, head_dim, dtype=dtype)
+        v = torch.empty_like(k)
+        dout = torch.empty_like(q)
+        args = (is_causal, None, heads_per_stage, group.group_name)
+
+        forward = MemTracker()
+        forward.track_external(q, k, v)
+        with forward:
+            out, lse = stage_loop_forward(q, k, v, *args)
+            forward_peak = _peak(forward)
+        forward_bytes = forward_peak - _nbytes(q, k, v, out, lse)
+
+        backward = MemTracker()
+        backward.track_external(q, k, v, out, lse, dout)
+        with backward:
+            dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *args)
+            backward_peak = _peak(backward)
+        backward_bytes = backward_peak - _nbytes(q, k, v, out, lse, dout, dq, dk, dv)
+    return OpMemory(forward_bytes, backward_bytes)
+
+
+def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:
+    """ARCHITECTURE.md's count: one stage holds 2*m + 2*k full-sequence heads (m = U/P query
+    heads, k KV heads per rank); Ulysses holds 2*Hq/P + 2*Hkv/P."""
+    from upipe_compile.schedule import plan_stages
+
+    upipe = plan_stages(q_heads, kv_heads, world, heads_per_stage)
+    ulysses = plan_stages(q_heads, kv_heads, world, q_heads)
+    units = lambda s: 2 * s.q_per_rank + 2 * s.kv_per_rank  # noqa: E731
+    return units(upipe) / units(ulysses)
