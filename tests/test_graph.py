@@ -187,6 +187,25 @@ def test_graph_breaks_each_graph_rewritten(world):
     assert all(sdpa_nodes(g) == [] for g in backend.graphs)
 
 
+def test_options_instance_and_aten_level_graph(world):
+    """torch.compile(options=UPipeOptions(...)) is accepted as is, and graphs traced below
+    Dynamo (torch.export: aten.scaled_dot_product_attention.default) are rewritten too."""
+    q = rand(1, 8, 16, 8)
+    options = UPipeOptions(inner_backend="eager", heads_per_stage=8)
+    assert torch.compile(sdpa_plain, backend="upipe", options=options)(q, q, q).shape == q.shape
+
+    class Block(torch.nn.Module):
+        def forward(self, q):
+            return sdpa_plain(q, q, q)
+
+    gm = torch.export.export(Block(), (q,)).module()
+    assert len(calls(gm, torch.ops.aten.scaled_dot_product_attention.default)) == 1
+    gm = apply_upipe_passes(gm, options)
+    (op,) = calls(gm, UPIPE_ATTENTION)
+    assert op.args[3:] == (True, None, 8, world.group_name)
+    assert sdpa_nodes(gm) == []
+
+
 def test_device_mesh_group_is_used(world):
     """cp_mesh=mesh['cp'] (a 1-D sub-mesh) runs over that sub-group: P=2, not the world's 4."""
     from torch.distributed.device_mesh import init_device_mesh

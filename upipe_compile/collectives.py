@@ -81,6 +81,13 @@ def wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
+def all_gather(t: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim`` (blocking)."""
+    first = t.movedim(dim, 0).contiguous()
+    gathered = wait(_c10d.all_gather_into_tensor(first, group.size(), group.group_name))
+    return gathered.movedim(0, dim)
+
+
 def assemble_sequence(recv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Lay a received ``[P, n, B, S_local, D]`` (dim 0 = sequence chunk) end to end into the
     reusable buffer ``out`` of layout ``[B, n, P * S_local, D]``."""
@@ -116,7 +123,7 @@ def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup, dev
     chunks or hang; one tiny all-gather of the shapes turns that into a clear error."""
     world = group.size()
     mine = torch.tensor(shape, dtype=torch.int64, device=device)
-    everyone = wait(_c10d.all_gather_into_tensor(mine, world, group.group_name))
+    everyone = all_gather(mine, group)
     rows = everyone.view(world, len(shape)).tolist()
     if any(row != rows[0] for row in rows):
         raise UnsupportedAttention(

@@ -7,9 +7,7 @@ layout (no head-tail load balancing) and equal shard lengths.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
-
-from upipe_compile.collectives import resolve_group
+from upipe_compile.collectives import all_gather, resolve_group
 from upipe_compile.errors import UnsupportedAttention
 
 
@@ -36,7 +34,7 @@ def gather_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor
     group, _, world = _rank_and_size(cp_mesh)
     if world == 1:
         return t
-    return funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), gather_dim=dim, group=group))
+    return all_gather(t, group, dim)
 
 
 def global_positions(local_length: int, cp_mesh=None, device=None) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""Peak memory of the UPipe attention op vs Ulysses at real scale, measured on fake tensors.
+
+    python benchmarks/op_memory.py                 # P=8, 1M tokens, bf16, head_dim 128
+    python benchmarks/op_memory.py --json          # machine-readable, for tests
+
+One rank's peak over forward + backward beyond the op's own inputs and outputs (see
+upipe_compile.memory), for U = P, 2P and U = all query heads (= Ulysses), with the
+analytic ratio from ARCHITECTURE.md beside the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from tabulate import tabulate
+
+from upipe_compile.memory import expected_ratio, fake_process_group, measure_op_memory
+
+PRESETS = {
+    "MHA 64q/64kv": (64, 64),
+    "Qwen3-32B 64q/8kv": (64, 8),
+    "Llama3-8B 32q/8kv": (32, 8),
+}
+
+
+def run(world: int, seq: int, head_dim: int):
+    rows = []
+    with fake_process_group(world) as group:
+        for name, (q_heads, kv_heads) in PRESETS.items():
+            measure = lambda u: measure_op_memory(  # noqa: E731
+                group, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                heads_per_stage=u, dtype=torch.bfloat16,
+            )
+            ulysses = measure(q_heads)
+            for u in sorted({world, 2 * world, q_heads}):
+                result = ulysses if u == q_heads else measure(u)
+                rows.append({
+                    "model": name, "method": "Ulysses" if u == q_heads else "UPipe", "U": u,
+                    "fwd_GiB": result.forward_bytes / 2**30, "bwd_GiB": result.backward_bytes / 2**30,
+                    "peak_GiB": result.peak_bytes / 2**30,
+                    "ratio": result.peak_bytes / ulysses.peak_bytes,
+                    "expected": expected_ratio(q_heads, kv_heads, world, u),
+                })
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2**20)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = run(args.world, args.seq, args.head_dim)
+    if args.json:
+        json.dump(rows, sys.stdout)
+        return
+    print(f"# python benchmarks/op_memory.py --world {args.world} --seq {args.seq} --head-dim {args.head_dim}")
+    print(f"# attention op peak beyond its inputs/outputs, per rank, fwd+bwd, bf16, batch 1, P={args.world}, "
+          f"{args.seq} tokens (fake tensors + fake process group)")
+    print(tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
