@@ -4,29 +4,12 @@ Everything here is module-level so that spawned RankPool workers can unpickle th
 importing this module (which unpickling a job does) also registers the attention
 implementation below in the worker.
 
-Why a registered attention implementation instead of ``attn_implementation="sdpa"``
--------------------------------------------------------------------------------------
-UPipe can only run SDPA calls with ``attn_mask=None`` (causality as ``is_causal=True``).
-With plain ``"sdpa"``, transformers (5.x, ``masking_utils.create_causal_mask``) *always*
-materialises a boolean mask tensor under torch.compile, even without an ``attention_mask``:
-it passes ``position_ids`` (its own ``arange`` if the caller gives none) to
-``find_packed_sequence_indices``, which can only prove "no packed sequences" by reading
-tensor values, so while tracing it returns a tensor, that sets ``allow_is_causal_skip=False``
-and ``sdpa_mask`` builds a ``[B, 1, S_local, S_local]`` mask. SDPA is then called as
-``sdpa(q, k, v, attn_mask=<mask>, dropout_p=0.0, scale=..., is_causal=False)`` with the KV
-heads repeated (``enable_gqa`` is only used when the mask is None), and upipe refuses it
-(that mask would also be a *local* causal mask, wrong for a sequence shard).
-``test_plain_sdpa_is_refused_under_compile`` pins this down.
-
-The user-facing fix is transformers' own extension point: register the stock
-``sdpa_attention_forward`` under a new name (``AttentionInterface``) with a mask function
-(``AttentionMaskInterface``) that returns None when there is no padding mask. Then
-``sdpa_attention_forward`` calls
-``sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=head_dim**-0.5, is_causal=True,
-enable_gqa=True)`` - exactly what upipe rewrites. Returning None asserts that each batch
-row is one causal sequence (no packing), which is also what sequence sharding assumes.
-With a padding mask the function defers to transformers' ``sdpa_mask``, so the model gets a
-mask tensor and upipe refuses it at compile time instead of silently dropping the padding.
+Why ``upipe_compile.integrations.transformers.register()`` instead of "sdpa"
+--------------------------------------------------------------------------
+With plain ``"sdpa"`` transformers 5.x always builds a local boolean mask under
+torch.compile (see that module's docstring), and upipe refuses it
+(``test_plain_sdpa_is_refused_under_compile`` pins this down). The registered
+implementation gives SDPA ``attn_mask=None, is_causal=True, enable_gqa=True``.
 
 Nothing in the mask path then depends on the local shard's positions: with
 ``use_cache=False`` there is no cache, hence ``q_offset = 0`` and ``kv_length = S_local``,
@@ -45,24 +28,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import sdpa_mask  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import upipe_compile  # noqa: E402
+from upipe_compile.integrations.transformers import register  # noqa: E402
 
-CAUSAL_SDPA = "upipe_causal_sdpa"
-
-
-def causal_sdpa_mask(*, attention_mask=None, **kwargs):
-    """No padding mask: None (SDPA then gets is_causal=True). Else transformers' sdpa mask."""
-    if attention_mask is None:
-        return None
-    return sdpa_mask(attention_mask=attention_mask, **kwargs)
-
-
-AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
-AttentionMaskInterface.register(CAUSAL_SDPA, causal_sdpa_mask)
+CAUSAL_SDPA = register()
 
 
 @dataclass(frozen=True)
