@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from upipe_compile.passes.find import AttentionMatch
-from upipe_compile.schedule import ScheduleError, plan_stages
+from upipe_compile.schedule import shape_problems
 
 
 def _example(arg):
@@ -40,24 +40,7 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int)
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        reasons.append(
-            f"q/k/v must be 4-D [batch, heads, seq, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-        return reasons
-    if k.shape != v.shape or q.shape[2] != k.shape[2] or (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]):
-        reasons.append(
-            f"UPipe runs self-attention over one sharded sequence; q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)} do not share batch, sequence length and head_dim"
-        )
-        return reasons
-    q_heads, kv_heads = int(q.shape[1]), int(k.shape[1])
-    if q_heads != kv_heads and match.enable_gqa is False:
-        reasons.append(f"{q_heads} query heads but {kv_heads} KV heads without enable_gqa=True")
-    try:
-        plan_stages(q_heads, kv_heads, world, heads_per_stage)
-    except ScheduleError as error:
-        reasons.append(f"{error} (P={world}, heads_per_stage={heads_per_stage})")
+    reasons += shape_problems(q.shape, k.shape, v.shape, match.enable_gqa is not False, world, heads_per_stage)
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"q is {q.dtype} on CUDA; UPipe's CUDA kernels need fp16 or bf16")
     return reasons

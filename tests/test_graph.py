@@ -509,7 +509,7 @@ def test_fake_kernel_shapes(world, q_heads, kv_heads, heads_per_stage, dtype):
     "shapes, kwargs, expected",
     [
         (((8, 16, 8),) * 3, {}, "4-D"),
-        (((1, 8, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)), {}, "8 query heads but 2 KV heads: pass enable_gqa=True"),
+        (((1, 8, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)), {}, "8 query heads but 2 KV heads without enable_gqa=True: pass enable_gqa=True"),
         (((1, 6, 16, 8),) * 3, {}, "6 query heads cannot be split into stages of heads_per_stage=4"),
         (((1, 8, 16, 8),) * 3, {"heads_per_stage": 6}, "heads_per_stage=6 must be a positive multiple"),
         (((1, 8, 16, 8), (1, 8, 8, 8), (1, 8, 8, 8)), {}, "self-attention"),

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile import collectives, kernels
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.schedule import ScheduleError, StageSchedule, plan_stages
+from upipe_compile.schedule import StageSchedule, plan_stages, shape_problems
 
 
 def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
@@ -230,25 +230,11 @@ def upipe_attention(
     """
     group = collectives.resolve_group(cp_mesh)
     world = group.size()
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise UnsupportedAttention(
-            f"UPipe needs 4-D [batch, heads, seq, head_dim] q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[1] != k.shape[1] and not enable_gqa:
-        raise UnsupportedAttention(
-            f"{q.shape[1]} query heads but {k.shape[1]} KV heads: pass enable_gqa=True (as for SDPA)"
-        )
-    if k.shape != v.shape or q.shape[2] != k.shape[2] or (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]):
-        raise UnsupportedAttention(
-            f"UPipe runs self-attention over one sharded sequence; q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)} do not share batch, sequence and head_dim"
-        )
+    heads_per_stage = world if heads_per_stage is None else heads_per_stage
+    problems = shape_problems(q.shape, k.shape, v.shape, enable_gqa, world, heads_per_stage)
+    if problems:
+        raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    heads_per_stage = world if heads_per_stage is None else heads_per_stage
-    try:
-        plan_stages(q.shape[1], k.shape[1], world, heads_per_stage)
-    except ScheduleError as error:
-        raise UnsupportedAttention(str(error)) from None
     out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, group.group_name)
     return out

@@ -108,3 +108,25 @@ def plan_stages(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -
         world=world, q_heads=q_heads, kv_heads=kv_heads, heads_per_stage=heads_per_stage,
         q_per_rank=m, kv_per_rank=k, kv_groups=tuple(kv_groups), stages=tuple(stages),
     )
+
+
+def shape_problems(q_shape, k_shape, v_shape, enable_gqa: bool, world: int, heads_per_stage: int) -> list[str]:
+    """Why q/k/v of these shapes cannot run as UPipe on ``world`` ranks (empty: they can).
+    Shared by the compile-time validation and the public op."""
+    q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        return [f"q/k/v must be 4-D [batch, heads, seq, head_dim]; got {q_shape}, {k_shape}, {v_shape}"]
+    if k_shape != v_shape or q_shape[2] != k_shape[2] or (q_shape[0], q_shape[3]) != (k_shape[0], k_shape[3]):
+        return [
+            f"UPipe runs self-attention over one sharded sequence; q {q_shape}, k {k_shape}, v {v_shape} "
+            "do not share batch, sequence length and head_dim"
+        ]
+    problems = []
+    q_heads, kv_heads = int(q_shape[1]), int(k_shape[1])
+    if q_heads != kv_heads and not enable_gqa:
+        problems.append(f"{q_heads} query heads but {kv_heads} KV heads without enable_gqa=True: pass enable_gqa=True (as for SDPA)")
+    try:
+        plan_stages(q_heads, kv_heads, world, heads_per_stage)
+    except ScheduleError as error:
+        problems.append(f"{error} (P={world}, heads_per_stage={heads_per_stage})")
+    return problems
