@@ -1,0 +1,176 @@
+"""Llama3 parallelization with UPipe context parallelism, built from torchtitan 0.2.2's own
+pieces (apply_ac, apply_fsdp, apply_ddp) in the same order as its ``parallelize_llama``:
+activation checkpointing -> per-block torch.compile -> FSDP/HSDP (or DDP).
+
+Differences from stock ``parallelize_llama`` when ``[compile] backend = "upipe"``:
+
+- no ``apply_cp_to_attention_module``: torchtitan's ring attention (the DTensor CP dispatcher
+  and the ``_ContextParallel`` module plan) is never installed; the UPipe rewrite inside the
+  compiled blocks does the context parallelism instead;
+- ``parallelism.context_parallel_load_balancer`` is forced to None, so torchtitan's own
+  ``prepare_context_parallel_input`` (called by the Trainer every step) shards inputs, labels
+  and RoPE positions contiguously: rank r holds tokens [r*S/P, (r+1)*S/P);
+- each TransformerBlock is compiled with ``backend="upipe"`` and the CP mesh of torchtitan's
+  ParallelDims (``parallel_dims.get_mesh("cp")``), U and the inner backend from [upipe];
+- FSDP shards over torchtitan's "fsdp" mesh (dp_shard x cp), as stock torchtitan does, so
+  gradients are reduced over data-parallel x CP ranks; HSDP/DDP over dp_replicate likewise.
+
+With any other [compile] backend the stock ``parallelize_llama`` runs unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.options import INNER_BACKENDS
+
+log = logging.getLogger(__name__)
+
+BACKEND = "upipe"
+
+
+def upipe_enabled(job_config) -> bool:
+    return job_config.compile.enable and job_config.compile.backend == BACKEND
+
+
+def compile_options(job_config, parallel_dims) -> dict:
+    """The options each block is compiled with (``cp_mesh`` is torchtitan's CP mesh)."""
+    cfg = upipe_config(job_config)
+    options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend}
+    if cfg.heads_per_stage:
+        options["heads_per_stage"] = cfg.heads_per_stage
+    return options
+
+
+def check_job(job_config, parallel_dims, model_args=None) -> None:
+    """Everything the UPipe path refuses, with the TOML key to change."""
+    cfg = upipe_config(job_config)
+    problems = []
+    if cfg.inner_backend not in INNER_BACKENDS:
+        problems.append(f"[upipe] inner_backend = {cfg.inner_backend!r} is not one of {INNER_BACKENDS}")
+    if "model" not in job_config.compile.components:
+        problems.append('[compile] components must contain "model" (the blocks are what upipe rewrites)')
+    if parallel_dims.tp_enabled:
+        problems.append("[parallelism] tensor_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
+    if parallel_dims.pp_enabled:
+        problems.append("[parallelism] pipeline_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
+    cp = parallel_dims.cp
+    if job_config.training.seq_len % cp:
+        problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by the CP degree {cp}")
+    if model_args is not None:
+        attn_type = getattr(model_args, "attn_type", "sdpa")
+        if attn_type != "sdpa":
+            problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" (e.g. flavor "8B", not "8B_flex")')
+        heads = model_args.n_heads
+        if heads % cp:
+            problems.append(f"n_heads = {heads} is not divisible by the CP degree {cp}")
+        if cfg.heads_per_stage and (cfg.heads_per_stage % cp or heads % cfg.heads_per_stage):
+            problems.append(
+                f"[upipe] heads_per_stage = {cfg.heads_per_stage} must be a multiple of the CP degree {cp} "
+                f"and divide n_heads = {heads}"
+            )
+    if problems:
+        raise UnsupportedAttention("torchtitan job cannot run with [compile] backend = \"upipe\":\n"
+                                   + "".join(f"  - {p}\n" for p in problems))
+
+
+def disable_torchtitan_cp_sharding_balance(job_config) -> None:
+    """Ulysses/UPipe need contiguous shards: turn torchtitan's load balancer off. The Trainer
+    reads this field every step, so its own input sharding becomes contiguous."""
+    lb = job_config.parallelism.context_parallel_load_balancer
+    if lb is not None:
+        log.info("upipe: parallelism.context_parallel_load_balancer %r -> None (contiguous shards)", lb)
+    job_config.parallelism.context_parallel_load_balancer = None
+
+
+def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
+    """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
+    the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
+    cfg = upipe_config(job_config)
+    for layer_id, block in model.layers.named_children():
+        if parallel_dims.cp_enabled:
+            compiled = torch.compile(block, backend=BACKEND, fullgraph=True,
+                                     options=compile_options(job_config, parallel_dims))
+        else:
+            compiled = torch.compile(block, backend=_inner(cfg.inner_backend), fullgraph=True)
+        model.layers.register_module(layer_id, compiled)
+    log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
+
+
+def _inner(name: str):
+    from upipe_compile.backend import _inner_backend
+
+    return name if name != "eager" else _inner_backend(name)
+
+
+def parallelize_llama_upipe(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """torchtitan ParallelizeFunction for Llama3 (registered by this package's TrainSpec)."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3.infra.parallelize import (
+        _op_sac_save_list, apply_ddp, apply_fsdp, parallelize_llama,
+    )
+
+    if not upipe_enabled(job_config):
+        return parallelize_llama(model, parallel_dims, job_config)
+
+    check_job(job_config, parallel_dims, getattr(model, "model_args", None))
+    disable_torchtitan_cp_sharding_balance(job_config)
+
+    if job_config.activation_checkpoint.mode != "none":
+        save_list = set(_op_sac_save_list) | {torch.ops.upipe.attention.default}
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=True,
+                 op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
+
+    compile_blocks(model, job_config, parallel_dims)
+
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(
+            model, parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        _sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))
+    elif parallel_dims.dp_replicate_enabled:
+        mesh = parallel_dims.get_mesh("dp_replicate")
+        if parallel_dims.world_size != mesh.size():
+            raise RuntimeError("DDP has not supported > 1D parallelism")
+        apply_ddp(model, mesh, enable_compile=True)
+    return model
+
+
+def _sum_reductions_on_gloo(model: nn.Module, dp_mesh) -> None:
+    """torchtitan sets FSDP's gradient divide factor to 1.0 (it scales the loss by the global
+    token count instead); FSDP2 then reduce-scatters with ReduceOp.PREMUL_SUM(1.0), which gloo
+    rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). On gloo, ask FSDP for plain SUM
+    reductions (its divide by 1.0 is exact). NCCL is left as torchtitan configures it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]
+    if not any(dist.get_backend(g) == "gloo" for g in groups):
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def build_loss_fn_upipe(job_config, **kwargs):
+    """torchtitan's cross-entropy loss; with backend "upipe" the loss (no attention in it) is
+    compiled with the [upipe] inner backend instead."""
+    from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
+
+    if not upipe_enabled(job_config):
+        return build_cross_entropy_loss(job_config, **kwargs)
+    if "loss" in job_config.compile.components:
+        return torch.compile(cross_entropy_loss, backend=_inner(upipe_config(job_config).inner_backend))
+    return cross_entropy_loss

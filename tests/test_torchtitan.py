@@ -1,0 +1,109 @@
+"""torchtitan 0.2.2 integration (upipe_compile.integrations.torchtitan).
+
+- The shipped TOMLs load through torchtitan's own ConfigManager (with the [upipe] section
+  from the custom config module); the 8xH100 one validates its ParallelDims for world size 8.
+- torchtitan's debug model trained on 2 gloo ranks with CP=2 through the upipe path matches
+  CP=1: same losses for several steps, same gradients after the first step. The Trainer
+  cannot run on a CPU-only build (integrations/torchtitan/README.md says why), so
+  tests/torchtitan_jobs.py drives the same integration code at the model level.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests_support import relative_error
+from torchtitan_jobs import DEBUG_TOML, load_config, train_debug_model
+
+TOML_DIR = os.path.join(os.path.dirname(__file__), "..", "integrations", "torchtitan")
+H100_TOML = os.path.join(TOML_DIR, "llama3_8b_upipe.toml")
+STEPS = 4
+
+
+def test_every_shipped_toml_loads_through_config_manager():
+    tomls = sorted(f for f in os.listdir(TOML_DIR) if f.endswith(".toml"))
+    assert tomls == ["debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml"]
+    for name in tomls:
+        config = load_config(os.path.join(TOML_DIR, name))
+        assert config.compile.enable and config.compile.backend == "upipe", name
+        assert config.experimental.custom_import == "upipe_compile.integrations.torchtitan", name
+        assert config.job.custom_config_module == "upipe_compile.integrations.torchtitan.config", name
+        assert config.parallelism.context_parallel_degree > 1, name
+        assert hasattr(config, "upipe"), name
+
+
+def test_h100_toml_parallel_dims_for_world_size_8():
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan import check_job
+
+    config = load_config(H100_TOML)
+    p = config.parallelism
+    dims = ParallelDims(  # __post_init__ validates the degrees against the world size
+        dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=8,
+    )
+    assert (dims.cp, dims.dp_shard, dims.dp_replicate, dims.tp, dims.pp) == (8, 1, 1, 1, 1)
+    assert dims.fsdp_enabled and dims.fsdp_gradient_divide_factor == 8
+    assert config.training.seq_len >= 1 << 20 and config.training.seq_len % dims.cp == 0
+    assert config.activation_checkpoint.mode != "none"
+    assert config.model.name == "llama3" and config.model.flavor == "8B"
+    spec = get_train_spec(config.model.name)  # the custom_import has registered upipe's spec
+    assert spec.parallelize_fn.__name__ == "parallelize_llama_upipe"
+    args = spec.model_args[config.model.flavor]
+    assert (args.n_heads, args.n_kv_heads) == (32, 8)
+    check_job(config, dims, args)  # nothing refused
+    with pytest.raises(Exception, match="attn_type"):
+        check_job(config, dims, spec.model_args["8B_flex"])
+    with pytest.raises(Exception, match="divisible by the CP degree"):
+        config.training.seq_len += 4
+        check_job(config, dims, args)
+    with pytest.raises(AssertionError, match="WORLD_SIZE"):  # the same TOML degrees on 16 ranks
+        ParallelDims(dp_shard=1, dp_replicate=1, cp=8, tp=1, pp=1, ep=1, etp=1, world_size=16)
+
+
+def test_debug_toml_is_the_debug_model():
+    config = load_config(DEBUG_TOML)
+    assert (config.model.name, config.model.flavor) == ("llama3", "debugmodel")
+    assert config.parallelism.context_parallel_degree == 2
+    assert config.training.steps >= STEPS
+
+
+def test_debug_model_cp2_matches_cp1(rank_pools):
+    cp2 = rank_pools(2).run(train_debug_model, 2, STEPS)
+    cp1 = rank_pools(1).run(train_debug_model, 1, STEPS)[0]
+    layers = cp1["n_layers"]
+    assert layers == 6
+
+    for rank, result in enumerate(cp2):
+        # torchtitan's load balancer was turned off by the integration, so its own
+        # prepare_context_parallel_input sharded RoPE positions contiguously.
+        assert result["load_balancer"] is None
+        seq_local = result["positions"].shape[1]
+        expected = torch.arange(rank * seq_local, (rank + 1) * seq_local, dtype=torch.int32)
+        assert torch.equal(result["positions"], expected.expand_as(result["positions"])), rank
+        # Every layer's attention ran as the upipe op (forward, plus AC recomputation, and
+        # backward), and no SDPA kernel ran outside it: torchtitan's ring attention is off.
+        counts = result["counts"]
+        assert counts.get("plain sdpa outside upipe", 0) == 0, counts
+        assert counts["upipe::attention_backward"] == layers, counts
+        assert counts["upipe::attention"] >= layers, counts
+        # The loss is summed over torchtitan's "loss" mesh (dp x cp): identical on all ranks.
+        assert result["losses"] == cp2[0]["losses"]
+
+    assert len(cp1["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(cp2[0]["losses"], cp1["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    assert cp1["losses"][-1] != cp1["losses"][0]  # it trains
+
+    # First-step gradients, reduced by FSDP over the fsdp (dp_shard x cp) mesh.
+    assert set(cp2[0]["grads"]) == set(cp1["grads"])
+    for name, ref in cp1["grads"].items():
+        assert ref.norm() > 0, name
+        for result in cp2:
+            assert relative_error(result["grads"][name], ref) < 1e-5, name

@@ -1,0 +1,170 @@
+"""Rank-side jobs for tests/test_torchtitan.py: torchtitan 0.2.2's Llama3 debug model trained
+through the upipe integration at the model level.
+
+The job follows torchtitan's Trainer step by step, with torchtitan's own functions wherever
+the Trainer uses them: ConfigManager (TOML + custom config module), experimental.custom_import,
+ParallelDims and its meshes, get_train_spec (-> the spec registered by the integration),
+meta-device build, parallelize_fn, init_weights, build_optimizers_fn / build_lr_schedulers_fn,
+build_loss_fn, prepare_context_parallel_input (with the job's load balancer), loss scaling by
+the global token count, clip_grad_norm_, dist_sum over the "loss" mesh. What it replaces:
+the dataloader (seeded random tokens; the c4_test/tokenizer assets are not in the wheel) and
+the device (CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEBUG_TOML = os.path.join(HERE, "..", "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
+
+
+def load_config(toml: str, *overrides: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", toml, *overrides])
+
+
+def global_batch(job_config, step: int, vocab: int):
+    """The same full-sequence batch on every rank: (inputs, labels) [B, S]."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    b, s = job_config.training.local_batch_size, job_config.training.seq_len
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _clean(name: str) -> str:
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _attention_events(prof) -> collections.Counter:
+    counts = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("upipe::"):
+            counts[event.name] += 1
+        elif "scaled_dot_product" in event.name:
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("upipe::"):
+                parent = parent.cpu_parent
+            if parent is None:
+                counts["plain sdpa outside upipe"] += 1
+    return counts
+
+
+def use_cpu_meshes() -> None:
+    """torchtitan resolves its device type once, at import: ``_get_available_device_type() or
+    "cuda"``, i.e. "cuda" on a CPU-only build, and ParallelDims builds its meshes on it. Point
+    the modules that read it at "cpu" (this is one of the things that block the Trainer on CPU)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    import torchtitan.distributed.utils as dist_utils_module
+    import torchtitan.tools.utils as tools_utils
+
+    for module in (tools_utils, parallel_dims_module, dist_utils_module):
+        module.device_type = "cpu"
+    tools_utils.device_module = dist_utils_module.device_module = torch.cpu
+
+
+def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
+    """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
+    ranks of the current (gloo) world. Returns (losses, first-step grads by parameter name,
+    first-step local positions, attention op counts of the last step, load balancer seen)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    use_cpu_meshes()
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    job_config = load_config(DEBUG_TOML, f"--parallelism.context_parallel_degree={cp}",
+                             f"--training.steps={steps}")
+    importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
+    p = job_config.parallelism
+    parallel_dims = ParallelDims(
+        dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world,
+    )
+    parallel_dims.build_mesh()
+    train_spec = get_train_spec(job_config.model.name)
+    model_args = train_spec.model_args[job_config.model.flavor]
+    model_args.update_from_config(job_config)
+    if n_layers is not None:
+        import dataclasses
+        model_args = dataclasses.replace(model_args, n_layers=n_layers)
+
+    # Reference weights: one seeded full model, identical for every CP degree.
+    torch.manual_seed(0)
+    reference = train_spec.model_cls(model_args)
+    with torch.no_grad():
+        reference.init_weights()
+    full_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    del reference
+
+    with torch.device("meta"):
+        model = train_spec.model_cls(model_args)
+    model = train_spec.parallelize_fn(model, parallel_dims, job_config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, param in model.named_parameters():
+            full = full_state[_clean(name)]
+            if isinstance(param, DTensor):
+                param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
+            else:
+                param.copy_(full)
+    model.train()
+
+    optimizers = train_spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
+    lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, steps)
+    loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
+
+    losses, first_grads, first_positions, counts = [], None, None, None
+    for step in range(1, steps + 1):
+        optimizers.zero_grad()
+        inputs, labels = global_batch(job_config, step, model_args.vocab_size)
+        global_valid_tokens = (labels != IGNORE_INDEX).sum().float()  # dp degree 1
+        extra_kwargs = {}
+        if parallel_dims.cp_enabled:
+            inputs, labels, extra_kwargs = prepare_context_parallel_input(
+                inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
+                job_config.parallelism.context_parallel_load_balancer,
+            )
+        profile = step == steps
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+        if prof:
+            prof.__enter__()
+        pred = model(inputs, **extra_kwargs)
+        loss = loss_fn(pred, labels) / global_valid_tokens
+        del pred
+        loss.backward()
+        if prof:
+            prof.__exit__(None, None, None)
+            counts = dict(_attention_events(prof))
+        if step == 1:
+            first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            first_positions = extra_kwargs.get("positions")
+        dist_utils.clip_grad_norm_(list(model.parameters()), job_config.training.max_norm, foreach=True)
+        optimizers.step()
+        lr_schedulers.step()
+        loss = loss.detach()
+        if parallel_dims.dp_cp_enabled:
+            loss = dist_utils.dist_sum(loss, parallel_dims.get_mesh("loss"))
+        losses.append(float(loss))
+    return {
+        "losses": losses, "grads": first_grads, "positions": first_positions, "counts": counts,
+        "load_balancer": job_config.parallelism.context_parallel_load_balancer,
+        "n_layers": model_args.n_layers,
+    }
