@@ -68,6 +68,20 @@ def _accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Te
         dkv_full[1].index_add_(1, slots, dv)
 
 
+def _heads_to_full_sequence(x, head_index, world: int, group_name: str, into: torch.Tensor) -> None:
+    """Sequence -> head all-to-all of one tensor: this rank's heads over the full sequence,
+    written into the reusable buffer ``into``. One tensor per all-to-all, so a stage never
+    holds more than one tensor's send and receive copies at once."""
+    recv = collectives.all_to_all(collectives.pack_heads(x, head_index, world), group_name)
+    collectives.assemble_sequence(recv, into)
+
+
+def _full_sequence_to_heads(full, head_index, world: int, group_name: str, dest: torch.Tensor, accumulate: bool) -> None:
+    """Head -> sequence all-to-all: send ``full``'s sequence chunks home, into ``dest``'s heads."""
+    recv = collectives.all_to_all(collectives.split_sequence(full, world), group_name)
+    collectives.scatter_heads_back(recv, head_index, dest, accumulate)
+
+
 def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str):
     """The forward loop (called by the custom op; also directly by memory measurements,
     which run it under FakeTensorMode where the op itself would only run its fake kernel)."""
@@ -90,23 +104,16 @@ def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_p
         if stage.kv_group != current_group:
             current_group = stage.kv_group
             kv_index = _index(schedule.kv_groups[current_group], q.device)
-            recv = collectives.all_to_all(collectives.pack_heads([k, v], kv_index, world), group_name)
-            for t in range(2):
-                collectives.assemble_sequence(recv[:, t], kv_full[t])
-            del recv
+            _heads_to_full_sequence(k, kv_index, world, group_name, kv_full[0])
+            _heads_to_full_sequence(v, kv_index, world, group_name, kv_full[1])
         q_index = _index(stage.q_heads, q.device)
-        recv = collectives.all_to_all(collectives.pack_heads([q], q_index, world), group_name)
-        collectives.assemble_sequence(recv[:, 0], q_full)
-        del recv
+        _heads_to_full_sequence(q, q_index, world, group_name, q_full)
         k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
         out_stage, lse_stage = kernels.forward(q_full, k_stage, v_stage, is_causal, scale)
         lse[index].copy_(lse_stage)
-        send = collectives.split_sequence(out_stage, world)
-        del out_stage, lse_stage
-        recv = collectives.all_to_all(send, group_name)
-        del send
-        collectives.scatter_heads_back(recv, q_index, out, accumulate=False)
-        del recv
+        del lse_stage
+        _full_sequence_to_heads(out_stage, q_index, world, group_name, out, accumulate=False)
+        del out_stage
     return out, lse
 
 
@@ -123,17 +130,14 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     # One reusable buffer per role: the stage's q / out / dout over the full sequence,
     # the group's k / v and their gradient accumulators.
-    q_out_dout = q.new_empty((3, batch, m, seq, dim))
+    q_full, out_full, dout_full = q.new_empty((3, batch, m, seq, dim))
     kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
     dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
 
     def flush_group(group_index: int) -> None:
-        send = torch.stack([collectives.split_sequence(dkv_full[t], world) for t in range(2)], dim=1)
-        recv = collectives.all_to_all(send, group_name)
-        del send
         kv_index = _index(schedule.kv_groups[group_index], q.device)
-        collectives.scatter_heads_back(recv[:, 0], kv_index, dk, accumulate=True)
-        collectives.scatter_heads_back(recv[:, 1], kv_index, dv, accumulate=True)
+        _full_sequence_to_heads(dkv_full[0], kv_index, world, group_name, dk, accumulate=True)
+        _full_sequence_to_heads(dkv_full[1], kv_index, world, group_name, dv, accumulate=True)
 
     current_group = None
     for index, stage in enumerate(schedule.stages):
@@ -142,28 +146,20 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
                 flush_group(current_group)
             current_group = stage.kv_group
             kv_index = _index(schedule.kv_groups[current_group], q.device)
-            recv = collectives.all_to_all(collectives.pack_heads([k, v], kv_index, world), group_name)
-            for t in range(2):
-                collectives.assemble_sequence(recv[:, t], kv_full[t])
-            del recv
+            _heads_to_full_sequence(k, kv_index, world, group_name, kv_full[0])
+            _heads_to_full_sequence(v, kv_index, world, group_name, kv_full[1])
             dkv_full.zero_()
         q_index = _index(stage.q_heads, q.device)
-        recv = collectives.all_to_all(collectives.pack_heads([q, out, dout], q_index, world), group_name)
-        for t in range(3):
-            collectives.assemble_sequence(recv[:, t], q_out_dout[t])
-        del recv
+        for local, full in ((q, q_full), (out, out_full), (dout, dout_full)):
+            _heads_to_full_sequence(local, q_index, world, group_name, full)
         k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
-            q_out_dout[2], q_out_dout[0], k_stage, v_stage, q_out_dout[1], lse[index], is_causal, scale
+            dout_full, q_full, k_stage, v_stage, out_full, lse[index], is_causal, scale
         )
         _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
         del dk_stage, dv_stage
-        send = collectives.split_sequence(dq_stage, world)
+        _full_sequence_to_heads(dq_stage, q_index, world, group_name, dq, accumulate=False)
         del dq_stage
-        recv = collectives.all_to_all(send, group_name)
-        del send
-        collectives.scatter_heads_back(recv, q_index, dq, accumulate=False)
-        del recv
     flush_group(current_group)
     return dq, dk, dv
 

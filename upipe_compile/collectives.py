@@ -2,9 +2,9 @@
 
 A rank holds a tensor ``x`` of layout ``[B, H, S_local, D]`` (its contiguous slice of the
 sequence, all heads). To give every rank a few heads over the *whole* sequence, it sends
-rank ``r`` the heads that ``r`` owns: the send buffer is ``[P, T, n, B, S_local, D]``
-(destination rank outermost, so ``all_to_all_single`` splits it evenly along dim 0; T
-tensors that travel together, n heads per rank). After the exchange dim 0 indexes the
+rank ``r`` the heads that ``r`` owns: the send buffer is ``[P, n, B, S_local, D]``
+(destination rank outermost, so ``all_to_all_single`` splits it evenly along dim 0; n heads
+per rank). After the exchange dim 0 indexes the
 *source* rank, i.e. the sequence chunk, and :func:`assemble_sequence` lays the chunks end
 to end. The reverse direction uses the same buffers transposed.
 
@@ -50,19 +50,15 @@ def group_from_name(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def pack_heads(tensors: list[torch.Tensor], head_index: torch.Tensor, world: int) -> torch.Tensor:
-    """The send buffer ``[P, T, n, B, S_local, D]`` holding the heads ``head_index`` (``n``
-    per destination rank, in rank order) of each local ``[B, H, S_local, D]`` tensor.
-    One gather per (rank, tensor) straight into its contiguous slot: no temporary copies.
-    The buffer lives only until its all-to-all is done, so it never adds to the peak that
-    the stage's attention kernel sets."""
+def pack_heads(x: torch.Tensor, head_index: torch.Tensor, world: int) -> torch.Tensor:
+    """The send buffer ``[P, n, B, S_local, D]`` holding the heads ``head_index`` (``n`` per
+    destination rank, in rank order) of the local ``[B, H, S_local, D]`` tensor ``x``.
+    One gather per destination straight into its contiguous slot: no temporary copies."""
     per_rank = head_index.view(world, -1)
-    first = tensors[0]
-    send = first.new_empty((world, len(tensors), per_rank.shape[1], first.shape[0], *first.shape[2:]))
-    for t, x in enumerate(tensors):
-        heads_first = x.transpose(0, 1)
-        for rank in range(world):
-            torch.index_select(heads_first, 0, per_rank[rank], out=send[rank, t])
+    send = x.new_empty((world, per_rank.shape[1], x.shape[0], *x.shape[2:]))
+    heads_first = x.transpose(0, 1)
+    for rank in range(world):
+        torch.index_select(heads_first, 0, per_rank[rank], out=send[rank])
     return send
 
 

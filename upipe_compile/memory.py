@@ -86,6 +86,25 @@ def measure_op_memory(
     return OpMemory(forward_bytes, backward_bytes)
 
 
+class StageLoopFunction(torch.autograd.Function):
+    """The op's forward and backward loops as an autograd.Function, for measuring whole
+    layers on fake tensors: the registered custom op would run only its fake kernel there.
+    Saves exactly what the custom op saves (q, k, v, out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, heads_per_stage, group_name):
+        out, lse = stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (is_causal, scale, heads_per_stage, group_name)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = stage_loop_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:
     """ARCHITECTURE.md's count: one stage holds 2*m + 2*k full-sequence heads (m = U/P query
     heads, k KV heads per rank); Ulysses holds 2*Hq/P + 2*Hkv/P."""
