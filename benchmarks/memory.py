@@ -14,7 +14,8 @@ The analytic expectation printed beside each ratio counts, in units of one head 
 local shard (S/P x head_dim): the layer's own tensors alive at the attention backward,
 x + 4*Hq + 4*Hkv (x, q, k, v, out, dout, dq, dk, dv; x has hidden/head_dim units), plus the
 op's stage buffers, P * (4*m + 4*k) (backward holds q', out', dout', dq' for m query heads
-and k', v', dk', dv' for k KV heads over the full sequence; Ulysses: m = Hq/P, k = Hkv/P).
+and k', v', dk', dv' for k KV heads over the full sequence; Ulysses: m = Hq/P, k = Hkv/P),
+plus P * 2*k when a KV group spans several stages (its dK/dV then accumulate in fp32).
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def measure_layer(preset: Preset, seq: int, world: int, attention) -> float:
 def expected_units(preset: Preset, world: int, heads_per_stage: int) -> float:
     sched = plan_stages(preset.q_heads, preset.kv_heads, world, heads_per_stage)
     layer = preset.hidden / HEAD_DIM + 4 * preset.q_heads + 4 * preset.kv_heads
-    return layer + world * (4 * sched.q_per_rank + 4 * sched.kv_per_rank)
+    # bf16 dK/dV summed over several stages of a KV group accumulate in fp32: 2k more units.
+    fp32_accumulators = 2 * sched.kv_per_rank if len(sched.stages) > len(sched.kv_groups) else 0
+    return layer + world * (4 * sched.q_per_rank + 4 * sched.kv_per_rank + fp32_accumulators)
 
 
 def ring_attention_status(world: int) -> str:

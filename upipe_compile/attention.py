@@ -129,15 +129,19 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     # One reusable buffer per role: the stage's q / out / dout over the full sequence,
-    # the group's k / v and their gradient accumulators.
+    # the group's k / v and their gradient accumulators. dK/dV sum over the group's stages:
+    # in fp32 when there is more than one, as a kernel sums a GQA group's heads internally.
     q_full, out_full, dout_full = q.new_empty((3, batch, m, seq, dim))
     kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
-    dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
+    stages_per_group = len(schedule.stages) // len(schedule.kv_groups)
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    accumulate_dtype = torch.float32 if low_precision and stages_per_group > 1 else q.dtype
+    dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim), dtype=accumulate_dtype)
 
     def flush_group(group_index: int) -> None:
         kv_index = _index(schedule.kv_groups[group_index], q.device)
-        _full_sequence_to_heads(dkv_full[0], kv_index, world, group_name, dk, accumulate=True)
-        _full_sequence_to_heads(dkv_full[1], kv_index, world, group_name, dv, accumulate=True)
+        for t, dest in enumerate((dk, dv)):
+            _full_sequence_to_heads(dkv_full[t].to(q.dtype), kv_index, world, group_name, dest, accumulate=True)
 
     current_group = None
     for index, stage in enumerate(schedule.stages):
