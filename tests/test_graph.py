@@ -159,11 +159,11 @@ def test_find_rewrites_positional_and_keyword_sdpa(world, heads_per_stage, expec
     ops = calls(gm, UPIPE_ATTENTION)
     assert len(ops) == 2
     positional, hf = ops  # graph order = source order
-    # args: (q, k, v, is_causal, scale, heads_per_stage, group_name); the GQA call keeps its 2 KV heads
+    # args: (q, k, v, is_causal, scale, heads_per_stage, world_size, group_name); the GQA call keeps its 2 KV heads
     assert [example_shape(a) for a in positional.args[:3]] == [(1, 8, 16, 8)] * 3
-    assert positional.args[3:] == (False, None, expected_u, world.group_name)
+    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name)
     assert [example_shape(a) for a in hf.args[:3]] == [(1, 8, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
-    assert hf.args[3:] == (True, 0.125, expected_u, world.group_name)
+    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name)
     assert positional.kwargs == {} and hf.kwargs == {}
     # each op's users read only its output (index 0), never the log-sum-exp
     for op in ops:
@@ -202,7 +202,7 @@ def test_options_instance_and_aten_level_graph(world):
     assert len(calls(gm, torch.ops.aten.scaled_dot_product_attention.default)) == 1
     gm = apply_upipe_passes(gm, options)
     (op,) = calls(gm, UPIPE_ATTENTION)
-    assert op.args[3:] == (True, None, 8, world.group_name)
+    assert op.args[3:] == (True, None, 8, WORLD, world.group_name)
     assert sdpa_nodes(gm) == []
 
 
@@ -218,7 +218,7 @@ def test_device_mesh_group_is_used(world):
     (op,) = calls(backend.graph, UPIPE_ATTENTION)
     cp_group = mesh["cp"].get_group()
     assert cp_group.size() == 2 and cp_group.group_name != world.group_name
-    assert op.args[5:] == (2, cp_group.group_name)
+    assert op.args[5:] == (2, 2, cp_group.group_name)
 
 
 # --- 2. nested: SDPA under activation checkpointing --------------------------------------
@@ -465,8 +465,8 @@ def test_backward_graph_has_only_the_backward_op(world, partition_fn):
     # no recomputed forward: neither the stage-loop op nor any aten attention kernel
     assert calls(bw, UPIPE_ATTENTION) == [], bw.code
     assert sdpa_nodes(bw) == [], bw.code
-    # (dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name)
-    assert backward_op.args[6:] == (True, 0.25, WORLD, world.group_name)
+    # (dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name)
+    assert backward_op.args[6:] == (True, 0.25, WORLD, WORLD, world.group_name)
     # out and lse reach the backward as saved forward outputs (placeholders or views of them)
     placeholders = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
 
@@ -479,7 +479,7 @@ def test_backward_graph_has_only_the_backward_op(world, partition_fn):
     # lse: [8 heads / U=4 stages, batch 2, 1 head per rank, 16 * P tokens]
     assert example_shape(backward_op.args[5]) == (2, 2, 1, 16 * WORLD)
     (fw_op,) = calls(fw, UPIPE_ATTENTION)
-    assert fw_op.args[3:] == (True, 0.25, WORLD, world.group_name)
+    assert fw_op.args[3:] == (True, 0.25, WORLD, WORLD, world.group_name)
 
 
 # --- 6. the fake kernel --------------------------------------------------------------------
@@ -493,13 +493,13 @@ def test_fake_kernel_shapes(world, q_heads, kv_heads, heads_per_stage, dtype):
     with FakeTensorMode():
         q = torch.empty(batch, q_heads, s_local, dim, dtype=dtype)
         k = torch.empty(batch, kv_heads, s_local, dim, dtype=dtype)
-        out, lse = UPIPE_ATTENTION(q, k, k, True, None, heads_per_stage, world.group_name)
+        out, lse = UPIPE_ATTENTION(q, k, k, True, None, heads_per_stage, WORLD, world.group_name)
         assert isinstance(out, FakeTensor) and isinstance(lse, FakeTensor)
         assert out.shape == q.shape and out.dtype == dtype
         # one LSE row per stage: [num_stages, B, U/P heads per rank, full sequence]
         assert tuple(lse.shape) == (stages, batch, heads_per_stage // WORLD, s_local * WORLD)
         assert lse.dtype == torch.float32
-        dq, dk, dv = UPIPE_ATTENTION_BACKWARD(out, q, k, k, out, lse, True, None, heads_per_stage, world.group_name)
+        dq, dk, dv = UPIPE_ATTENTION_BACKWARD(out, q, k, k, out, lse, True, None, heads_per_stage, WORLD, world.group_name)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
     # torch.library.opcheck is deliberately not run: the real kernel needs live collectives.
 

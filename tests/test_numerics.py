@@ -100,3 +100,11 @@ def test_uneven_shards_refused_on_every_rank(rank_pools):
     """Shards of different lengths would pair the wrong chunks; every rank gets a clear error."""
     with pytest.raises(Exception, match="equal, contiguous shard"):
         rank_pools(2).run(rank_jobs.uneven_shards_case)
+
+
+def test_inductor_cache_never_reuses_a_graph_across_world_sizes(rank_pools):
+    """The same local shapes compiled at P = 2 and then P = 4 (one inductor cache on disk):
+    P is an argument of the op, so the P = 2 graph cannot be served for P = 4."""
+    for world in (2, 4):
+        case = AttentionCase(world, 1, 8, 4, 8, 16, world, True, None, "float32", seed=7)
+        _check_block(rank_pools(world).run(rank_jobs.compiled_block_case, case, "inductor"), case)

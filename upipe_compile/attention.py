@@ -172,44 +172,56 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
 @torch.library.custom_op("upipe::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str,
+    is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_world(world_size, group_name)
     return stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name)
 
 
+def _check_world(world_size: int, group_name: str) -> None:
+    actual = collectives.group_from_name(group_name).size()
+    if actual != world_size:
+        raise UnsupportedAttention(
+            f"this graph was compiled for {world_size} context-parallel ranks but group {group_name!r} has {actual}; "
+            "recompile (torch._dynamo.reset()) for the new group"
+        )
+
+
+# P is an explicit argument (not read from the group) so that it is part of the graph, and
+# so of every compile cache key: a graph compiled for P = 2 is never reused for P = 4.
 @attention_op.register_fake
-def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, group_name):
-    world = collectives.group_from_name(group_name).size()
-    schedule = schedule_for(q, k, world, heads_per_stage)
+def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name):
+    schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
-    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
     return q.new_empty(q.shape), lse
 
 
 @torch.library.custom_op("upipe::attention_backward", mutates_args=())
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str,
+    is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_world(world_size, group_name)
     return stage_loop_backward(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name):
+def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale, heads_per_stage, group_name = inputs
+    q, k, v, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (is_causal, scale, heads_per_stage, group_name)
+    ctx.args = tuple(args)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -236,5 +248,5 @@ def upipe_attention(
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, group.group_name)
+    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, world, group.group_name)
     return out
