@@ -20,7 +20,6 @@ but those only feed the mask function, which returns None. RoPE gets the GLOBAL
 
 from __future__ import annotations
 
-import collections
 import os
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from tests_support import attention_events  # noqa: E402
 import upipe_compile  # noqa: E402
 from upipe_compile.integrations.transformers import register  # noqa: E402
 
@@ -103,19 +103,6 @@ def eager_reference(case: LlamaCase):
     return logits.detach(), _grads(model)
 
 
-def _attention_events(prof) -> collections.Counter:
-    """upipe ops that ran, and SDPA kernels that ran outside them (plain attention)."""
-    counts = collections.Counter()
-    for event in prof.events():
-        if event.name.startswith("upipe::"):
-            counts[event.name] += 1
-        elif "scaled_dot_product" in event.name:
-            parent = event.cpu_parent
-            while parent is not None and not parent.name.startswith("upipe::"):
-                parent = parent.cpu_parent
-            if parent is None:
-                counts["plain sdpa outside upipe"] += 1
-    return counts
 
 
 def compiled_llama_case(case: LlamaCase):
@@ -142,7 +129,7 @@ def compiled_llama_case(case: LlamaCase):
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         logits = step()
-    return logits, _grads(model), dict(_attention_events(prof))
+    return logits, _grads(model), dict(attention_events(prof))
 
 
 def refused_llama_case(case: LlamaCase, attn_implementation: str, with_padding: bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -105,3 +106,19 @@ def block_grads(model: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor):
 def eager_block_reference(case: AttentionCase):
     x, dout = make_block_inputs(case)
     return block_grads(TinyAttention(case), x, dout)
+
+
+def attention_events(prof) -> collections.Counter:
+    """From a torch.profiler run: how often each upipe op ran, and SDPA kernels that ran
+    outside them (plain attention on a shard would be a silent wrong answer)."""
+    counts = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("upipe::"):
+            counts[event.name] += 1
+        elif "scaled_dot_product" in event.name:
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("upipe::"):
+                parent = parent.cpu_parent
+            if parent is None:
+                counts["plain sdpa outside upipe"] += 1
+    return counts

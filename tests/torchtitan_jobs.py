@@ -13,12 +13,13 @@ the device (CPU).
 
 from __future__ import annotations
 
-import collections
 import importlib
 import os
 
 import torch
 import torch.distributed as dist
+
+from tests_support import attention_events
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG_TOML = os.path.join(HERE, "..", "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
@@ -48,18 +49,6 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _attention_events(prof) -> collections.Counter:
-    counts = collections.Counter()
-    for event in prof.events():
-        if event.name.startswith("upipe::"):
-            counts[event.name] += 1
-        elif "scaled_dot_product" in event.name:
-            parent = event.cpu_parent
-            while parent is not None and not parent.name.startswith("upipe::"):
-                parent = parent.cpu_parent
-            if parent is None:
-                counts["plain sdpa outside upipe"] += 1
-    return counts
 
 
 def use_cpu_meshes() -> None:
@@ -152,7 +141,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
         loss.backward()
         if prof:
             prof.__exit__(None, None, None)
-            counts = dict(_attention_events(prof))
+            counts = dict(attention_events(prof))
         if step == 1:
             first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
             first_positions = extra_kwargs.get("positions")

@@ -54,9 +54,5 @@ class UPipeOptions:
     def group(self) -> dist.ProcessGroup:
         return resolve_group(self.cp_mesh)
 
-    @property
-    def world(self) -> int:
-        return self.group.size()
-
     def stage_heads(self) -> int:
-        return self.world if self.heads_per_stage is None else self.heads_per_stage
+        return self.group.size() if self.heads_per_stage is None else self.heads_per_stage

@@ -61,10 +61,6 @@ class StageSchedule:
     stages: tuple[Stage, ...]
 
 
-def default_heads_per_stage(world: int) -> int:
-    return world
-
-
 @functools.lru_cache(maxsize=256)
 def plan_stages(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> StageSchedule:
     if world < 1:
