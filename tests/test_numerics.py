@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import rank_jobs
@@ -59,6 +59,11 @@ def _assert_close(name: str, actual, expected, case) -> None:
 
 @settings(max_examples=int(__import__("os").environ.get("UPIPE_OP_EXAMPLES", "220")), **SETTINGS)
 @given(case=attention_cases())
+# Always covered, whatever hypothesis draws: stages whose query heads straddle KV heads
+# (gathered KV slots) with fp32 dK/dV accumulation, and KV heads replicated (Hkv < P).
+@example(case=AttentionCase(2, 1, 12, 3, 5, 8, 6, True, None, "bfloat16", seed=1))
+@example(case=AttentionCase(4, 1, 24, 6, 3, 8, 12, False, 0.5, "float32", seed=2))
+@example(case=AttentionCase(4, 2, 8, 2, 3, 16, 4, True, None, "bfloat16", seed=3))
 def test_op_matches_eager_sdpa(rank_pools, case):
     shards = rank_pools(case.world).run(rank_jobs.op_case, case)
     expected = eager_reference(case)

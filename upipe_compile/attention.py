@@ -64,8 +64,8 @@ def _accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Te
         dkv_full[1][:, span[0]:span[1]] += dv
     else:
         slots = _index(stage.kv_slots, device)
-        dkv_full[0].index_add_(1, slots, dk)
-        dkv_full[1].index_add_(1, slots, dv)
+        dkv_full[0].index_add_(1, slots, dk.to(dkv_full.dtype))
+        dkv_full[1].index_add_(1, slots, dv.to(dkv_full.dtype))
 
 
 def _heads_to_full_sequence(x, head_index, world: int, group_name: str, into: torch.Tensor) -> None:
