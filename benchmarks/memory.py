@@ -37,7 +37,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.tiny_llama import rope  # noqa: E402
-from upipe_compile.memory import StageLoopFunction, fake_process_group  # noqa: E402
+from upipe_compile.memory import StageLoopFunction, fake_process_group, tracker_peak_bytes  # noqa: E402
 from upipe_compile.schedule import plan_stages  # noqa: E402
 
 HEAD_DIM = 128
@@ -96,7 +96,7 @@ def measure_layer(preset: Preset, seq: int, world: int, attention) -> float:
         with tracker:
             out = layer(x, positions)
             out.backward(torch.empty_like(out))
-            peak = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+            peak = tracker_peak_bytes(tracker)
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
     return peak - 2 * params  # parameters and their gradients are the same for every method
 

@@ -52,7 +52,8 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _peak(tracker: MemTracker) -> int:
+def tracker_peak_bytes(tracker: MemTracker) -> int:
+    """Peak bytes a MemTracker saw, over all devices."""
     return sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
 
 
@@ -74,14 +75,14 @@ def measure_op_memory(
         forward.track_external(q, k, v)
         with forward:
             out, lse = stage_loop_forward(q, k, v, *args)
-            forward_peak = _peak(forward)
+            forward_peak = tracker_peak_bytes(forward)
         forward_bytes = forward_peak - _nbytes(q, k, v, out, lse)
 
         backward = MemTracker()
         backward.track_external(q, k, v, out, lse, dout)
         with backward:
             dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *args)
-            backward_peak = _peak(backward)
+            backward_peak = tracker_peak_bytes(backward)
         backward_bytes = backward_peak - _nbytes(q, k, v, out, lse, dout, dq, dk, dv)
     return OpMemory(forward_bytes, backward_bytes)
 
