@@ -5,7 +5,8 @@
 
 One rank's peak over forward + backward beyond the op's own inputs and outputs (see
 upipe_compile.memory), for U = P, 2P and U = all query heads (= Ulysses), with the
-analytic ratio from ARCHITECTURE.md beside the measured one.
+analytic ratio from ARCHITECTURE.md beside the measured one. U = P is also measured with
+each prefetch mode (the default, "forward", is what every other row uses).
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ def run(world: int, seq: int, head_dim: int):
     rows = []
     with fake_process_group(world) as group:
         for name, (q_heads, kv_heads) in PRESETS.items():
-            measure = lambda u: measure_op_memory(  # noqa: E731
+            measure = lambda u, prefetch="forward": measure_op_memory(  # noqa: E731
                 group, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                heads_per_stage=u, dtype=torch.bfloat16,
+                heads_per_stage=u, dtype=torch.bfloat16, prefetch=prefetch,
             )
             ulysses = measure(q_heads)
-            for u in sorted({world, 2 * world, q_heads}):
-                result = ulysses if u == q_heads else measure(u)
+            configs = [(u, "forward") for u in sorted({world, 2 * world, q_heads})]
+            configs[1:1] = [(world, "none"), (world, "both")]
+            for u, prefetch in configs:
+                result = ulysses if u == q_heads else measure(u, prefetch)
                 rows.append({
                     "model": name, "method": "Ulysses" if u == q_heads else "UPipe", "U": u,
+                    "prefetch": "(1 stage)" if u == q_heads else prefetch,
                     "fwd_GiB": result.forward_bytes / 2**30, "bwd_GiB": result.backward_bytes / 2**30,
                     "peak_GiB": result.peak_bytes / 2**30,
                     "ratio": result.peak_bytes / ulysses.peak_bytes,

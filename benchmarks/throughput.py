@@ -2,7 +2,10 @@
 (a) the attention op alone and (b) a small Llama-style decoder block, for
 
   * Ulysses (ours)          upipe_compile with U = all query heads (the baseline)
-  * UPipe U=P, UPipe U=2P   upipe_compile's stage loop
+  * UPipe U=P, UPipe U=2P   upipe_compile's stage loop (default prefetch: the next stage's
+                            all-to-alls start during this stage's forward kernel)
+  * UPipe U=P, no prefetch / prefetch both
+                            the same loop with prefetch off / also in backward (A/B)
   * DeepSpeed Ulysses       deepspeed.sequence.layer.DistributedAttention
   * torch ring CP           torch.distributed.tensor.experimental.context_parallel
 
@@ -66,9 +69,18 @@ MODELS = {
     "quick": LlamaConfig(vocab=512, hidden=256, layers=1, q_heads=16, kv_heads=4, ffn=512),
 }
 
-ULYSSES, UPIPE_P, UPIPE_2P, DEEPSPEED, RING = (
-    "Ulysses (ours)", "UPipe U=P", "UPipe U=2P", "DeepSpeed Ulysses", "torch ring CP")
-METHODS = (ULYSSES, UPIPE_P, UPIPE_2P, DEEPSPEED, RING)
+ULYSSES, UPIPE_P, UPIPE_P_NONE, UPIPE_P_BOTH, UPIPE_2P, DEEPSPEED, RING = (
+    "Ulysses (ours)", "UPipe U=P", "UPipe U=P, no prefetch", "UPipe U=P, prefetch both", "UPipe U=2P",
+    "DeepSpeed Ulysses", "torch ring CP")
+METHODS = (ULYSSES, UPIPE_P, UPIPE_P_NONE, UPIPE_P_BOTH, UPIPE_2P, DEEPSPEED, RING)
+
+
+def our_methods(q_heads: int, world: int):
+    """(name, U, prefetch) of each upipe_compile configuration: Ulysses (one stage, nothing
+    to prefetch), UPipe U=P with each prefetch mode (the default "forward" is plain
+    "UPipe U=P"), and U=2P."""
+    return ((ULYSSES, q_heads, "forward"), (UPIPE_P, world, "forward"), (UPIPE_P_NONE, world, "none"),
+            (UPIPE_P_BOTH, world, "both"), (UPIPE_2P, 2 * world, "forward"))
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COLUMNS = ["case", "P", "seq", "method", "U", "median ms", "min ms", "tokens/s",
@@ -203,7 +215,7 @@ def op_methods(r: Rank, seq: int, ring_reason: str | None):
 
     methods = {}
 
-    def ours(u):
+    def ours(u, prefetch):
         q, k, v, dout = leaves(bhsd)
 
         def step(check=False):
@@ -212,7 +224,7 @@ def op_methods(r: Rank, seq: int, ring_reason: str | None):
 
             def run():
                 out = upipe_compile.upipe_attention(q, k, v, is_causal=True, enable_gqa=True, cp_mesh=r.mesh,
-                                                    heads_per_stage=u)
+                                                    heads_per_stage=u, prefetch=prefetch)
                 out.backward(dout)
                 return out.detach()
 
@@ -221,8 +233,8 @@ def op_methods(r: Rank, seq: int, ring_reason: str | None):
 
         return u, step
 
-    for name, u in ((ULYSSES, hq), (UPIPE_P, world), (UPIPE_2P, 2 * world)):
-        methods[name] = ours(u)
+    for name, u, prefetch in our_methods(hq, world):
+        methods[name] = ours(u, prefetch)
 
     reason = deepspeed_ulysses.unavailable_reason()
     if reason is None:
@@ -300,10 +312,10 @@ def block_methods(r: Rank, seq: int, ring_reason: str | None):
         return step
 
     methods = {}
-    for name, u in ((ULYSSES, cfg.q_heads), (UPIPE_P, world), (UPIPE_2P, 2 * world)):
+    for name, u, prefetch in our_methods(cfg.q_heads, world):
         model = fresh(Block(cfg))
         compiled = torch.compile(model, backend="upipe", dynamic=False, options={
-            "cp_mesh": r.mesh, "heads_per_stage": u, "inner_backend": args.inner_backend})
+            "cp_mesh": r.mesh, "heads_per_stage": u, "prefetch": prefetch, "inner_backend": args.inner_backend})
         methods[name] = (u, sharded(model, compiled))
 
     reason = deepspeed_ulysses.unavailable_reason()
@@ -369,7 +381,7 @@ def measure_cell(r: Rank, case: str, seq: int, methods: dict) -> list[dict]:
                 done += 1
                 r.tick(f"P={r.world} S={seq} {case} {name} warm-up")
         except Exception as error:  # a peer that fails here (not ours: ours must run) is reported
-            if name in (ULYSSES, UPIPE_P, UPIPE_2P):
+            if name in METHODS[:5]:  # ours
                 raise
             reason = first_line(error)
         if not r.all_agree(reason is None):

@@ -10,7 +10,8 @@ from upipe_compile.passes.find import AttentionMatch
 UPIPE_ATTENTION = attention_op._opoverload
 
 
-def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: int, group_name: str) -> None:
+def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: int, group_name: str,
+                      prefetch: str) -> None:
     """Insert ``upipe::attention`` before the SDPA node, hand its users the output, erase it.
     The caller lints and recompiles each touched graph module once."""
     graph, node = match.graph_module.graph, match.node
@@ -18,7 +19,8 @@ def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: i
     with graph.inserting_before(node):
         op = graph.call_function(
             UPIPE_ATTENTION,
-            (match.query, match.key, match.value, match.is_causal, scale, heads_per_stage, world_size, group_name),
+            (match.query, match.key, match.value, match.is_causal, scale, heads_per_stage, world_size, group_name,
+             prefetch),
         )
         out = graph.call_function(operator.getitem, (op, 0))
     op.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})

@@ -16,7 +16,8 @@ def op_case(case: AttentionCase):
     for x in (q, k, v):
         x.requires_grad_(True)
     out = upipe_compile.upipe_attention(
-        q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage
+        q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage,
+        prefetch=case.prefetch,
     )
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
@@ -31,7 +32,7 @@ def compiled_block_case(case: AttentionCase, inner_backend: str):
     x, dout = (t.chunk(world, dim=1)[rank] for t in make_block_inputs(case))
     model = torch.compile(
         TinyAttention(case), backend="upipe",
-        options={"heads_per_stage": case.heads_per_stage, "inner_backend": inner_backend},
+        options={"heads_per_stage": case.heads_per_stage, "prefetch": case.prefetch, "inner_backend": inner_backend},
     )
     return block_grads(model, x, dout)
 

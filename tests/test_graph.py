@@ -32,6 +32,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from upipe_compile import UnsupportedAttention, UPipeOptions, apply_upipe_passes, upipe_attention
@@ -159,11 +160,11 @@ def test_find_rewrites_positional_and_keyword_sdpa(world, heads_per_stage, expec
     ops = calls(gm, UPIPE_ATTENTION)
     assert len(ops) == 2
     positional, hf = ops  # graph order = source order
-    # args: (q, k, v, is_causal, scale, heads_per_stage, world_size, group_name); the GQA call keeps its 2 KV heads
+    # args: (q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch); the GQA call keeps its 2 KV heads
     assert [example_shape(a) for a in positional.args[:3]] == [(1, 8, 16, 8)] * 3
-    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name)
+    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name, "forward")
     assert [example_shape(a) for a in hf.args[:3]] == [(1, 8, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
-    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name)
+    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name, "forward")
     assert positional.kwargs == {} and hf.kwargs == {}
     # each op's users read only its output (index 0), never the log-sum-exp
     for op in ops:
@@ -202,7 +203,7 @@ def test_options_instance_and_aten_level_graph(world):
     assert len(calls(gm, torch.ops.aten.scaled_dot_product_attention.default)) == 1
     gm = apply_upipe_passes(gm, options)
     (op,) = calls(gm, UPIPE_ATTENTION)
-    assert op.args[3:] == (True, None, 8, WORLD, world.group_name)
+    assert op.args[3:] == (True, None, 8, WORLD, world.group_name, "forward")
     assert sdpa_nodes(gm) == []
 
 
@@ -218,7 +219,7 @@ def test_device_mesh_group_is_used(world):
     (op,) = calls(backend.graph, UPIPE_ATTENTION)
     cp_group = mesh["cp"].get_group()
     assert cp_group.size() == 2 and cp_group.group_name != world.group_name
-    assert op.args[5:] == (2, 2, cp_group.group_name)
+    assert op.args[5:8] == (2, 2, cp_group.group_name)
 
 
 # --- 2. nested: SDPA under activation checkpointing --------------------------------------
@@ -348,6 +349,16 @@ def test_options_refused_directly(world):
     with pytest.raises(UnsupportedAttention, match="cp_mesh must be a DeviceMesh, a ProcessGroup or None"):
         UPipeOptions(cp_mesh="cp").group
     assert UPipeOptions(heads_per_stage=8).stage_heads() == 8 and UPipeOptions().stage_heads() == WORLD
+    with pytest.raises(UnsupportedAttention, match=r"prefetch='all' is not one of \('none', 'forward', 'both'\)"):
+        UPipeOptions(prefetch="all")
+
+
+def test_prefetch_option_reaches_the_op(world):
+    backend = Capture(prefetch="both")
+    q = rand(1, 8, 16, 8)
+    torch.compile(sdpa_plain, backend=backend)(q, q, q)
+    (op,) = calls(backend.graph, UPIPE_ATTENTION)
+    assert op.args[-1] == "both"
 
 
 @pytest.mark.parametrize(
@@ -449,7 +460,8 @@ def test_backward_graph_has_only_the_backward_op(world, partition_fn):
     aot = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"), partition_fn=partition_fn)
 
     def backend(gm, example_inputs):
-        return aot(apply_upipe_passes(gm, UPipeOptions(inner_backend="eager")), example_inputs)
+        # a non-default prefetch, so that it must reach the backward op (defaults may be elided)
+        return aot(apply_upipe_passes(gm, UPipeOptions(inner_backend="eager", prefetch="both")), example_inputs)
 
     x = rand(2, 16, 64, grad=True)
     out = torch.compile(AttentionBlock(), backend=backend, fullgraph=True)(x)
@@ -465,8 +477,8 @@ def test_backward_graph_has_only_the_backward_op(world, partition_fn):
     # no recomputed forward: neither the stage-loop op nor any aten attention kernel
     assert calls(bw, UPIPE_ATTENTION) == [], bw.code
     assert sdpa_nodes(bw) == [], bw.code
-    # (dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name)
-    assert backward_op.args[6:] == (True, 0.25, WORLD, WORLD, world.group_name)
+    # (dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
+    assert backward_op.args[6:] == (True, 0.25, WORLD, WORLD, world.group_name, "both")
     # out and lse reach the backward as saved forward outputs (placeholders or views of them)
     placeholders = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
 
@@ -479,7 +491,7 @@ def test_backward_graph_has_only_the_backward_op(world, partition_fn):
     # lse: [8 heads / U=4 stages, batch 2, 1 head per rank, 16 * P tokens]
     assert example_shape(backward_op.args[5]) == (2, 2, 1, 16 * WORLD)
     (fw_op,) = calls(fw, UPIPE_ATTENTION)
-    assert fw_op.args[3:] == (True, 0.25, WORLD, WORLD, world.group_name)
+    assert fw_op.args[3:] == (True, 0.25, WORLD, WORLD, world.group_name, "both")
 
 
 # --- 6. the fake kernel --------------------------------------------------------------------
@@ -513,6 +525,7 @@ def test_fake_kernel_shapes(world, q_heads, kv_heads, heads_per_stage, dtype):
         (((1, 6, 16, 8),) * 3, {}, "6 query heads cannot be split into stages of heads_per_stage=4"),
         (((1, 8, 16, 8),) * 3, {"heads_per_stage": 6}, "heads_per_stage=6 must be a positive multiple"),
         (((1, 8, 16, 8), (1, 8, 8, 8), (1, 8, 8, 8)), {}, "self-attention"),
+        (((1, 8, 16, 8),) * 3, {"prefetch": "backward"}, "prefetch='backward' is not one of"),
     ],
 )
 def test_public_op_refusals(world, shapes, kwargs, expected):
@@ -528,6 +541,60 @@ def test_public_op_fake_forward(world):
         q, k = torch.empty(2, 8, 16, 8), torch.empty(2, 2, 16, 8)
         out = upipe_attention(q, k, k, is_causal=True, enable_gqa=True, heads_per_stage=8)
         assert isinstance(out, FakeTensor) and out.shape == q.shape
+
+
+# --- 8. prefetch: the next stage's all-to-alls run during this stage's kernel -------------
+class CollectivesInFlight(TorchDispatchMode):
+    """At each attention kernel, how many all-to-alls have started and not been waited."""
+
+    KERNELS = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "forward",
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "backward",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.started: dict[int, torch.Tensor] = {}
+        self.at_kernel: dict[str, list[int]] = {"forward": [], "backward": []}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.KERNELS:
+            self.at_kernel[self.KERNELS[func]].append(len(self.started))
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            self.started.pop(id(args[0]), None)
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            self.started[id(out)] = out
+        return out
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(16, 16), (16, 4)], ids=["MHA", "GQA"])
+@pytest.mark.parametrize("prefetch", ["none", "forward", "both"])
+def test_prefetch_overlaps_the_next_stage_with_the_kernel(world, prefetch, q_heads, kv_heads):
+    """Each stage's kernel runs while the next stage's inputs are in flight in the loops that
+    prefetch (K and V too where the next stage opens a KV group), and with nothing in
+    flight in those that do not; the last stage has nothing to prefetch."""
+    from upipe_compile.attention import stage_loop_backward, stage_loop_forward
+
+    args = (True, None, WORLD, world.group_name, prefetch)
+    log = CollectivesInFlight()
+    with FakeTensorMode():
+        q, k = torch.empty(1, q_heads, 16, 8), torch.empty(1, kv_heads, 16, 8)
+        with log:
+            out, lse = stage_loop_forward(q, k, k, *args)
+            stage_loop_backward(out, q, k, k, out, lse, *args)
+        assert not log.started  # every collective was waited
+    stages = q_heads // WORLD
+    g = q_heads // kv_heads
+    # the next stage's q (and in backward out, dout), plus K and V when it opens a KV group
+    opens_group = [(s + 1) % g == 0 for s in range(stages - 1)]
+    expected = {
+        "forward": [1 + 2 * new for new in opens_group] + [0],
+        "backward": [3 + 2 * new for new in opens_group] + [0],
+    }
+    for loop in ("forward", "backward"):
+        prefetching = prefetch == "both" or prefetch == loop
+        assert log.at_kernel[loop] == (expected[loop] if prefetching else [0] * stages), loop
 
 
 # --- the stage schedule --------------------------------------------------------------------

@@ -49,6 +49,7 @@ def attention_cases(draw, worlds=(1, 2, 4)):
         scale=draw(st.one_of(st.none(), st.floats(0.05, 2.0))),
         dtype=draw(st.sampled_from(["float32", "bfloat16"])),
         seed=draw(st.integers(0, 2**16)),
+        prefetch=draw(st.sampled_from(["none", "forward", "both"])),
     )
 
 
@@ -60,10 +61,12 @@ def _assert_close(name: str, actual, expected, case) -> None:
 @settings(max_examples=int(__import__("os").environ.get("UPIPE_OP_EXAMPLES", "220")), **SETTINGS)
 @given(case=attention_cases())
 # Always covered, whatever hypothesis draws: stages whose query heads straddle KV heads
-# (gathered KV slots) with fp32 dK/dV accumulation, and KV heads replicated (Hkv < P).
-@example(case=AttentionCase(2, 1, 12, 3, 5, 8, 6, True, None, "bfloat16", seed=1))
+# (gathered KV slots) with fp32 dK/dV accumulation, and KV heads replicated (Hkv < P);
+# each prefetch mode across several KV groups (MHA: every stage opens one).
+@example(case=AttentionCase(2, 1, 12, 3, 5, 8, 6, True, None, "bfloat16", seed=1, prefetch="both"))
 @example(case=AttentionCase(4, 1, 24, 6, 3, 8, 12, False, 0.5, "float32", seed=2))
-@example(case=AttentionCase(4, 2, 8, 2, 3, 16, 4, True, None, "bfloat16", seed=3))
+@example(case=AttentionCase(4, 2, 8, 2, 3, 16, 4, True, None, "bfloat16", seed=3, prefetch="none"))
+@example(case=AttentionCase(4, 1, 16, 16, 3, 8, 4, True, None, "float32", seed=4, prefetch="both"))
 def test_op_matches_eager_sdpa(rank_pools, case):
     shards = rank_pools(case.world).run(rank_jobs.op_case, case)
     expected = eager_reference(case)
@@ -92,7 +95,7 @@ def test_compiled_block_matches_eager(rank_pools, case, inner):
     "case",
     [
         AttentionCase(2, 1, 8, 2, 8, 16, 2, True, None, "float32"),
-        AttentionCase(4, 2, 8, 8, 4, 8, 4, False, 0.3, "bfloat16"),
+        AttentionCase(4, 2, 8, 8, 4, 8, 4, False, 0.3, "bfloat16", prefetch="both"),
         AttentionCase(4, 1, 12, 1, 6, 8, 12, True, None, "float32"),  # Ulysses, MQA replicated
     ],
     ids=str,

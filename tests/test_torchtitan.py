@@ -60,6 +60,11 @@ def test_h100_toml_parallel_dims_for_world_size_8():
     check_job(config, dims, args)  # nothing refused
     with pytest.raises(Exception, match="attn_type"):
         check_job(config, dims, spec.model_args["8B_flex"])
+    assert config.upipe.prefetch == "forward"
+    with pytest.raises(Exception, match=r"\[upipe\] prefetch = 'always' is not one of"):
+        config.upipe.prefetch = "always"
+        check_job(config, dims, args)
+    config.upipe.prefetch = "forward"
     with pytest.raises(Exception, match="divisible by the CP degree"):
         config.training.seq_len += 4
         check_job(config, dims, args)

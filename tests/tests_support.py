@@ -25,6 +25,7 @@ class AttentionCase:
     scale: float | None
     dtype: str
     seed: int = 0
+    prefetch: str = "forward"
 
     @property
     def seq(self) -> int:

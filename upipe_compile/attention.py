@@ -3,9 +3,10 @@
 Forward, per stage (see :mod:`upipe_compile.schedule` for which heads): all-to-all this
 stage's query heads sequence->head (KV only when the stage starts a new KV group), run
 attention over the full sequence for ``m`` heads per rank, all-to-all the output
-head->sequence straight into the preallocated local output. The full-sequence stage
-buffers are allocated once per call and reused by every stage, so intermediate memory is
-O(U) heads, not O(H).
+head->sequence straight into the preallocated local output. One full-sequence buffer per
+role lives from stage to stage (with one head and batch 1 the received tensor is that
+buffer, no copy), so intermediate memory is O(U) heads, not O(H). By default the next
+stage's input all-to-alls run during this stage's forward kernel (``prefetch``).
 
 Backward owns its memory: autograd saves only the local q, k, v, out and each stage's
 log-sum-exp; backward redoes each stage's all-to-alls, runs the kernel's backward, and sends
@@ -47,14 +48,15 @@ def _index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return _index_cache[key]
 
 
-def _stage_kv(kv_full: torch.Tensor, stage, device):
+def _stage_kv(buffers: dict, stage, device):
     """k and v for this stage's query heads in the layout the kernel takes: a slice when the
     slots already form plain GQA groups, else a gather (one copy of m heads)."""
+    k_full, v_full = buffers["k"], buffers["v"]
     span = stage.kv_slot_range
     if span is not None:
-        return kv_full[0][:, span[0]:span[1]], kv_full[1][:, span[0]:span[1]]
+        return k_full[:, span[0]:span[1]], v_full[:, span[0]:span[1]]
     slots = _index(stage.kv_slots, device)
-    return kv_full[0].index_select(1, slots), kv_full[1].index_select(1, slots)
+    return k_full.index_select(1, slots), v_full.index_select(1, slots)
 
 
 def _accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, stage, device) -> None:
@@ -68,12 +70,34 @@ def _accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Te
         dkv_full[1].index_add_(1, slots, dv.to(dkv_full.dtype))
 
 
-def _heads_to_full_sequence(x, head_index, world: int, group_name: str, into: torch.Tensor) -> None:
-    """Sequence -> head all-to-all of one tensor: this rank's heads over the full sequence,
-    written into the reusable buffer ``into``. One tensor per all-to-all, so a stage never
-    holds more than one tensor's send and receive copies at once."""
-    recv = collectives.all_to_all(collectives.pack_heads(x, head_index, world), group_name)
-    collectives.assemble_sequence(recv, into)
+PREFETCH_MODES = ("none", "forward", "both")
+"""Which loops start the next stage's input all-to-alls before this stage's kernel runs:
+``forward`` (the default) adds no peak memory for GQA models, whose backward loop holds
+more (MHA, where every stage also prefetches K and V: one head-unit more); ``both`` also
+overlaps backward, at the cost of the next stage's q/out/dout (and K/V at a KV-group
+boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
+
+
+def check_prefetch(prefetch) -> None:
+    if prefetch not in PREFETCH_MODES:
+        raise UnsupportedAttention(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
+
+
+class _Incoming:
+    """A started sequence -> head all-to-all of one tensor: this rank's heads over the full
+    sequence, which :meth:`finish` makes the stage buffer ``buffers[role]`` (reusing the
+    previous one where the chunks need laying out). The send buffer is held until then, as
+    the collective may still be reading it."""
+
+    def __init__(self, x, head_index, world: int, group_name: str, buffers: dict, role: str):
+        self.send = collectives.pack_heads(x, head_index, world)
+        self.recv = collectives.start_all_to_all(self.send, group_name)
+        self.buffers, self.role = buffers, role
+
+    def finish(self) -> None:
+        recv = collectives.wait(self.recv)
+        self.send = self.recv = None
+        self.buffers[self.role] = collectives.assemble_sequence(recv, self.buffers.get(self.role))
 
 
 def _full_sequence_to_heads(full, head_index, world: int, group_name: str, dest: torch.Tensor, accumulate: bool) -> None:
@@ -82,7 +106,52 @@ def _full_sequence_to_heads(full, head_index, world: int, group_name: str, dest:
     collectives.scatter_heads_back(recv, head_index, dest, accumulate)
 
 
-def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str):
+def _stage_inputs(schedule, index: int, local_q_side: dict, local_kv: dict, buffers: dict, world: int,
+                  group_name: str):
+    """The all-to-alls stage ``index`` needs: K and V (``local_kv``) when it opens a KV
+    group, then each of ``local_q_side`` (q; in backward also out, dout), each into the
+    stage buffer of its role. A generator, each started as it is taken: one at a time (each
+    finished before the next starts) holds one tensor's send/receive pair at once;
+    ``list()`` starts them all."""
+    stage = schedule.stages[index]
+    if index == 0 or stage.kv_group != schedule.stages[index - 1].kv_group:
+        kv_index = _index(schedule.kv_groups[stage.kv_group], local_kv["k"].device)
+        for role, local in local_kv.items():
+            yield _Incoming(local, kv_index, world, group_name, buffers, role)
+    q_index = _index(stage.q_heads, local_q_side["q"].device)
+    for role, local in local_q_side.items():
+        yield _Incoming(local, q_index, world, group_name, buffers, role)
+
+
+class _InputPipeline:
+    """Hands each stage its inputs. With ``prefetch``, the next stage's all-to-alls start
+    right before this stage's kernel and land in the stage buffers right after it, so they
+    run while it does; without, each stage's run just before it. Either way every rank
+    starts and waits the same collectives in the same order."""
+
+    def __init__(self, start, stages: int, prefetch: bool):
+        self.start, self.stages, self.prefetch = start, stages, prefetch
+        self.in_flight, self.landed = [], -1
+
+    def before_kernel(self, index: int) -> None:
+        """Stage ``index``'s inputs are in the stage buffers when this returns."""
+        if self.landed != index:
+            for exchange in self.start(index):
+                exchange.finish()
+        if self.prefetch and index + 1 < self.stages:
+            self.in_flight = list(self.start(index + 1))
+
+    def after_kernel(self, index: int) -> None:
+        """The kernel is done with the buffers: land what was prefetched for the next stage
+        (before this stage's output goes home, so the two never hold memory at once)."""
+        for exchange in self.in_flight:
+            exchange.finish()
+        if self.in_flight:
+            self.in_flight, self.landed = [], index + 1
+
+
+def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str,
+                       prefetch: str = "forward"):
     """The forward loop (called by the custom op; also directly by memory measurements,
     which run it under FakeTensorMode where the op itself would only run its fake kernel)."""
     group = collectives.group_from_name(group_name)
@@ -90,81 +159,88 @@ def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_p
     if not is_fake(q):
         collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group, q.device)
     schedule = schedule_for(q, k, world, heads_per_stage)
-    batch, _, s_local, dim = q.shape
-    seq = s_local * world
-    m, kv_per_rank = schedule.q_per_rank, schedule.kv_per_rank
+    batch, _, s_local, _ = q.shape
 
     out = q.new_empty(q.shape)
-    lse = q.new_empty((len(schedule.stages), batch, m, seq), dtype=torch.float32)
-    q_full = q.new_empty((batch, m, seq, dim))
-    kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
+    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    buffers = {}  # role -> the stage's tensor over the full sequence, reused stage to stage
 
-    current_group = None
+    inputs = _InputPipeline(
+        lambda index: _stage_inputs(schedule, index, {"q": q}, {"k": k, "v": v}, buffers, world, group_name),
+        len(schedule.stages), prefetch in ("forward", "both"),
+    )
     for index, stage in enumerate(schedule.stages):
-        if stage.kv_group != current_group:
-            current_group = stage.kv_group
-            kv_index = _index(schedule.kv_groups[current_group], q.device)
-            _heads_to_full_sequence(k, kv_index, world, group_name, kv_full[0])
-            _heads_to_full_sequence(v, kv_index, world, group_name, kv_full[1])
-        q_index = _index(stage.q_heads, q.device)
-        _heads_to_full_sequence(q, q_index, world, group_name, q_full)
-        k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
-        out_stage, lse_stage = kernels.forward(q_full, k_stage, v_stage, is_causal, scale)
+        inputs.before_kernel(index)
+        k_stage, v_stage = _stage_kv(buffers, stage, q.device)
+        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale)
+        del k_stage, v_stage
         lse[index].copy_(lse_stage)
         del lse_stage
-        _full_sequence_to_heads(out_stage, q_index, world, group_name, out, accumulate=False)
+        inputs.after_kernel(index)
+        _full_sequence_to_heads(out_stage, _index(stage.q_heads, q.device), world, group_name, out, accumulate=False)
         del out_stage
     return out, lse
 
 
-def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str):
+def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], heads_per_stage: int,
+                        group_name: str, prefetch: str = "forward"):
     group = collectives.group_from_name(group_name)
     world = group.size()
     schedule = schedule_for(q, k, world, heads_per_stage)
     batch, _, s_local, dim = q.shape
     seq = s_local * world
-    m, kv_per_rank = schedule.q_per_rank, schedule.kv_per_rank
+    kv_per_rank = schedule.kv_per_rank
 
     dq = q.new_empty(q.shape)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    # One reusable buffer per role: the stage's q / out / dout over the full sequence,
-    # the group's k / v and their gradient accumulators. dK/dV sum over the group's stages:
+    # One buffer per role: the stage's q / out / dout over the full sequence, the group's
+    # k / v and their gradient accumulators. dK/dV sum over the group's stages:
     # in fp32 when there is more than one, as a kernel sums a GQA group's heads internally.
-    q_full, out_full, dout_full = q.new_empty((3, batch, m, seq, dim))
-    kv_full = q.new_empty((2, batch, kv_per_rank, seq, dim))
+    # A group of one stage that uses all its KV slots (MHA, Ulysses) needs no accumulator:
+    # the kernel's dK/dV are the group's, sent home as they are.
+    buffers = {}
     stages_per_group = len(schedule.stages) // len(schedule.kv_groups)
-    low_precision = q.dtype in (torch.float16, torch.bfloat16)
-    accumulate_dtype = torch.float32 if low_precision and stages_per_group > 1 else q.dtype
-    dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim), dtype=accumulate_dtype)
+    whole_group_stages = stages_per_group == 1 and all(
+        stage.kv_slot_range == (0, kv_per_rank) for stage in schedule.stages
+    )
+    dkv_full = None
+    if not whole_group_stages:
+        low_precision = q.dtype in (torch.float16, torch.bfloat16)
+        accumulate_dtype = torch.float32 if low_precision and stages_per_group > 1 else q.dtype
+        dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim), dtype=accumulate_dtype)
 
-    def flush_group(group_index: int) -> None:
+    def flush_group(group_index: int, group_dk: torch.Tensor, group_dv: torch.Tensor) -> None:
         kv_index = _index(schedule.kv_groups[group_index], q.device)
-        for t, dest in enumerate((dk, dv)):
-            _full_sequence_to_heads(dkv_full[t].to(q.dtype), kv_index, world, group_name, dest, accumulate=True)
+        for grad, dest in ((group_dk, dk), (group_dv, dv)):
+            _full_sequence_to_heads(grad.to(q.dtype), kv_index, world, group_name, dest, accumulate=True)
 
-    current_group = None
-    for index, stage in enumerate(schedule.stages):
-        if stage.kv_group != current_group:
-            if current_group is not None:
-                flush_group(current_group)
-            current_group = stage.kv_group
-            kv_index = _index(schedule.kv_groups[current_group], q.device)
-            _heads_to_full_sequence(k, kv_index, world, group_name, kv_full[0])
-            _heads_to_full_sequence(v, kv_index, world, group_name, kv_full[1])
+    inputs = _InputPipeline(
+        lambda index: _stage_inputs(schedule, index, {"q": q, "out": out, "dout": dout}, {"k": k, "v": v}, buffers,
+                                    world, group_name),
+        len(schedule.stages), prefetch == "both",
+    )
+    stages = schedule.stages
+    for index, stage in enumerate(stages):
+        opens_group = index == 0 or stage.kv_group != stages[index - 1].kv_group
+        closes_group = index + 1 == len(stages) or stage.kv_group != stages[index + 1].kv_group
+        if opens_group and dkv_full is not None:
             dkv_full.zero_()
-        q_index = _index(stage.q_heads, q.device)
-        for local, full in ((q, q_full), (out, out_full), (dout, dout_full)):
-            _heads_to_full_sequence(local, q_index, world, group_name, full)
-        k_stage, v_stage = _stage_kv(kv_full, stage, q.device)
+        inputs.before_kernel(index)
+        k_stage, v_stage = _stage_kv(buffers, stage, q.device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
-            dout_full, q_full, k_stage, v_stage, out_full, lse[index], is_causal, scale
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale
         )
-        _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
-        del dk_stage, dv_stage
-        _full_sequence_to_heads(dq_stage, q_index, world, group_name, dq, accumulate=False)
+        del k_stage, v_stage
+        if dkv_full is not None:
+            _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
+            dk_stage, dv_stage = dkv_full[0], dkv_full[1]
+        inputs.after_kernel(index)
+        _full_sequence_to_heads(dq_stage, _index(stage.q_heads, q.device), world, group_name, dq, accumulate=False)
         del dq_stage
-    flush_group(current_group)
+        if closes_group:
+            flush_group(stage.kv_group, dk_stage, dv_stage)
+        del dk_stage, dv_stage
     return dq, dk, dv
 
 
@@ -173,9 +249,10 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
+    prefetch: str = "forward",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_world(world_size, group_name)
-    return stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name)
+    return stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch)
 
 
 def _check_world(world_size: int, group_name: str) -> None:
@@ -190,7 +267,7 @@ def _check_world(world_size: int, group_name: str) -> None:
 # P is an explicit argument (not read from the group) so that it is part of the graph, and
 # so of every compile cache key: a graph compiled for P = 2 is never reused for P = 4.
 @attention_op.register_fake
-def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name):
+def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch="forward"):
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
     lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
@@ -201,13 +278,15 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
+    prefetch: str = "forward",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_world(world_size, group_name)
-    return stage_loop_backward(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name)
+    return stage_loop_backward(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name, prefetch)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name):
+def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name,
+                             prefetch="forward"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -220,8 +299,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -231,15 +310,17 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def upipe_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
-    cp_mesh=None, heads_per_stage: Optional[int] = None,
+    cp_mesh=None, heads_per_stage: Optional[int] = None, prefetch: str = "forward",
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on sequence-sharded inputs.
 
     Rank r passes q ``[B, Hq, S/P, D]`` and k, v ``[B, Hkv, S/P, D]`` for tokens
     ``[r*S/P, (r+1)*S/P)`` and gets back the same shard of attention over the full
     sequence. ``heads_per_stage`` (U, a multiple of P; default P) sets how many query heads
-    all ranks together compute per stage; U = Hq is plain Ulysses.
+    all ranks together compute per stage; U = Hq is plain Ulysses. ``prefetch`` is one of
+    :data:`PREFETCH_MODES`.
     """
+    check_prefetch(prefetch)
     group = collectives.resolve_group(cp_mesh)
     world = group.size()
     heads_per_stage = world if heads_per_stage is None else heads_per_stage
@@ -248,5 +329,5 @@ def upipe_attention(
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, world, group.group_name)
+    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, world, group.group_name, prefetch)
     return out

@@ -34,7 +34,7 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
             + "".join(problems)
         )
     for match in matches:
-        rewrite_attention(match, heads_per_stage, world, group.group_name)
+        rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch)
     for module in {id(m.graph_module): m.graph_module for m in matches}.values():
         module.graph.lint()
         module.recompile()

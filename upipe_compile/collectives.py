@@ -52,14 +52,10 @@ def group_from_name(group_name: str) -> dist.ProcessGroup:
 
 def pack_heads(x: torch.Tensor, head_index: torch.Tensor, world: int) -> torch.Tensor:
     """The send buffer ``[P, n, B, S_local, D]`` holding the heads ``head_index`` (``n`` per
-    destination rank, in rank order) of the local ``[B, H, S_local, D]`` tensor ``x``.
-    One gather per destination straight into its contiguous slot: no temporary copies."""
-    per_rank = head_index.view(world, -1)
-    send = x.new_empty((world, per_rank.shape[1], x.shape[0], *x.shape[2:]))
-    heads_first = x.transpose(0, 1)
-    for rank in range(world):
-        torch.index_select(heads_first, 0, per_rank[rank], out=send[rank])
-    return send
+    destination rank, in rank order) of the local ``[B, H, S_local, D]`` tensor ``x``:
+    one gather, whose rank-major rows are already the send layout."""
+    send = torch.index_select(x.transpose(0, 1), 0, head_index)
+    return send.view(world, -1, *send.shape[1:])
 
 
 def all_to_all(send: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -84,12 +80,18 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch
     return gathered.movedim(0, dim)
 
 
-def assemble_sequence(recv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Lay a received ``[P, n, B, S_local, D]`` (dim 0 = sequence chunk) end to end into the
-    reusable buffer ``out`` of layout ``[B, n, P * S_local, D]``."""
+def assemble_sequence(recv: torch.Tensor, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """A received ``[P, n, B, S_local, D]`` (dim 0 = sequence chunk) as ``[B, n, P * S_local, D]``.
+    With one head and batch 1 (U = P, the long-context case) the chunks already lie end to
+    end: the received tensor itself, no copy. Otherwise they are copied into ``reuse`` (a
+    previous stage's buffer of that shape; allocated when None)."""
     world, n, batch, s_local, d = recv.shape
-    out.view(batch, n, world, s_local, d).copy_(recv.permute(2, 1, 0, 3, 4))
-    return out
+    if n * batch == 1:
+        return recv.view(1, 1, world * s_local, d)
+    if reuse is None:
+        reuse = recv.new_empty((batch, n, world * s_local, d))
+    reuse.view(batch, n, world, s_local, d).copy_(recv.permute(2, 1, 0, 3, 4))
+    return reuse
 
 
 def split_sequence(full: torch.Tensor, world: int) -> torch.Tensor:

@@ -60,6 +60,7 @@ def tracker_peak_bytes(tracker: MemTracker) -> int:
 def measure_op_memory(
     group: dist.ProcessGroup, *, seq: int, q_heads: int, kv_heads: int, head_dim: int,
     heads_per_stage: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
+    prefetch: str = "forward",
 ) -> OpMemory:
     """Peak intermediate memory of one rank's forward and backward of the stage-loop op."""
     world = group.size()
@@ -69,7 +70,7 @@ def measure_op_memory(
         k = torch.empty(batch, kv_heads, s_local, head_dim, dtype=dtype)
         v = torch.empty_like(k)
         dout = torch.empty_like(q)
-        args = (is_causal, None, heads_per_stage, group.group_name)
+        args = (is_causal, None, heads_per_stage, group.group_name, prefetch)
 
         forward = MemTracker()
         forward.track_external(q, k, v)
@@ -93,17 +94,17 @@ class StageLoopFunction(torch.autograd.Function):
     Saves exactly what the custom op saves (q, k, v, out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, heads_per_stage, group_name):
-        out, lse = stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name)
+    def forward(ctx, q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch="forward"):
+        out, lse = stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (is_causal, scale, heads_per_stage, group_name)
+        ctx.args = (is_causal, scale, heads_per_stage, group_name, prefetch)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = stage_loop_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:

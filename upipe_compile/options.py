@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from upipe_compile.attention import check_prefetch
 from upipe_compile.collectives import resolve_group
 from upipe_compile.errors import UnsupportedAttention
 
@@ -23,6 +24,10 @@ class UPipeOptions:
     U = number of query heads is plain Ulysses."""
     inner_backend: str = "inductor"
     """What compiles the graph after the UPipe passes: inductor, aot_eager or eager."""
+    prefetch: str = "forward"
+    """Start the next stage's all-to-alls while this stage's attention runs: "forward"
+    (no extra peak memory for GQA; MHA +1 full-sequence head), "both" (backward too; about
+    U = 2P's memory) or "none"."""
 
     @classmethod
     def from_user(cls, options: dict[str, Any] | "UPipeOptions" | None) -> "UPipeOptions":
@@ -40,6 +45,7 @@ class UPipeOptions:
             raise UnsupportedAttention(
                 f"inner_backend={self.inner_backend!r} is not one of {INNER_BACKENDS}"
             )
+        check_prefetch(self.prefetch)
         if self.heads_per_stage is not None:
             if isinstance(self.heads_per_stage, bool) or not isinstance(self.heads_per_stage, int):
                 raise UnsupportedAttention(f"heads_per_stage must be an int, got {self.heads_per_stage!r}")

@@ -8,6 +8,7 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     [upipe]
     heads_per_stage = 0         # U; 0 = P (one head per rank per stage, least memory)
     inner_backend = "inductor"  # what compiles each block after the UPipe rewrite
+    prefetch = "forward"        # overlap the next stage's all-to-alls: none | forward | both
 
 Without that line the section is unknown to torchtitan's ConfigManager (it rejects the TOML),
 and the integration uses the defaults below.
@@ -26,6 +27,10 @@ class UPipe:
     inner_backend: str = "inductor"
     """What compiles each TransformerBlock after the UPipe passes (and the loss, when
     [compile] components has "loss"): "inductor", "aot_eager" or "eager"."""
+
+    prefetch: str = "forward"
+    """Start the next stage's all-to-alls during this stage's attention: "forward" (no extra
+    peak memory for GQA models), "both" (backward too; about U = 2P's memory) or "none"."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ import logging
 import torch
 import torch.nn as nn
 
+from upipe_compile.attention import PREFETCH_MODES
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.options import INNER_BACKENDS
@@ -41,7 +42,7 @@ def upipe_enabled(job_config) -> bool:
 def compile_options(job_config, parallel_dims) -> dict:
     """The options each block is compiled with (``cp_mesh`` is torchtitan's CP mesh)."""
     cfg = upipe_config(job_config)
-    options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend}
+    options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch}
     if cfg.heads_per_stage:
         options["heads_per_stage"] = cfg.heads_per_stage
     return options
@@ -53,6 +54,8 @@ def check_job(job_config, parallel_dims, model_args=None) -> None:
     problems = []
     if cfg.inner_backend not in INNER_BACKENDS:
         problems.append(f"[upipe] inner_backend = {cfg.inner_backend!r} is not one of {INNER_BACKENDS}")
+    if cfg.prefetch not in PREFETCH_MODES:
+        problems.append(f"[upipe] prefetch = {cfg.prefetch!r} is not one of {PREFETCH_MODES}")
     if "model" not in job_config.compile.components:
         problems.append('[compile] components must contain "model" (the blocks are what upipe rewrites)')
     if parallel_dims.tp_enabled:
