@@ -105,7 +105,7 @@ def expected_units(preset: Preset, world: int, heads_per_stage: int) -> float:
     sched = plan_stages(preset.q_heads, preset.kv_heads, world, heads_per_stage)
     layer = preset.hidden / HEAD_DIM + 4 * preset.q_heads + 4 * preset.kv_heads
     # bf16 dK/dV summed over several stages of a KV group accumulate in fp32: 2k more units.
-    fp32_accumulators = 2 * sched.kv_per_rank if len(sched.stages) > len(sched.kv_groups) else 0
+    fp32_accumulators = 2 * sched.kv_per_rank if sched.stages_per_group > 1 else 0
     return layer + world * (4 * sched.q_per_rank + 4 * sched.kv_per_rank + fp32_accumulators)
 
 

@@ -114,7 +114,7 @@ def _stage_inputs(schedule, index: int, local_q_side: dict, local_kv: dict, buff
     finished before the next starts) holds one tensor's send/receive pair at once;
     ``list()`` starts them all."""
     stage = schedule.stages[index]
-    if index == 0 or stage.kv_group != schedule.stages[index - 1].kv_group:
+    if schedule.opens_kv_group(index):
         kv_index = _index(schedule.kv_groups[stage.kv_group], local_kv["k"].device)
         for role, local in local_kv.items():
             yield _Incoming(local, kv_index, world, group_name, buffers, role)
@@ -200,14 +200,10 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
     # A group of one stage that uses all its KV slots (MHA, Ulysses) needs no accumulator:
     # the kernel's dK/dV are the group's, sent home as they are.
     buffers = {}
-    stages_per_group = len(schedule.stages) // len(schedule.kv_groups)
-    whole_group_stages = stages_per_group == 1 and all(
-        stage.kv_slot_range == (0, kv_per_rank) for stage in schedule.stages
-    )
     dkv_full = None
-    if not whole_group_stages:
+    if not schedule.stage_uses_whole_group:
         low_precision = q.dtype in (torch.float16, torch.bfloat16)
-        accumulate_dtype = torch.float32 if low_precision and stages_per_group > 1 else q.dtype
+        accumulate_dtype = torch.float32 if low_precision and schedule.stages_per_group > 1 else q.dtype
         dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim), dtype=accumulate_dtype)
 
     def flush_group(group_index: int, group_dk: torch.Tensor, group_dv: torch.Tensor) -> None:
@@ -220,11 +216,8 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
                                     world, group_name),
         len(schedule.stages), prefetch == "both",
     )
-    stages = schedule.stages
-    for index, stage in enumerate(stages):
-        opens_group = index == 0 or stage.kv_group != stages[index - 1].kv_group
-        closes_group = index + 1 == len(stages) or stage.kv_group != stages[index + 1].kv_group
-        if opens_group and dkv_full is not None:
+    for index, stage in enumerate(schedule.stages):
+        if schedule.opens_kv_group(index) and dkv_full is not None:
             dkv_full.zero_()
         inputs.before_kernel(index)
         k_stage, v_stage = _stage_kv(buffers, stage, q.device)
@@ -238,7 +231,7 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
         inputs.after_kernel(index)
         _full_sequence_to_heads(dq_stage, _index(stage.q_heads, q.device), world, group_name, dq, accumulate=False)
         del dq_stage
-        if closes_group:
+        if schedule.closes_kv_group(index):
             flush_group(stage.kv_group, dk_stage, dv_stage)
         del dk_stage, dv_stage
     return dq, dk, dv

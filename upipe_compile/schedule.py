@@ -60,6 +60,24 @@ class StageSchedule:
     """Per group, the original KV head each rank receives, ``k`` per rank, ordered by rank."""
     stages: tuple[Stage, ...]
 
+    def opens_kv_group(self, index: int) -> bool:
+        """Stage ``index`` is the first of its KV group (its K/V must be exchanged)."""
+        return index == 0 or self.stages[index].kv_group != self.stages[index - 1].kv_group
+
+    def closes_kv_group(self, index: int) -> bool:
+        """Stage ``index`` is the last of its KV group (the group's dK/dV are complete)."""
+        return index + 1 == len(self.stages) or self.opens_kv_group(index + 1)
+
+    @property
+    def stages_per_group(self) -> int:
+        return len(self.stages) // len(self.kv_groups)
+
+    @property
+    def stage_uses_whole_group(self) -> bool:
+        """One stage per KV group, reading all of its ``k`` KV slots in the plain layout
+        (MHA, Ulysses): that stage's dK/dV are the group's, no accumulation needed."""
+        return self.stages_per_group == 1 and all(s.kv_slot_range == (0, self.kv_per_rank) for s in self.stages)
+
 
 @functools.lru_cache(maxsize=256)
 def plan_stages(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> StageSchedule:
