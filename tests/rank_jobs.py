@@ -109,3 +109,31 @@ def uneven_then_even(seq_local: int):
     finally:
         collectives.all_gather = real
     return counts[0], len(gathers)
+
+
+def packed_op_case(case: AttentionCase, bounds: tuple[int, ...], dtype: str = "int32"):
+    """op_case over a packed sequence: ``bounds`` are the documents' cumulative lengths
+    over the full sequence, passed identically on every rank."""
+    cu_seqlens = torch.tensor(bounds, dtype=getattr(torch, dtype))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = (x.chunk(world, dim=2)[rank].clone() for x in make_inputs(case))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = upipe_compile.upipe_attention(
+        q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage,
+        prefetch=case.prefetch, cu_seqlens=cu_seqlens,
+    )
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def packed_bad_boundaries_case(bounds_per_rank: list, dtype: str = "int32"):
+    """upipe_attention with rank r passing ``bounds_per_rank[r]``: expected to raise on every rank."""
+    rank = dist.get_rank()
+    q = torch.randn(1, 2, 4, 8)
+    cu_seqlens = torch.tensor(bounds_per_rank[rank], dtype=getattr(torch, dtype))
+    try:
+        upipe_compile.upipe_attention(q, q, q, is_causal=True, cu_seqlens=cu_seqlens)
+    except upipe_compile.UnsupportedAttention as error:
+        return str(error)
+    return None
