@@ -43,9 +43,9 @@ def uneven_shards_case():
     return upipe_compile.upipe_attention(q, q, q, is_causal=True)
 
 
-def op_case_with_flash_standin(case: AttentionCase, family: str):
-    """op_case with the stage loop's kernels replaced by FlashAttnKernels over a CPU
-    stand-in of flash-attn's interface (what the CUDA path runs)."""
+def op_case_with_flash_standin(case: AttentionCase, family: str, bounds: tuple[int, ...] | None = None):
+    """op_case (packed_op_case with ``bounds``) with the stage loop's kernels replaced by
+    FlashAttnKernels over a CPU stand-in of flash-attn's interface (what the CUDA path runs)."""
     from flash_attn_standins import FAMILIES
 
     from upipe_compile import kernels
@@ -53,10 +53,12 @@ def op_case_with_flash_standin(case: AttentionCase, family: str):
     cpu, interface = kernels._CPU, FAMILIES[family]()
     kernels._CPU = kernels.FlashAttnKernels(interface)
     try:
-        result = op_case(case)
+        result = op_case(case) if bounds is None else packed_op_case(case, bounds)
     finally:
         kernels._CPU = cpu
     assert interface.calls, "the stage loop did not go through the flash-attn adapter"
+    if bounds is not None and len(bounds) > 2:
+        assert all(call.get("varlen") for call in interface.calls), "packed stages must use the varlen kernels"
     return result
 
 
