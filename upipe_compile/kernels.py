@@ -390,8 +390,9 @@ def forward(q, k, v, is_causal: bool, scale: float | None, documents=None):
 
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None):
     kernel = kernels_for(q)
-    with _modelled_backward_workspace(q, k):
-        if documents is None or documents.is_single:
+    packed = documents is not None and not documents.is_single
+    with _modelled_backward_workspace(q, k, len(documents.spans) if packed else None):
+        if not packed:
             return kernel.backward(dout, q, k, v, out, lse, is_causal, scale)
         return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale)
 
@@ -407,11 +408,25 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-                             deterministic: bool, sms: int = H100_SMS) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                             deterministic: bool, sms: int = H100_SMS,
+                             documents: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The buffers flash's dense backward (flash-attn 2.x ``mha_bwd``, also vendored by aten)
-    allocates besides dq/dk/dv: ``name -> (shape, dtype)``."""
-    seq_rounded = _round_up(seq, 128)
+    allocates besides dq/dk/dv: ``name -> (shape, dtype)``. With ``documents`` (packed
+    sequences, one varlen call per batch row) those of ``mha_varlen_bwd``, whose per-row
+    buffers are padded by 128 rows per document instead of rounding the sequence up."""
     dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+    if documents is not None:
+        rows = seq + 128 * documents
+        splits = -(-sms // (documents * q_heads)) if deterministic else 1
+        workspace = {
+            "softmax_d": ((q_heads, rows), torch.float32),
+            "dq_accum": ((splits, rows, q_heads, dim_rounded), torch.float32),
+        }
+        if kv_heads != q_heads:
+            workspace["dk_expanded"] = ((seq, q_heads, head_dim), dtype)
+            workspace["dv_expanded"] = ((seq, q_heads, head_dim), dtype)
+        return workspace
+    seq_rounded = _round_up(seq, 128)
     splits = -(-sms // (batch * q_heads)) if deterministic else 1
     workspace = {
         "softmax_d": ((batch, q_heads, seq_rounded), torch.float32),
@@ -423,12 +438,14 @@ def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, 
     return workspace
 
 
-def aten_flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms=H100_SMS):
+def aten_flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms=H100_SMS,
+                                  documents=None):
     """aten's flash backward: flash's workspace plus the ``[B, S, H, D]`` copies it makes of
-    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``)."""
-    workspace = flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms)
-    workspace["dout_contiguous"] = ((batch, seq, q_heads, head_dim), dtype)
-    workspace["out_contiguous"] = ((batch, seq, q_heads, head_dim), dtype)
+    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``; per row when packed)."""
+    workspace = flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms, documents)
+    rows = 1 if documents is not None else batch
+    workspace["dout_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
+    workspace["out_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
     return workspace
 
 
@@ -455,13 +472,14 @@ def modelled_cuda_kernel(name: str = "flash-attn") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _modelled_backward_workspace(q, k) -> Iterator[None]:
+def _modelled_backward_workspace(q, k, documents: int | None = None) -> Iterator[None]:
     if _modelled_kernel is None or not is_fake(q):
         yield
         return
     batch, q_heads, seq, head_dim = q.shape
     shapes = CUDA_BACKWARD_WORKSPACE[_modelled_kernel](
-        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, torch.are_deterministic_algorithms_enabled()
+        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, torch.are_deterministic_algorithms_enabled(),
+        documents=documents,
     )
     workspace = [q.new_empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
     try:
