@@ -139,3 +139,77 @@ def packed_bad_boundaries_case(bounds_per_rank: list, dtype: str = "int32"):
     except upipe_compile.UnsupportedAttention as error:
         return str(error)
     return None
+
+
+class _DocumentAttention(torch.nn.Module):
+    """TinyAttention with document_sdpa instead of SDPA (what a packing model calls)."""
+
+    def __init__(self, case: AttentionCase):
+        super().__init__()
+        from tests_support import TinyAttention
+
+        self.inner = TinyAttention(case)
+
+    def forward(self, x, cu_seqlens):
+        inner, c = self.inner, self.inner.case
+        b, s, _ = x.shape
+        q = inner.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
+        k = inner.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = inner.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        out = upipe_compile.document_sdpa(q, k, v, cu_seqlens, is_causal=c.is_causal, scale=c.scale, enable_gqa=True)
+        return inner.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def compiled_document_block_case(case: AttentionCase, bounds: tuple[int, ...], inner_backend: str):
+    """The document_sdpa block compiled with backend="upipe" on this rank's shard, with the
+    full-sequence boundaries: (out, dx, param grads, how many boundary checks ran)."""
+    from tests_support import make_block_inputs
+
+    from upipe_compile import documents
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, dout = (t.chunk(world, dim=1)[rank] for t in make_block_inputs(case))
+    model = _DocumentAttention(case)
+    compiled = torch.compile(model, backend="upipe", options={"heads_per_stage": case.heads_per_stage,
+                                                              "inner_backend": inner_backend})
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    x = x.detach().clone().requires_grad_(True)
+    out = compiled(x, cu_seqlens)
+    out.backward(dout)
+    return out.detach(), x.grad, {name: p.grad for name, p in model.inner.named_parameters()}
+
+
+def document_block_reference(case: AttentionCase, bounds: tuple[int, ...]):
+    """The same block on one process, uncompiled: document_sdpa over the full sequence."""
+    from tests_support import block_grads, make_block_inputs
+
+    x, dout = make_block_inputs(case)
+    model = _DocumentAttention(case)
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x, torch.tensor(bounds))
+    out.backward(dout)
+    return out.detach(), x.grad, {name: p.grad for name, p in model.inner.named_parameters()}
+
+
+def boundary_checks_per_call(bounds: tuple[int, ...], calls: int, modify_between: bool):
+    """``calls`` op calls sharing one boundaries tensor (as a model's layers do): how many
+    cross-rank boundary checks (all-gathers beyond the once-per-shape check) each made."""
+    from upipe_compile import collectives
+
+    q = torch.randn(1, 2, bounds[-1] // dist.get_world_size(), 8)
+    upipe_compile.upipe_attention(q, q, q, is_causal=True)  # the shape check, once
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
+    gathers, real = [], collectives.all_gather
+    collectives.all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    counts = []
+    try:
+        for _ in range(calls):
+            before = len(gathers)
+            upipe_compile.upipe_attention(q, q, q, is_causal=True, cu_seqlens=cu_seqlens)
+            counts.append(len(gathers) - before)
+            if modify_between:
+                cu_seqlens.add_(0)  # an in-place change: the boundaries must be checked again
+    finally:
+        collectives.all_gather = real
+    return counts

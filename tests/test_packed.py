@@ -73,3 +73,52 @@ def test_bad_boundaries_refused_on_every_rank(rank_pools, bounds_per_rank, dtype
 
     errors = rank_pools(2).run(rank_jobs.packed_bad_boundaries_case, bounds_per_rank, dtype)
     assert all(error is not None and re.search(message, error) for error in errors), errors
+
+
+@pytest.mark.parametrize("modify_between", [False, True])
+def test_boundaries_are_checked_once_per_tensor(rank_pools, modify_between):
+    counts = rank_pools(2).run(rank_jobs.boundary_checks_per_call, (0, 3, 8), 3, modify_between)
+    assert counts == [[1, 1, 1] if modify_between else [1, 0, 0]] * 2
+
+
+@pytest.mark.parametrize(
+    "case,bounds,inner",
+    [
+        (AttentionCase(2, 1, 8, 2, 6, 8, 4, True, None, "float32", seed=6), (0, 1, 5, 9, 12), "aot_eager"),
+        (AttentionCase(4, 2, 4, 4, 3, 8, 4, True, 0.5, "float32", seed=7, prefetch="both"), (0, 2, 3, 11, 12),
+         "inductor"),
+    ],
+    ids=str,
+)
+def test_compiled_document_sdpa_block_matches_one_process(rank_pools, case, bounds, inner):
+    """A block calling document_sdpa, compiled with backend="upipe" on shards, equals the same
+    block uncompiled on one process (which equals attention per document: see the op tests)."""
+    shards = rank_pools(case.world).run(rank_jobs.compiled_document_block_case, case, bounds, inner)
+    out, dx, grads = rank_jobs.document_block_reference(case, bounds)
+    tolerance = TOLERANCE[case.dtype]
+    assert relative_error(torch.cat([s[0] for s in shards], dim=1), out) < tolerance
+    assert relative_error(torch.cat([s[1] for s in shards], dim=1), dx) < tolerance
+    for name, grad in grads.items():
+        assert relative_error(sum(s[2][name] for s in shards), grad) < tolerance, name
+
+
+def test_document_sdpa_on_one_process_equals_attention_per_document():
+    case = AttentionCase(1, 2, 6, 3, 10, 8, 6, True, None, "float32", seed=8)
+    bounds = (0, 1, 4, 10)
+    q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(__import__("tests_support").make_inputs(case)))
+    import upipe_compile
+
+    out = upipe_compile.document_sdpa(q, k, v, torch.tensor(bounds), is_causal=True, enable_gqa=True)
+    out.backward(dout)
+    expected = eager_documents_reference(case, bounds)
+    for actual, want in zip((out, q.grad, k.grad, v.grad), expected):
+        assert relative_error(actual.detach(), want) < 1e-5
+
+
+def test_document_sdpa_on_a_shard_is_refused():
+    """Without the upipe rewrite, full-sequence boundaries on a shard are refused, never run."""
+    import upipe_compile
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(upipe_compile.UnsupportedAttention, match="must end at the full sequence length 4"):
+        upipe_compile.document_sdpa(q, q, q, torch.tensor([0, 3, 8]), is_causal=True)
