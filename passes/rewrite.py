@@ -20,7 +20,7 @@ def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: i
         op = graph.call_function(
             UPIPE_ATTENTION,
             (match.query, match.key, match.value, match.is_causal, scale, heads_per_stage, world_size, group_name,
-             prefetch, match.cu_seqlens),
+             prefetch) + (() if match.cu_seqlens is None else (match.cu_seqlens,)),
         )
         # SDPA returns the output; document_sdpa returns (out, lse) like the op, and its
         # users take item 0 (its lse is for its own backward only).
