@@ -9,7 +9,7 @@ import upipe_compile
 from tests_support import AttentionCase, make_inputs
 
 
-def op_case(case: AttentionCase):
+def op_case(case: AttentionCase, cu_seqlens: torch.Tensor | None = None):
     """upipe_attention on this rank's shard; returns (out, dq, dk, dv) shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (x.chunk(world, dim=2)[rank].clone() for x in make_inputs(case))
@@ -17,7 +17,7 @@ def op_case(case: AttentionCase):
         x.requires_grad_(True)
     out = upipe_compile.upipe_attention(
         q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage,
-        prefetch=case.prefetch,
+        prefetch=case.prefetch, cu_seqlens=cu_seqlens,
     )
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
@@ -116,17 +116,7 @@ def uneven_then_even(seq_local: int):
 def packed_op_case(case: AttentionCase, bounds: tuple[int, ...], dtype: str = "int32"):
     """op_case over a packed sequence: ``bounds`` are the documents' cumulative lengths
     over the full sequence, passed identically on every rank."""
-    cu_seqlens = torch.tensor(bounds, dtype=getattr(torch, dtype))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    q, k, v, dout = (x.chunk(world, dim=2)[rank].clone() for x in make_inputs(case))
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    out = upipe_compile.upipe_attention(
-        q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage,
-        prefetch=case.prefetch, cu_seqlens=cu_seqlens,
-    )
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
+    return op_case(case, torch.tensor(bounds, dtype=getattr(torch, dtype)))
 
 
 def packed_bad_boundaries_case(bounds_per_rank: list, dtype: str = "int32"):
