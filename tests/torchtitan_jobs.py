@@ -31,11 +31,19 @@ def load_config(toml: str, *overrides: str):
     return ConfigManager().parse_args(["--job.config_file", toml, *overrides])
 
 
-def global_batch(job_config, step: int, vocab: int):
-    """The same full-sequence batch on every rank: (inputs, labels) [B, S]."""
+EOS_ID = 0
+
+
+def global_batch(job_config, step: int, vocab: int, documents: bool = False):
+    """The same full-sequence batch on every rank: (inputs, labels) [B, S]. With
+    ``documents``, EOS tokens (and no other zeros) end documents of random lengths, one
+    crossing the middle (the CP=2 shard boundary), one of length 1 where the draw allows."""
     gen = torch.Generator().manual_seed(1000 + step)
     b, s = job_config.training.local_batch_size, job_config.training.seq_len
-    tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
+    tokens = torch.randint(1 if documents else 0, vocab, (b, s + 1), generator=gen)
+    if documents:
+        ends = torch.randperm(s - 1, generator=gen)[:6].tolist() + [3, 4]
+        tokens[:, [e for e in ends if abs(e - s // 2) > 2]] = EOS_ID
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -64,10 +72,12 @@ def use_cpu_meshes() -> None:
     tools_utils.device_module = dist_utils_module.device_module = torch.cpu
 
 
-def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
+def train_debug_model(cp: int, steps: int, n_layers: int | None = None, documents: bool = False):
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
     ranks of the current (gloo) world. Returns (losses, first-step grads by parameter name,
-    first-step local positions, attention op counts of the last step, load balancer seen)."""
+    first-step local positions, attention op counts of the last step, load balancer seen).
+    ``documents``: the varlen flavor on packed rows of EOS-separated documents (batch 1),
+    its boundaries made by the model's get_attention_masks on the full batch, as the Trainer does."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
@@ -77,8 +87,9 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     use_cpu_meshes()
     torch._dynamo.reset()
     world = dist.get_world_size()
+    packed = ["--model.flavor=debugmodel_varlen_attn", "--training.local_batch_size=1"] if documents else []
     job_config = load_config(DEBUG_TOML, f"--parallelism.context_parallel_degree={cp}",
-                             f"--training.steps={steps}")
+                             f"--training.steps={steps}", *packed)
     importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
     p = job_config.parallelism
     parallel_dims = ParallelDims(
@@ -120,13 +131,24 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, steps)
     loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
 
-    losses, first_grads, first_positions, counts = [], None, None, None
+    losses, first_grads, first_positions, counts, document_counts = [], None, None, None, []
     for step in range(1, steps + 1):
         optimizers.zero_grad()
-        inputs, labels = global_batch(job_config, step, model_args.vocab_size)
+        inputs, labels = global_batch(job_config, step, model_args.vocab_size, documents)
         global_valid_tokens = (labels != IGNORE_INDEX).sum().float()  # dp degree 1
         extra_kwargs = {}
-        if parallel_dims.cp_enabled:
+        if documents:
+            from types import SimpleNamespace
+
+            from upipe_compile.integrations.torchtitan.documents import prepare_packed_input
+
+            masks = model.get_attention_masks(input_batch=inputs, tokenizer=SimpleNamespace(eos_id=EOS_ID))
+            document_counts.append(masks.cu_seq_q.numel() - 1)
+            extra_kwargs["attention_masks"] = masks
+            if parallel_dims.cp_enabled:
+                inputs, labels, extra_kwargs = prepare_packed_input(inputs, labels, masks,
+                                                                    parallel_dims.get_mesh("cp"))
+        elif parallel_dims.cp_enabled:
             inputs, labels, extra_kwargs = prepare_context_parallel_input(
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
                 job_config.parallelism.context_parallel_load_balancer,
@@ -155,5 +177,5 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     return {
         "losses": losses, "grads": first_grads, "positions": first_positions, "counts": counts,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
-        "n_layers": model_args.n_layers,
+        "n_layers": model_args.n_layers, "documents": document_counts,
     }

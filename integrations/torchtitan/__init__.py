@@ -37,8 +37,12 @@ def get_train_spec():
 
     from torchtitan.models import llama3
 
+    from upipe_compile.integrations.torchtitan.documents import varlen_model_args
+
+    spec = llama3.get_train_spec()
     return dataclasses.replace(
-        llama3.get_train_spec(), parallelize_fn=parallelize_llama_upipe, build_loss_fn=build_loss_fn_upipe,
+        spec, parallelize_fn=parallelize_llama_upipe, build_loss_fn=build_loss_fn_upipe,
+        model_args={flavor: varlen_model_args(args) for flavor, args in spec.model_args.items()},
     )
 
 

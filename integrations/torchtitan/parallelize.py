@@ -29,6 +29,7 @@ from upipe_compile.attention import PREFETCH_MODES
 from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.documents import use_document_attention
 from upipe_compile.options import INNER_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,12 @@ def check_job(job_config, parallel_dims, model_args=None) -> None:
         problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by the CP degree {cp}")
     if model_args is not None:
         attn_type = getattr(model_args, "attn_type", "sdpa")
-        if attn_type != "sdpa":
-            problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" (e.g. flavor "8B", not "8B_flex")')
+        if attn_type not in ("sdpa", "varlen"):
+            problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" or "varlen" '
+                            '(e.g. flavor "8B" or "8B_varlen", not "8B_flex")')
+        if attn_type == "varlen" and job_config.training.local_batch_size != 1:
+            problems.append("[training] local_batch_size must be 1 with a varlen flavor (one packed row per rank; "
+                            "see documents.py)")
         heads = model_args.n_heads
         if heads % cp:
             problems.append(f"n_heads = {heads} is not divisible by the CP degree {cp}")
@@ -127,6 +132,7 @@ def parallelize_llama_upipe(model: nn.Module, parallel_dims, job_config) -> nn.M
 
     check_job(job_config, parallel_dims, getattr(model, "model_args", None))
     disable_torchtitan_cp_sharding_balance(job_config)
+    use_document_attention(model)  # varlen flavors: document masking through UPipe (documents.py)
 
     if job_config.activation_checkpoint.mode != "none":
         save_list = set(_op_sac_save_list) | {torch.ops.upipe.attention.default}
