@@ -270,3 +270,20 @@ def test_packed_stage_loop_through_flash_attn_adapter_equals_eager(rank_pools, f
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         actual = torch.cat([r[i] for r in results], dim=2)
         assert relative_error(actual, expected[i]) < TOLERANCE["float32"], f"{family} {name}"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_aten_cuda_varlen_calls_match_the_op_schemas(batch):
+    """No GPU here: on meta tensors aten's varlen flash forward/backward check the arguments
+    AtenCudaKernels passes (order, int32 cumulative lengths, [S, H, D] views) and return the
+    packed [H, S] log-sum-exp its backward is handed back."""
+    from upipe_compile.documents import Documents
+
+    documents = Documents.from_bounds((0, 5, 6, 32), "meta")
+    q = torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(batch, 2, 32, 64, device="meta", dtype=torch.bfloat16)
+    kernel = kernels.AtenCudaKernels()
+    out, lse = kernel.forward_documents(q, k, k, documents, True, None)
+    assert out.shape == q.shape and lse.shape == (batch, 4, 32) and kernel.lse_padded is False
+    dq, dk, dv = kernel.backward_documents(q, q, k, k, out, lse, documents, True, None)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
