@@ -5,8 +5,8 @@
 
 One rank's peak over forward + backward beyond the op's own inputs and outputs (see
 upipe_compile.memory), for U = P, 2P and U = all query heads (= Ulysses), with the
-analytic ratio from ARCHITECTURE.md beside the measured one. U = P is also measured with
-each prefetch mode (the default, "forward", is what every other row uses).
+analytic ratio (docs/design.md, memory model) beside the measured one. U = P is also
+measured with each prefetch mode (the default, "forward", is what every other row uses).
 """
 
 from __future__ import annotations

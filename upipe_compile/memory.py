@@ -108,8 +108,8 @@ class StageLoopFunction(torch.autograd.Function):
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:
-    """ARCHITECTURE.md's count: one stage holds 2*m + 2*k full-sequence heads (m = U/P query
-    heads, k KV heads per rank); Ulysses holds 2*Hq/P + 2*Hkv/P."""
+    """The memory model of docs/design.md: one stage holds 2*m + 2*k full-sequence heads
+    (m = U/P query heads, k KV heads per rank); Ulysses holds 2*Hq/P + 2*Hkv/P."""
     from upipe_compile.schedule import plan_stages
 
     upipe = plan_stages(q_heads, kv_heads, world, heads_per_stage)
