@@ -114,11 +114,11 @@ class BlockInputs:
     positions: torch.Tensor
 
 
-def block_inputs(r: Rank, seq: int) -> BlockInputs:
+def block_inputs(r: Rank, seq: int, seed: int = 2000) -> BlockInputs:
     s_local = seq // r.world
     torch.manual_seed(0)
     state = {k: v.to(r.dtype) for k, v in Block(r.cfg).state_dict().items()}
-    gen = torch.Generator().manual_seed(2000 + r.rank)
+    gen = torch.Generator().manual_seed(seed + r.rank)
     x = torch.randn(1, s_local, r.cfg.hidden, generator=gen).to(r.device, r.dtype)
     dy = torch.randn(1, s_local, r.cfg.hidden, generator=gen).to(r.device, r.dtype)
     return BlockInputs(state, x, dy, upipe_compile.global_positions(s_local, r.mesh, device=r.device))

@@ -9,9 +9,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-import upipe_compile
 from benchmarks.throughput_methods import (
-    DEEPSPEED, METHODS, ULYSSES, Rank, block_inputs, first_line, op_inputs, unavailable_reasons,
+    DEEPSPEED, METHODS, ULYSSES, Rank, block_inputs, first_line, load_block, op_inputs, unavailable_reasons,
 )
 from benchmarks.tiny_llama import Block
 from upipe_compile.launch import report
@@ -167,20 +166,13 @@ def measure_compile_time(r: Rank, seq: int) -> list[dict]:
     warm: compiled again after torch._dynamo.reset() with that cache kept."""
     from torch._inductor.utils import fresh_cache
 
-    cfg, world, backend = r.cfg, r.world, r.args.compile_backend
-    s_local = seq // world
-    torch.manual_seed(0)
-    state = {k: v.to(r.dtype) for k, v in Block(cfg).state_dict().items()}
-    gen = torch.Generator().manual_seed(3000 + r.rank)
-    x = torch.randn(1, s_local, cfg.hidden, generator=gen).to(r.device, r.dtype).requires_grad_()
-    dy = torch.randn(1, s_local, cfg.hidden, generator=gen).to(r.device, r.dtype)
-    positions = upipe_compile.global_positions(s_local, r.mesh, device=r.device)
+    world, backend = r.world, r.args.compile_backend
+    inputs = block_inputs(r, seq, seed=3000)
+    x, dy, positions = inputs.x.requires_grad_(), inputs.dy, inputs.positions
 
     def one(name):
         torch._dynamo.reset()
-        model = Block(cfg)
-        model.load_state_dict(state)
-        model = model.to(r.device, r.dtype)
+        model = load_block(r, Block(r.cfg), inputs)
         if name == "upipe":
             compiled = torch.compile(model, backend="upipe", dynamic=False, options={
                 "cp_mesh": r.mesh, "heads_per_stage": world, "inner_backend": backend})
