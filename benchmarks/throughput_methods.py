@@ -101,7 +101,10 @@ class OpInputs:
 def op_inputs(r: Rank, seq: int) -> OpInputs:
     cfg = r.cfg
     gen = torch.Generator().manual_seed(1000 + r.rank)  # this rank's shard of one global tensor
-    make = lambda heads: torch.randn(1, seq // r.world, heads, cfg.head_dim, generator=gen).to(r.device, r.dtype)  # noqa: E731
+
+    def make(heads):
+        return torch.randn(1, seq // r.world, heads, cfg.head_dim, generator=gen).to(r.device, r.dtype)
+
     bshd = [make(cfg.q_heads), make(cfg.kv_heads), make(cfg.kv_heads), make(cfg.q_heads)]
     return OpInputs(bshd, [t.transpose(1, 2).contiguous() for t in bshd])
 
@@ -303,7 +306,7 @@ def probe_ring(r: Rank) -> Optional[str]:
     cfg = r.cfg
     seq = 8 * r.world
     gen = torch.Generator().manual_seed(7)
-    shapes = [(1, cfg.q_heads, seq, 16), (1, cfg.kv_heads, seq, 16), (1, cfg.kv_heads, seq, 16), (1, cfg.q_heads, seq, 16)]
+    shapes = [(1, heads, seq, 16) for heads in (cfg.q_heads, cfg.kv_heads, cfg.kv_heads, cfg.q_heads)]
     full = [torch.randn(s, generator=gen).to(r.device, r.dtype) for s in shapes]
     reason = None
     try:

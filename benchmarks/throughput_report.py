@@ -50,7 +50,8 @@ def targets(rows, seqs) -> list[str]:
     largest = max(seqs)
     for case in ("op", "block"):
         for world in sorted({row["P"] for row in rows}):
-            cell = {row["method"]: row for row in rows if row["case"] == case and row["P"] == world and row["seq"] == largest}
+            cell = {row["method"]: row for row in rows
+                    if row["case"] == case and row["P"] == world and row["seq"] == largest}
             if not cell:
                 continue
             ours, upipe, peer = cell[ULYSSES], cell[UPIPE_P], cell[DEEPSPEED]
