@@ -54,10 +54,25 @@ class LazyOutputProjection(nn.Module):
         self.weight = linear.weight
 
     def forward(self, hidden: torch.Tensor) -> LazyLogits:
-        return LazyLogits(hidden, self.weight)
+        return LazyLogits(hidden, _StepAlias.apply(self.weight))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (logits computed by the loss)"
+
+
+class _StepAlias(torch.autograd.Function):
+    """The weight as a new, non-view tensor on the same memory, with gradient passed through.
+    FSDP2 puts a pre-backward hook on every grad-requiring tensor of a module's output: on the
+    parameter itself those hooks would pile up, one more every step; on a view FSDP warns
+    (in-place ops on views drop its hook). This alias lives for one step."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def check_chunk_tokens(chunk_tokens, what: str = "chunk_tokens") -> int:

@@ -65,10 +65,13 @@ def host_memory_problem(bytes_per_rank: int, ranks: int, total_bytes: int, reser
     need = bytes_per_rank * ranks
     if need + reserve_bytes <= total_bytes:
         return None
-    gib = 1 << 30
-    return (f"offloading block inputs needs {bytes_per_rank / gib:.1f} GiB of host memory per rank x {ranks} "
-            f"ranks per node = {need / gib:.1f} GiB, plus a reserve of {reserve_bytes / gib:.1f} GiB, but the "
-            f"node has {total_bytes / gib:.1f} GiB")
+    return (f"offloading block inputs needs {_size(bytes_per_rank)} of host memory per rank x {ranks} "
+            f"ranks per node = {_size(need)}, plus a reserve of {_size(reserve_bytes)}, but the "
+            f"node has {_size(total_bytes)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 # --- the copies ------------------------------------------------------------------------------
