@@ -154,3 +154,19 @@ def _reshard_policy_with_chunked_loss():
         return module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
 
     return resharded(model.output), resharded(model.layers["0"])
+
+
+def test_qwen3_spec_is_registered_and_moe_flavors_refused():
+    import upipe_compile.integrations.torchtitan  # noqa: F401
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan import check_job
+
+    spec = get_train_spec("qwen3")
+    assert spec.parallelize_fn.__name__ == "parallelize_qwen3_upipe"
+    assert spec.build_loss_fn.__name__ == "build_loss_fn_upipe"
+    config = load_config(DEBUG_TOML, "--model.name=qwen3", "--model.flavor=32B")
+    dims = dims_for(config, 2)
+    check_job(config, dims, spec.model_args["32B"])  # 64 q / 8 kv heads, dense: accepted
+    with pytest.raises(UnsupportedAttention, match="MoE model flavors are not supported"):
+        check_job(config, dims, spec.model_args["30B-A3B"])

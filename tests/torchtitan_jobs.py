@@ -78,10 +78,11 @@ def use_cpu_meshes() -> None:
     tools_utils.device_module = dist_utils_module.device_module = torch.cpu
 
 
-def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = ()):
+def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = (),
+                      model_changes: dict | None = None):
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
     ranks of the current (gloo) world, the debug TOML changed by ``overrides`` (torchtitan
-    command-line style). Returns (losses, first-step grads by parameter name, first-step local
+    command-line style) and the flavor's model args by ``model_changes``. Returns (losses, first-step grads by parameter name, first-step local
     positions, upipe op counts of the last step, load balancer seen, what the offloader moved
     in each step)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -106,9 +107,10 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     train_spec = get_train_spec(job_config.model.name)
     model_args = train_spec.model_args[job_config.model.flavor]
     model_args.update_from_config(job_config)
-    if n_layers is not None:
+    changes = dict(model_changes or {}, **({"n_layers": n_layers} if n_layers is not None else {}))
+    if changes:
         import dataclasses
-        model_args = dataclasses.replace(model_args, n_layers=n_layers)
+        model_args = dataclasses.replace(model_args, **changes)
 
     # Reference weights: one seeded full model, identical for every CP degree.
     torch.manual_seed(0)

@@ -83,10 +83,15 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
         problems.append("[parallelism] tensor_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
     if parallel_dims.pp_enabled:
         problems.append("[parallelism] pipeline_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
+    if parallel_dims.ep_enabled:
+        problems.append("[parallelism] expert_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
     cp = parallel_dims.cp
     if job_config.training.seq_len % cp:
         problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by the CP degree {cp}")
     if model_args is not None:
+        if getattr(model_args, "moe_enabled", False):
+            problems.append("MoE model flavors are not supported with backend upipe (not implemented/tested); "
+                            "use a dense flavor")
         attn_type = getattr(model_args, "attn_type", "sdpa")
         if attn_type != "sdpa":
             problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" (e.g. flavor "8B", not "8B_flex")')
@@ -134,22 +139,37 @@ def _inner(name: str):
 
 def parallelize_llama_upipe(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     """torchtitan ParallelizeFunction for Llama3 (registered by this package's TrainSpec)."""
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_fsdp, parallelize_llama
+
+    return _parallelize_upipe(model, parallel_dims, job_config, stock=parallelize_llama,
+                              sac_save_list=_op_sac_save_list, apply_fsdp=apply_fsdp)
+
+
+def parallelize_qwen3_upipe(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """torchtitan ParallelizeFunction for Qwen3's dense flavors; torchtitan's Qwen3 applies
+    llama4's (MoE-aware) apply_fsdp, and so does this."""
+    from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list, parallelize_qwen3
+
+    return _parallelize_upipe(model, parallel_dims, job_config, stock=parallelize_qwen3,
+                              sac_save_list=_op_sac_save_list, apply_fsdp=apply_fsdp)
+
+
+def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sac_save_list, apply_fsdp) -> nn.Module:
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed.activation_checkpoint import apply_ac
-    from torchtitan.models.llama3.infra.parallelize import (
-        _op_sac_save_list, apply_ddp, apply_fsdp, parallelize_llama,
-    )
+    from torchtitan.models.llama3.infra.parallelize import apply_ddp
 
     refuse_stack_without_upipe(job_config)
     if not upipe_enabled(job_config):
-        return parallelize_llama(model, parallel_dims, job_config)
+        return stock(model, parallel_dims, job_config)
 
     check_job(job_config, parallel_dims, getattr(model, "model_args", None), model)
     disable_torchtitan_cp_sharding_balance(job_config)
     stack.apply_module_swaps(model, job_config)
 
     if job_config.activation_checkpoint.mode != "none":
-        save_list = set(_op_sac_save_list) | {torch.ops.upipe.attention.default}
+        save_list = set(sac_save_list) | {torch.ops.upipe.attention.default}
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=True,
                  op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
 
