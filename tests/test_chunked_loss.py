@@ -64,10 +64,14 @@ def test_bfloat16_close_to_plain():
         assert relative_error(a, b) < 1e-2
 
 
-def test_compiled_loss_matches_plain():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_loss_matches_plain(backend):
+    """As build_loss_fn compiles it when [compile] components has "loss"."""
+    import functools
+
     hidden, weight, labels = make_case(2, 17, 8, 30, 0.2, 3)
-    compiled = torch.compile(lambda h, w, y: lazy_logits_cross_entropy(LazyLogits(h, w), y, 5),
-                             backend="aot_eager", fullgraph=True)
+    loss_fn = torch.compile(functools.partial(lazy_logits_cross_entropy, chunk_tokens=5), backend=backend)
+    compiled = lambda h, w, y: loss_fn(LazyLogits(h, w), y)  # noqa: E731
     ref = loss_and_grads(plain_loss, hidden, weight, labels)
     got = loss_and_grads(compiled, hidden, weight, labels)
     for a, b in zip(got, ref):

@@ -146,3 +146,50 @@ def test_host_memory_arithmetic_and_node_check(tmp_path, monkeypatch):
     assert ranks_per_node(default=16) == 4
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert ranks_per_node(default=16) == 16
+
+
+def test_with_fsdp2_inputs_are_released_and_results_exact(rank_pools):
+    """torchtitan's order: checkpoint_wrapper -> per-block compile -> FSDP2 (blocks and root),
+    hooks on the final block modules: FSDP's pre-forward alias of the input still matches,
+    nothing else keeps the inputs, and results equal the same model without offload."""
+    assert rank_pools(1).run(_fsdp_blocks_job) == [([True, True], [False, False], True)]
+
+
+def _fsdp_blocks_job():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, scale = torch.randn(1, 10, DIM), torch.rand(3 * DIM)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(make_blocks(3, "aot_eager"))
+
+        def forward(self, h, refs):
+            for block in self.layers:
+                refs.append(StorageWeakRef(h.untyped_storage()))
+                h = block(h, scale)
+            return h
+
+    def run_model(offload):
+        model = Stack()
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        offloader = BlockInputOffloader(list(model.layers)) if offload else None
+        refs = []
+        h = model(x.clone().requires_grad_(), refs)
+        alive = [not ref.expired() for ref in refs[1:]]
+        h.square().sum().backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        if offloader:
+            assert offloader.offloaded_last_step == 3
+        return alive, h.detach(), grads
+
+    alive_plain, out_plain, grads_plain = run_model(False)
+    alive_offload, out_offload, grads_offload = run_model(True)
+    exact = torch.equal(out_plain, out_offload) and all(torch.equal(a, b) for a, b in zip(grads_plain, grads_offload))
+    return alive_plain, alive_offload, exact
