@@ -119,8 +119,9 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: slice) -> to
     return F.linear(hidden[rows], weight).float()
 
 
-@torch.library.custom_op("upipe::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(
+# The loops are plain functions (the ops below only wrap them) so that a memory estimate
+# can run them on fake tensors, where the ops themselves would run only their fake kernels.
+def linear_cross_entropy_forward(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, D], weight [V, D], labels [N] -> (summed loss fp32 [], log-sum-exp fp32 [N])."""
@@ -138,13 +139,19 @@ def linear_cross_entropy_op(
     return loss, lse
 
 
+@torch.library.custom_op("upipe::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_forward(hidden, weight, labels, chunk_tokens, ignore_index)
+
+
 @linear_cross_entropy_op.register_fake
 def _linear_cross_entropy_fake(hidden, weight, labels, chunk_tokens, ignore_index):
     return hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("upipe::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward_op(
+def linear_cross_entropy_backward(
     grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
     chunk_tokens: int, ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +173,14 @@ def linear_cross_entropy_backward_op(
         grad_weight.add_(grad_logits.t() @ hidden[rows])
         del grad_logits
     return grad_hidden, grad_weight.to(weight.dtype)
+
+
+@torch.library.custom_op("upipe::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward_op(
+    grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+    chunk_tokens: int, ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return linear_cross_entropy_backward(grad_loss, hidden, weight, labels, lse, chunk_tokens, ignore_index)
 
 
 @linear_cross_entropy_backward_op.register_fake

@@ -39,9 +39,10 @@ def _tiles(n: int, tile_tokens: int):
         yield slice(start, min(start + tile_tokens, n))
 
 
-@torch.library.custom_op("upipe::tiled_swiglu", mutates_args=())
-def tiled_swiglu_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                    tile_tokens: int) -> torch.Tensor:
+# The loops are plain functions (the ops below only wrap them) so that a memory estimate
+# can run them on fake tensors, where the ops themselves would run only their fake kernels.
+def tiled_swiglu_forward(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                         tile_tokens: int) -> torch.Tensor:
     """x [N, D], w1/w3 [H, D], w2 [D_out, H] -> [N, D_out]."""
     out = x.new_empty(x.shape[0], w2.shape[0])
     for rows in _tiles(x.shape[0], tile_tokens):
@@ -50,15 +51,21 @@ def tiled_swiglu_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: tor
     return out
 
 
+@torch.library.custom_op("upipe::tiled_swiglu", mutates_args=())
+def tiled_swiglu_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                    tile_tokens: int) -> torch.Tensor:
+    return tiled_swiglu_forward(x, w1, w2, w3, tile_tokens)
+
+
 @tiled_swiglu_op.register_fake
 def _tiled_swiglu_fake(x, w1, w2, w3, tile_tokens):
     return x.new_empty(x.shape[0], w2.shape[0])
 
 
-@torch.library.custom_op("upipe::tiled_swiglu_backward", mutates_args=())
-def tiled_swiglu_backward_op(
+def tiled_swiglu_backward(
     grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, tile_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx, dw1, dw2, dw3), one tile recomputed at a time."""
     grad_x = torch.empty_like(x)
     grad_w = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in (w1, w2, w3)]
     for rows in _tiles(x.shape[0], tile_tokens):
@@ -68,12 +75,22 @@ def tiled_swiglu_backward_op(
         grad_w[1].add_(gt.t() @ (act * h3))
         grad_prod = gt @ w2  # dL/d(silu(h1) * h3)
         grad_h3 = grad_prod * act
-        grad_h1 = torch.ops.aten.silu_backward(grad_prod * h3, h1)
-        del h1, h3, act, grad_prod
+        del act
+        grad_act = grad_prod.mul_(h3)  # in place: one [tile, hidden] tensor fewer at the peak
+        del h3
+        grad_h1 = torch.ops.aten.silu_backward(grad_act, h1)
+        del h1, grad_prod, grad_act
         torch.mm(grad_h1, w1, out=grad_x[rows]).addmm_(grad_h3, w3)
         grad_w[0].add_(grad_h1.t() @ xt)
         grad_w[2].add_(grad_h3.t() @ xt)
     return (grad_x, *(g.to(w.dtype) for g, w in zip(grad_w, (w1, w2, w3))))
+
+
+@torch.library.custom_op("upipe::tiled_swiglu_backward", mutates_args=())
+def tiled_swiglu_backward_op(
+    grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, tile_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tiled_swiglu_backward(grad_out, x, w1, w2, w3, tile_tokens)
 
 
 @tiled_swiglu_backward_op.register_fake
