@@ -95,11 +95,12 @@ def rank_main(args) -> list[dict]:
 
 def attention_memory_at_scale(world: int, seq: int) -> dict[int, float]:
     """Per-rank attention-op peak (GiB) for this architecture at ``seq`` tokens, measured on
-    fake tensors over a fake process group."""
+    fake tensors over a fake process group, with the CPU kernels this demo runs (no CUDA
+    kernel workspace)."""
     with fake_process_group(world) as group:
         return {
             u: measure_op_memory(group, seq=seq, q_heads=CONFIG.q_heads, kv_heads=CONFIG.kv_heads,
-                                 head_dim=CONFIG.head_dim, heads_per_stage=u).peak_bytes / 2**30
+                                 head_dim=CONFIG.head_dim, heads_per_stage=u, cuda_kernel=None).peak_bytes / 2**30
             for u in (CONFIG.q_heads, world)
         }
 
