@@ -31,20 +31,34 @@ def load_config(toml: str, *overrides: str):
     return ConfigManager().parse_args(["--job.config_file", toml, *overrides])
 
 
+# The long-context stack, all on: full AC (offload needs it), uneven MLP tiles and loss chunks
+# on both CP degrees (128 or 256 local tokens per rank).
+STACK_OVERRIDES = (
+    "--activation_checkpoint.mode=full", "--upipe.offload_block_inputs",
+    "--upipe.mlp_tile_tokens=48", "--upipe.loss_chunk_tokens=40",
+    "--upipe.host_memory_reserve_gib=1",  # this machine's RAM is small; the inputs are not
+)
+
+
 EOS_ID = 0
 
 
 def global_batch(job_config, step: int, vocab: int, documents: bool = False):
-    """The same full-sequence batch on every rank: (inputs, labels) [B, S]. With
-    ``documents``, EOS tokens (and no other zeros) end documents of random lengths, one
-    crossing the middle (the CP=2 shard boundary), one of length 1 where the draw allows."""
+    """The same full-sequence batch on every rank: (inputs, labels) [B, S]; a few labels are
+    torchtitan's IGNORE_INDEX (as padding gives), so the loss's ignore path is exercised.
+    With ``documents``, EOS tokens (and no other zeros) end documents of random lengths, one
+    crossing the middle (the CP=2 shard boundary), one of length 1."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
     gen = torch.Generator().manual_seed(1000 + step)
     b, s = job_config.training.local_batch_size, job_config.training.seq_len
     tokens = torch.randint(1 if documents else 0, vocab, (b, s + 1), generator=gen)
     if documents:
         ends = torch.randperm(s - 1, generator=gen)[:6].tolist() + [3, 4]
         tokens[:, [e for e in ends if abs(e - s // 2) > 2]] = EOS_ID
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    labels = tokens[:, 1:].clone()
+    labels[torch.rand(b, s, generator=gen) < 0.1] = IGNORE_INDEX
+    return tokens[:, :-1].contiguous(), labels
 
 
 def _clean(name: str) -> str:
@@ -72,12 +86,15 @@ def use_cpu_meshes() -> None:
     tools_utils.device_module = dist_utils_module.device_module = torch.cpu
 
 
-def train_debug_model(cp: int, steps: int, n_layers: int | None = None, documents: bool = False):
+def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = (),
+                      model_changes: dict | None = None, documents: bool = False):
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
-    ranks of the current (gloo) world. Returns (losses, first-step grads by parameter name,
-    first-step local positions, attention op counts of the last step, load balancer seen).
-    ``documents``: the varlen flavor on packed rows of EOS-separated documents (batch 1),
-    its boundaries made by the model's get_attention_masks on the full batch, as the Trainer does."""
+    ranks of the current (gloo) world, the debug TOML changed by ``overrides`` (torchtitan
+    command-line style) and the flavor's model args by ``model_changes``. Returns (losses, first-step grads by parameter name, first-step local
+    positions, upipe op counts of the last step, load balancer seen, what the offloader moved
+    in each step). ``documents``: the varlen flavor on one packed row of EOS-separated
+    documents, its boundaries made by the model's get_attention_masks on the full batch (as
+    the Trainer does) and passed whole to every rank (prepare_packed_input)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
@@ -89,7 +106,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, document
     world = dist.get_world_size()
     packed = ["--model.flavor=debugmodel_varlen_attn", "--training.local_batch_size=1"] if documents else []
     job_config = load_config(DEBUG_TOML, f"--parallelism.context_parallel_degree={cp}",
-                             f"--training.steps={steps}", *packed)
+                             f"--training.steps={steps}", *overrides, *packed)
     importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
     p = job_config.parallelism
     parallel_dims = ParallelDims(
@@ -101,9 +118,10 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, document
     train_spec = get_train_spec(job_config.model.name)
     model_args = train_spec.model_args[job_config.model.flavor]
     model_args.update_from_config(job_config)
-    if n_layers is not None:
+    changes = dict(model_changes or {}, **({"n_layers": n_layers} if n_layers is not None else {}))
+    if changes:
         import dataclasses
-        model_args = dataclasses.replace(model_args, n_layers=n_layers)
+        model_args = dataclasses.replace(model_args, **changes)
 
     # Reference weights: one seeded full model, identical for every CP degree.
     torch.manual_seed(0)
@@ -131,7 +149,8 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, document
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, steps)
     loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
 
-    losses, first_grads, first_positions, counts, document_counts = [], None, None, None, []
+    losses, first_grads, first_positions, counts, offloaded, document_counts = [], None, None, None, [], []
+    offloader = getattr(model, "upipe_offloader", None)
     for step in range(1, steps + 1):
         optimizers.zero_grad()
         inputs, labels = global_batch(job_config, step, model_args.vocab_size, documents)
@@ -158,12 +177,15 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, document
         if prof:
             prof.__enter__()
         pred = model(inputs, **extra_kwargs)
+        pred_type = type(pred).__name__
         loss = loss_fn(pred, labels) / global_valid_tokens
         del pred
         loss.backward()
         if prof:
             prof.__exit__(None, None, None)
             counts = dict(attention_events(prof))
+        if offloader is not None:
+            offloaded.append((offloader.offloaded_last_step, offloader.offloaded_bytes_last_step))
         if step == 1:
             first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
             first_positions = extra_kwargs.get("positions")
@@ -177,5 +199,6 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, document
     return {
         "losses": losses, "grads": first_grads, "positions": first_positions, "counts": counts,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
-        "n_layers": model_args.n_layers, "documents": document_counts,
+        "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type, "documents": document_counts,
+        "local_tokens": inputs.numel(), "dim": model_args.dim,
     }

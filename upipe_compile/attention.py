@@ -14,7 +14,7 @@ dq (per stage) and dk/dv (per KV group) back to their sequence shards.
 
 ``upipe::attention`` / ``upipe::attention_backward`` are ``torch.library`` custom ops with
 fake kernels, so torch.compile treats the loop as one opaque node and never unrolls it
-(unrolling would let autograd keep every stage's buffers alive; see ARCHITECTURE.md).
+(unrolling would let autograd keep every stage's buffers alive; see docs/design.md).
 """
 
 from __future__ import annotations
