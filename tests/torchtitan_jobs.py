@@ -159,14 +159,16 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         if documents:
             from types import SimpleNamespace
 
-            from upipe_compile.integrations.torchtitan.documents import prepare_packed_input
+            import torchtitan.train
 
             masks = model.get_attention_masks(input_batch=inputs, tokenizer=SimpleNamespace(eos_id=EOS_ID))
             document_counts.append(masks.cu_seq_q.numel() - 1)
             extra_kwargs["attention_masks"] = masks
-            if parallel_dims.cp_enabled:
-                inputs, labels, extra_kwargs = prepare_packed_input(inputs, labels, masks,
-                                                                    parallel_dims.get_mesh("cp"))
+            if parallel_dims.cp_enabled:  # the function the Trainer calls (routed by the integration)
+                inputs, labels, extra_kwargs = torchtitan.train.prepare_context_parallel_input(
+                    inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
+                    job_config.parallelism.context_parallel_load_balancer,
+                )
         elif parallel_dims.cp_enabled:
             inputs, labels, extra_kwargs = prepare_context_parallel_input(
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
