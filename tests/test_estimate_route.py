@@ -1,0 +1,136 @@
+"""The whole-step estimate runs attention through SDPAThroughStageLoops (eager) where training
+runs the "upipe" backend's compiled op. Proof that the two allocate the same: on a fake group
+of 2 ranks with real tensors, an attention block compiled with backend "upipe" and the same
+block under the route make the same stage-loop calls with the same buffers (every kernel
+input, every all-to-all send buffer), give the backward loop the same saved tensors, and
+autograd keeps the same bytes for backward over the whole block.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import upipe_compile.attention as attention_module
+import upipe_compile.memory as memory_module
+from tests_support import AttentionCase, TinyAttention, make_block_inputs
+from upipe_compile import UnsupportedAttention, collectives, kernels
+from upipe_compile.memory import SDPAThroughStageLoops
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def group():
+    assert not dist.is_initialized(), "a default process group leaked into the pytest process"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, tuple(x.stride()))
+    return x
+
+
+@contextmanager
+def recording(monkeypatch, calls: list):
+    """Log every kernel call, every all-to-all send buffer and the stage loops' arguments."""
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+
+        def logged(*args, **kwargs):
+            calls.append((label, tuple(_describe(a) for a in args)))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, logged)
+
+    wrap(kernels, "forward", "kernel forward")
+    wrap(kernels, "backward", "kernel backward")
+    wrap(collectives, "start_all_to_all", "all-to-all (prefetchable)")
+    wrap(collectives, "all_to_all", "all-to-all")
+    # The compiled op and the route's autograd.Function call the same loops, each by its own name.
+    for owner in (attention_module, memory_module):
+        wrap(owner, "stage_loop_forward", "stage loop forward")
+        wrap(owner, "stage_loop_backward", "stage loop backward")
+    yield
+
+
+class SavedBytes:
+    """Unique storages autograd saves for backward (parameters excluded)."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.storages = {}
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def total(self):
+        return sum(self.storages.values())
+
+
+def run_block(model, params, x, dout, monkeypatch, route=None):
+    calls = []
+    saved = SavedBytes(params)
+    x = x.detach().clone().requires_grad_(True)
+    with recording(monkeypatch, calls), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        if route is None:
+            out = model(x)
+        else:
+            with route:
+                out = model(x)
+    out.backward(dout)
+    monkeypatch.undo()
+    return calls, saved.total
+
+
+CASES = [
+    AttentionCase(world=WORLD, batch=1, q_heads=8, kv_heads=2, seq_local=32, head_dim=16, heads_per_stage=2,
+                  is_causal=True, scale=None, dtype="float32"),  # UPipe U = P, GQA
+    AttentionCase(world=WORLD, batch=2, q_heads=4, kv_heads=4, seq_local=16, head_dim=8, heads_per_stage=4,
+                  is_causal=True, scale=0.3, dtype="float32"),  # Ulysses (U = all heads), MHA
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["upipe-gqa", "ulysses-mha"])
+def test_route_allocates_what_the_compiled_op_allocates(group, monkeypatch, case):
+    torch._dynamo.reset()
+    x, dout = make_block_inputs(case)
+    x = x[:, : case.seq_local]  # this rank's shard
+    dout = dout[:, : case.seq_local]
+    eager = TinyAttention(case)
+    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"}
+    compiled = torch.compile(eager, backend="upipe", options=options, fullgraph=True)
+    run_block(compiled, eager.parameters(), x, dout, monkeypatch)  # compile outside the recording
+
+    compiled_calls, compiled_saved = run_block(compiled, eager.parameters(), x, dout, monkeypatch)
+    route = SDPAThroughStageLoops(group, case.heads_per_stage, "forward")
+    routed_calls, routed_saved = run_block(eager, eager.parameters(), x, dout, monkeypatch, route=route)
+
+    labels = [label for label, _ in compiled_calls]
+    assert labels.count("stage loop forward") == labels.count("stage loop backward") == 1
+    assert labels.count("kernel backward") == case.q_heads // case.heads_per_stage  # one per stage
+    assert routed_calls == compiled_calls  # same loops, same buffers, same saved q/k/v/out/lse
+    assert routed_saved == compiled_saved > 0
+
+
+def test_route_refuses_what_the_backend_refuses(group):
+    q = torch.randn(1, 4, 8, 8)
+    with SDPAThroughStageLoops(group, 2), pytest.raises(UnsupportedAttention, match="attn_mask"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with SDPAThroughStageLoops(group, 3), pytest.raises(UnsupportedAttention, match="heads_per_stage=3"):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)

@@ -1,0 +1,127 @@
+"""Whole-training-step memory estimate of a torchtitan job: ``python -m upipe_compile.estimate``.
+
+Builds the job as torchtitan's Trainer would (job.py), on fake CPU tensors over a fake
+process group of the job's world size, runs a real training step under a memory tracker
+(step.py) with the GPU attention kernels' workspaces switched on (gpu.py), and reports the
+per-rank device peak with a breakdown, the host memory of offloaded activations, and whether
+it fits a GPU after a stated reserve. See docs/estimate.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from upipe_compile.estimate.gpu import GIB, gpu_kernel_workspace, reserve_gib
+from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
+from upipe_compile.estimate.step import StepMemory, run_step
+
+H100_80GB_GIB = 79.1
+"""What torch reports as the total memory of an "80 GB" H100."""
+
+__all__ = ["H100_80GB_GIB", "Estimate", "JobError", "estimate", "load_job_config"]
+
+
+@dataclass
+class Estimate:
+    seq_len: int
+    world_size: int
+    cp: int
+    heads_per_stage: int
+    peak_device_gib: float
+    """Per-rank device peak of the step (measured on fake tensors + the kernels' workspaces)."""
+    reserve_gib: float
+    gpu_gib: float
+    budget_gib: float
+    """``gpu_gib`` minus the reserve: what the peak must not exceed."""
+    fits: bool
+    host_gib_per_rank: float
+    host_gib_per_node: float
+    peak_phase: str
+    breakdown: dict[str, float]
+    block_recompute: dict[str, float]
+    seconds: float
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8) -> Estimate:
+    """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
+    fake default process group: call it where no process group exists."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from upipe_compile.integrations.torchtitan.config import upipe_config
+    from upipe_compile.memory import fake_process_group
+
+    start = time.time()
+    world = world_size(job_config)
+    with fake_process_group(world), private_sharding_fake_mode(), gpu_kernel_workspace():
+        # Non-fake inputs are the meta-device model and the meshes' rank tensors.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        job = build_job(job_config, fake_mode)
+        memory = run_step(job, fake_mode)
+    cp = job_config.parallelism.context_parallel_degree
+    heads_per_stage = upipe_config(job_config).heads_per_stage or cp
+    peak = memory.peak_snapshot.get("Total", 0) / GIB
+    reserve = reserve_gib(peak)
+    host = memory.host_peak / GIB
+    return Estimate(
+        seq_len=job_config.training.seq_len, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
+        peak_device_gib=round(peak, 6), reserve_gib=round(reserve, 6), gpu_gib=gpu_gib,
+        budget_gib=round(gpu_gib - reserve, 6), fits=peak <= gpu_gib - reserve,
+        host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
+        peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
+        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory), seconds=round(time.time() - start, 1),
+    )
+
+
+# FSDPMemTracker's categories, grouped as the report names them.
+_CATEGORIES = {
+    "sharded_params": ("Sharded Param",),
+    "sharded_grads": ("Sharded Grad",),
+    "optimizer_state": ("OptState",),
+    "fsdp_buffers": ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+    "model_buffers": ("Buffer",),
+    "inputs": ("Inputs",),
+    "activations_and_temps": ("Activation", "Temp"),
+}
+
+
+def _gib(x: int) -> float:
+    return round(x / GIB, 6)
+
+
+def _breakdown(memory: StepMemory) -> dict[str, float]:
+    """The device peak by kind (these sum to the peak), then two measured terms inside
+    activations: the checkpointed block inputs left on device after forward and what the
+    logits and loss add over the end of forward."""
+    snap = {str(getattr(k, "value", k)): v for k, v in memory.peak_snapshot.items()}
+    out = {name: _gib(sum(snap.get(c, 0) for c in cats)) for name, cats in _CATEGORIES.items()}
+    out["checkpointed_inputs_on_device"] = _gib(memory.checkpointed_on_device)
+    loss_peak = max((s.peak for p, s in memory.phases.items() if p[0] in ("loss", "loss backward")), default=0)
+    out["loss"] = _gib(max(0, loss_peak - (memory.after_forward - memory.logits)))
+    return out
+
+
+def _block_recompute(memory: StepMemory) -> dict[str, float]:
+    """The block whose backward (AC recompute + gradients) peaks highest: how far each of its
+    parts rises above the memory at the start of that block's backward."""
+    blocks = {}
+    for phase, stats in memory.phases.items():
+        if len(phase) == 3 and phase[0] == "backward":
+            blocks.setdefault(phase[1], {})[phase[2]] = stats
+    if not blocks:
+        return {}
+    layer = max(blocks, key=lambda i: max(s.peak for s in blocks[i].values()))
+    parts = blocks[layer]
+    start = min(s.entry for s in parts.values())
+    result = {"layer": layer, "peak_above_start": _gib(max(s.peak for s in parts.values()) - start)}
+    names = {"stage loop": "attention_stage_loop", "attention": "attention_projections_rope", "mlp": "mlp", "rest": "rest"}
+    for part, name in names.items():
+        if part in parts:
+            result[name] = _gib(parts[part].peak - start)
+    if "stage loop" in parts:  # the loop's own buffers: its recompute + backward, above where it starts
+        loop = parts["stage loop"]
+        result["attention_stage_buffers"] = _gib(loop.peak - loop.entry)
+    return result
