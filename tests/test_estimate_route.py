@@ -8,6 +8,7 @@ autograd keeps the same bytes for backward over the whole block.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import pytest
@@ -134,3 +135,65 @@ def test_route_refuses_what_the_backend_refuses(group):
         F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with SDPAThroughStageLoops(group, 3), pytest.raises(UnsupportedAttention, match="heads_per_stage=3"):
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, heads_per_stage", [(8, 2, 2), (8, 2, 8), (4, 4, 2)])
+def test_gpu_kernel_workspace_is_counted_at_the_backward_kernel(group, monkeypatch, q_heads, kv_heads,
+                                                                 heads_per_stage):
+    """Switched on, each fake backward kernel call also holds flash-attn's workspaces, freed
+    when it returns: the loop's backward peak grows, by at most one call's workspace (less
+    when the loop peaks elsewhere than in the kernel, e.g. in the all-to-all after it)."""
+    from upipe_compile.estimate.gpu import backward_workspace_shapes, gpu_kernel_workspace
+    from upipe_compile.memory import measure_op_memory
+
+    shape = dict(seq=4096, q_heads=q_heads, kv_heads=kv_heads, head_dim=64, heads_per_stage=heads_per_stage)
+    plain = measure_op_memory(group, **shape)
+    calls = []
+    original = kernels.backward
+
+    def recorded(dout, q, k, v, out, *rest):
+        calls.append(sum(math.prod(s) * d.itemsize for s, d in backward_workspace_shapes(dout, q, k, v, out)))
+        return original(dout, q, k, v, out, *rest)
+
+    monkeypatch.setattr(kernels, "backward", recorded)
+    with gpu_kernel_workspace():
+        with_workspace = measure_op_memory(group, **shape)
+    assert with_workspace.forward_bytes == plain.forward_bytes
+    assert len(calls) == q_heads // heads_per_stage and len(set(calls)) == 1
+    assert 0 < with_workspace.backward_bytes - plain.backward_bytes <= calls[0]
+
+
+def test_activations_offloaded_to_host_device_count_as_host_memory(group):
+    """The contract for offload code (integrations/torchtitan/measurement.py): host copies made
+    on ``host_device()`` while measuring land on "meta", which the step's tracker reports as
+    host memory, apart from the device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from upipe_compile.estimate.step import DEVICE, PhaseTracker
+    from upipe_compile.integrations.torchtitan.measurement import host_device, measuring
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    activation_bytes = 32 * 64 * 4
+
+    def offload(t):  # what an offload hook does with a block's saved input
+        return t.to(host_device()) if t.shape == (32, 64) else t
+
+    def bring_back(t):
+        return torch.empty_like(t, device=DEVICE) if t.device == host_device() else t
+
+    with measuring(), FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(32, 64, requires_grad=True)
+        tracker = PhaseTracker(model, None)
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(offload, bring_back):
+                out = model(x)
+            out.sum().backward()
+    assert host_device() == torch.device("cpu")  # outside measuring(): real host memory
+    assert tracker.host_peak() == 2 * activation_bytes  # both layers' inputs, until backward
+    assert tracker.device_peak_snapshot()["Total"] > 0

@@ -40,6 +40,8 @@ class Estimate:
     peak_phase: str
     breakdown: dict[str, float]
     block_recompute: dict[str, float]
+    modelled: dict[str, float]
+    """Terms added to the measured peak because the fake-tensor run cannot show them (GiB)."""
     seconds: float
 
     def as_json(self) -> dict:
@@ -63,7 +65,11 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         memory = run_step(job, fake_mode)
     cp = job_config.parallelism.context_parallel_degree
     heads_per_stage = upipe_config(job_config).heads_per_stage or cp
-    peak = memory.peak_snapshot.get("Total", 0) / GIB
+    modelled = {}
+    if cp > 1 and _op_selective_ac(job_config):
+        modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(job_config, job.model_args,
+                                                                                  heads_per_stage))
+    peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     reserve = reserve_gib(peak)
     host = memory.host_peak / GIB
     return Estimate(
@@ -72,8 +78,34 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         budget_gib=round(gpu_gib - reserve, 6), fits=peak <= gpu_gib - reserve,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
-        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory), seconds=round(time.time() - start, 1),
+        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory), modelled=modelled, seconds=round(time.time() - start, 1),
     )
+
+
+def _op_selective_ac(job_config) -> bool:
+    ac = job_config.activation_checkpoint
+    return ac.mode == "selective" and ac.selective_ac_option == "op"
+
+
+def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int) -> int:
+    """Selective op AC: the compiled path saves every layer's ``upipe::attention`` outputs (the
+    op is in the save list) where the eager route recomputes them, as aten's CPU attention
+    kernels are not in torchtitan's list. Counted for all layers (they are all alive at the
+    loss, and the peak is never before it by more than a layer's worth): out
+    ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE ``[B, m, S]`` fp32."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from upipe_compile.schedule import plan_stages
+
+    cp = job_config.parallelism.context_parallel_degree
+    batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
+    q_heads, kv_heads = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
+    head_dim = model_args.dim // q_heads
+    element = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
+    schedule = plan_stages(q_heads, kv_heads, cp, heads_per_stage)
+    out = batch * q_heads * (seq // cp) * head_dim * element
+    lse = len(schedule.stages) * batch * schedule.q_per_rank * seq * 4
+    return model_args.n_layers * (out + lse)
 
 
 # FSDPMemTracker's categories, grouped as the report names them.

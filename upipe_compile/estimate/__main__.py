@@ -62,6 +62,8 @@ def format_report(result: Estimate) -> str:
                 lines.append(f"    {key.replace('_', ' '):28s} {block[key]:8.2f}")
         if "attention_stage_buffers" in block:
             lines.append(f"    (the stage loop's own buffers, recompute + backward: {block['attention_stage_buffers']:.2f})")
+    for key, value in result.modelled.items():
+        lines.append(f"modelled, added to the peak: {key.replace('_', ' ')} {value:.2f} GiB")
     lines.append(f"host memory (offloaded activations): {result.host_gib_per_rank:.2f} GiB per rank, "
                  f"{result.host_gib_per_node:.2f} GiB per node")
     return "\n".join(lines)
