@@ -13,27 +13,22 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import upipe_compile.attention as attention_module
 import upipe_compile.memory as memory_module
 from tests_support import AttentionCase, TinyAttention, make_block_inputs
 from upipe_compile import UnsupportedAttention, collectives, kernels
-from upipe_compile.memory import SDPAThroughStageLoops
+from upipe_compile.memory import SDPAThroughStageLoops, fake_process_group
 
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def group():
-    assert not dist.is_initialized(), "a default process group leaked into the pytest process"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    """A fake default group of WORLD ranks for this module (this process is rank 0)."""
+    with fake_process_group(WORLD) as world:
+        yield world
 
 
 def _describe(x):
