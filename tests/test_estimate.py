@@ -63,6 +63,7 @@ def test_json_schema(debug_estimate):
     assert debug_estimate["modelled"] == {}  # full AC: nothing the fake run cannot show
     assert sum(b[k] for k in by_kind) == pytest.approx(debug_estimate["peak_device_gib"], abs=1e-5)
     assert debug_estimate["budget_gib"] == pytest.approx(79.1 - debug_estimate["reserve_gib"])
+    assert debug_estimate["budget_gib"] == pytest.approx((79.1 - 2.5) / 1.05)  # 2.5 GiB + 5% fragmentation
 
 
 def test_parameter_and_optimizer_terms_match_hand_arithmetic(debug_estimate, debug_model):
@@ -108,14 +109,14 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0):
     from types import SimpleNamespace
 
     from upipe_compile.estimate import search
-    from upipe_compile.estimate.gpu import reserve_gib
+    from upipe_compile.estimate.gpu import budget_gib
 
     probed = []
 
     def probe(job_config, seq_len, gpu_gib, gpus_per_node):
         probed.append(seq_len)
         peak = base_gib + gib_per_token * seq_len + curve * (seq_len / 1e6) ** 2
-        return SimpleNamespace(peak_device_gib=peak, fits=peak <= gpu_gib - reserve_gib(peak), seq_len=seq_len)
+        return SimpleNamespace(peak_device_gib=peak, fits=peak <= budget_gib(gpu_gib), seq_len=seq_len)
 
     monkeypatch.setattr(search, "_probe", probe)
     return probed
@@ -126,8 +127,7 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0):
 def test_max_context_search_finds_the_last_fitting_grid_point(monkeypatch, start, curve):
     from types import SimpleNamespace
 
-    from upipe_compile.estimate.gpu import reserve_gib
-    from upipe_compile.estimate.search import max_context, peak_limit_gib
+    from upipe_compile.estimate.search import max_context
 
     probed = _linear_memory(monkeypatch, 12.0, 20.0 / (1 << 20), curve)  # 12 GiB + 20 GiB per 1M tokens
     config = SimpleNamespace(training=SimpleNamespace(seq_len=start),
@@ -136,12 +136,10 @@ def test_max_context_search_finds_the_last_fitting_grid_point(monkeypatch, start
     step = 8 * 1024
 
     def fits(s):
-        peak = 12.0 + 20.0 / (1 << 20) * s + curve * (s / 1e6) ** 2
-        return peak <= 79.1 - reserve_gib(peak)
+        return 12.0 + 20.0 / (1 << 20) * s + curve * (s / 1e6) ** 2 <= (79.1 - 2.5) / 1.05
 
     assert found % step == 0 and fits(found) and not fits(found + step)
     assert result.seq_len == found and len(probed) <= 8
-    assert peak_limit_gib(79.1) == pytest.approx((79.1 - 2.5) / 1.05)
 
 
 def test_max_context_refuses_when_nothing_fits(monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from upipe_compile.estimate.gpu import GIB, gpu_kernel_workspace, reserve_gib
+from upipe_compile.estimate.gpu import GIB, budget_gib, gpu_kernel_workspace
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
 from upipe_compile.estimate.step import StepMemory, run_step
 
@@ -31,9 +31,10 @@ class Estimate:
     peak_device_gib: float
     """Per-rank device peak of the step (measured on fake tensors + the kernels' workspaces)."""
     reserve_gib: float
+    """``gpu_gib - budget_gib``: the fixed reserve + the fragmentation share of a budget-sized peak."""
     gpu_gib: float
     budget_gib: float
-    """``gpu_gib`` minus the reserve: what the peak must not exceed."""
+    """What the peak must not exceed (gpu.budget_gib)."""
     fits: bool
     host_gib_per_rank: float
     host_gib_per_node: float
@@ -70,12 +71,12 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(job_config, job.model_args,
                                                                                   heads_per_stage))
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
-    reserve = reserve_gib(peak)
+    budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB
     return Estimate(
         seq_len=job_config.training.seq_len, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
-        peak_device_gib=round(peak, 6), reserve_gib=round(reserve, 6), gpu_gib=gpu_gib,
-        budget_gib=round(gpu_gib - reserve, 6), fits=peak <= gpu_gib - reserve,
+        peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
+        budget_gib=round(budget, 6), fits=peak <= budget,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
         breakdown=_breakdown(memory), block_recompute=_block_recompute(memory), modelled=modelled, seconds=round(time.time() - start, 1),

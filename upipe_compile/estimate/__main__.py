@@ -39,7 +39,8 @@ def format_report(result: Estimate) -> str:
         f"U = {result.heads_per_stage} heads per stage), estimated in {result.seconds:.0f} s",
         f"per-rank peak device memory  {result.peak_device_gib:8.2f} GiB   (at: {result.peak_phase})",
         f"  reserve                    {result.reserve_gib:8.2f} GiB   "
-        f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the peak for fragmentation)",
+        f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the budget for "
+        "allocator fragmentation)",
         f"  budget on a {result.gpu_gib} GiB GPU {result.budget_gib:8.2f} GiB   -> "
         + ("fits" if result.fits else f"DOES NOT FIT (over by {result.peak_device_gib - result.budget_gib:.2f} GiB)"),
         "at the peak, by kind:",

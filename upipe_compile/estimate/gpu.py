@@ -31,13 +31,15 @@ communicator buffers for an 8-rank node (~1 GiB with default channels), cuBLAS/c
 workspaces and the flash-attn/NCCL streams' scratch (~1 GiB)."""
 
 RESERVE_FRACTION = 0.05
-"""Caching-allocator fragmentation, as a fraction of the estimated peak: block rounding and
-segments that cannot be reused for tensors of other sizes (PYTORCH_CUDA_ALLOC_CONF
+"""Caching-allocator fragmentation, as a fraction of the peak tensor memory: block rounding
+and segments that cannot be reused for tensors of other sizes (PYTORCH_CUDA_ALLOC_CONF
 expandable_segments:True keeps it near this)."""
 
 
-def reserve_gib(peak_gib: float) -> float:
-    return RESERVE_FIXED_GIB + RESERVE_FRACTION * peak_gib
+def budget_gib(gpu_gib: float) -> float:
+    """The largest estimated peak that fits a GPU of ``gpu_gib``: the peak plus its
+    fragmentation share plus the fixed reserve must not exceed the GPU."""
+    return (gpu_gib - RESERVE_FIXED_GIB) / (1 + RESERVE_FRACTION)
 
 
 def _round_up(x: int, multiple: int) -> int:

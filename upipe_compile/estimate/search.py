@@ -11,18 +11,13 @@ from __future__ import annotations
 import copy
 
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate
-from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
+from upipe_compile.estimate.gpu import budget_gib
 
 MAX_PROBES = 8
 
 
 def grid_step(job_config) -> int:
     return 1024 * job_config.parallelism.context_parallel_degree
-
-
-def peak_limit_gib(gpu_gib: float) -> float:
-    """The largest peak that fits: peak + reserve(peak) <= gpu_gib."""
-    return (gpu_gib - RESERVE_FIXED_GIB) / (1 + RESERVE_FRACTION)
 
 
 def _probe(job_config, seq_len: int, **kwargs) -> Estimate:
@@ -37,7 +32,7 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
     from tqdm import tqdm
 
     step = grid_step(job_config)
-    limit = peak_limit_gib(gpu_gib)
+    limit = budget_gib(gpu_gib)
     first = max(step, job_config.training.seq_len // step * step)
     results: dict[int, Estimate] = {}
     bar = tqdm(total=max_probes, desc="max-context probes", unit="probe", disable=not progress)
