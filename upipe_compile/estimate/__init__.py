@@ -41,6 +41,8 @@ class Estimate:
     peak_phase: str
     breakdown: dict[str, float]
     block_recompute: dict[str, float]
+    phase_peaks: dict[str, float]
+    """Device peak within each phase of the step: where the next saving must come from."""
     modelled: dict[str, float]
     """Terms added to the measured peak because the fake-tensor run cannot show them (GiB)."""
     seconds: float
@@ -79,7 +81,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         budget_gib=round(budget, 6), fits=peak <= budget,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
-        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory), modelled=modelled, seconds=round(time.time() - start, 1),
+        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory),
+        phase_peaks=_phase_peaks(memory), modelled=modelled, seconds=round(time.time() - start, 1),
     )
 
 
@@ -135,6 +138,21 @@ def _breakdown(memory: StepMemory) -> dict[str, float]:
     loss_peak = max((s.peak for p, s in memory.phases.items() if p[0] in ("loss", "loss backward")), default=0)
     out["loss"] = _gib(max(0, loss_peak - (memory.after_forward - memory.logits)))
     return out
+
+
+def _phase_peaks(memory: StepMemory) -> dict[str, float]:
+    peaks: dict[str, int] = {}
+    for phase, stats in memory.phases.items():
+        if len(phase) == 3:
+            name = f"{phase[0]} blocks"
+        elif len(phase) == 2:
+            name = f"{phase[0]} {phase[1]}"
+        else:
+            name = phase[0].replace(" backward", "")  # the loss forward and backward together
+        if name == "setup":
+            continue
+        peaks[name] = max(peaks.get(name, 0), stats.peak)
+    return {name: _gib(peak) for name, peak in peaks.items()}
 
 
 def _block_recompute(memory: StepMemory) -> dict[str, float]:

@@ -63,6 +63,8 @@ def format_report(result: Estimate) -> str:
                 lines.append(f"    {key.replace('_', ' '):28s} {block[key]:8.2f}")
         if "attention_stage_buffers" in block:
             lines.append(f"    (the stage loop's own buffers, recompute + backward: {block['attention_stage_buffers']:.2f})")
+    lines.append("device peak within each phase (GiB): "
+                 + ", ".join(f"{name} {peak:.2f}" for name, peak in result.phase_peaks.items()))
     for key, value in result.modelled.items():
         lines.append(f"modelled, added to the peak: {key.replace('_', ' ')} {value:.2f} GiB")
     lines.append(f"host memory (offloaded activations): {result.host_gib_per_rank:.2f} GiB per rank, "
