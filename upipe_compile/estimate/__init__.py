@@ -157,11 +157,12 @@ def _phase_peaks(memory: StepMemory) -> dict[str, float]:
 
 def _block_recompute(memory: StepMemory) -> dict[str, float]:
     """The block whose backward (AC recompute + gradients) peaks highest: how far each of its
-    parts rises above the memory at the start of that block's backward."""
-    blocks = {}
+    parts rises above the memory at the start of that block's backward, and the stage loops'
+    own buffers (forward loop in the recompute, backward loop: each above where it starts)."""
+    blocks: dict[int, dict[tuple, object]] = {}
     for phase, stats in memory.phases.items():
-        if len(phase) == 3 and phase[0] == "backward":
-            blocks.setdefault(phase[1], {})[phase[2]] = stats
+        if len(phase) == 3 and phase[0] in ("recompute", "backward"):
+            blocks.setdefault(phase[1], {})[(phase[0], phase[2])] = stats
     if not blocks:
         return {}
     layer = max(blocks, key=lambda i: max(s.peak for s in blocks[i].values()))
@@ -170,9 +171,11 @@ def _block_recompute(memory: StepMemory) -> dict[str, float]:
     result = {"layer": layer, "peak_above_start": _gib(max(s.peak for s in parts.values()) - start)}
     names = {"stage loop": "attention_stage_loop", "attention": "attention_projections_rope", "mlp": "mlp", "rest": "rest"}
     for part, name in names.items():
-        if part in parts:
-            result[name] = _gib(parts[part].peak - start)
-    if "stage loop" in parts:  # the loop's own buffers: its recompute + backward, above where it starts
-        loop = parts["stage loop"]
-        result["attention_stage_buffers"] = _gib(loop.peak - loop.entry)
+        peaks = [s.peak for (_, p), s in parts.items() if p == part]
+        if peaks:
+            result[name] = _gib(max(peaks) - start)
+    for direction, name in (("recompute", "stage_loop_forward_buffers"), ("backward", "stage_loop_backward_buffers")):
+        loop = parts.get((direction, "stage loop"))
+        if loop is not None:
+            result[name] = _gib(loop.peak - loop.entry)
     return result

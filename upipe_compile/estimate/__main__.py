@@ -61,8 +61,9 @@ def format_report(result: Estimate) -> str:
         for key in ("attention_stage_loop", "attention_projections_rope", "mlp", "rest"):
             if key in block:
                 lines.append(f"    {key.replace('_', ' '):28s} {block[key]:8.2f}")
-        if "attention_stage_buffers" in block:
-            lines.append(f"    (the stage loop's own buffers, recompute + backward: {block['attention_stage_buffers']:.2f})")
+        if "stage_loop_backward_buffers" in block:
+            lines.append(f"    (the stage loops' own buffers: forward (recompute) {block.get('stage_loop_forward_buffers', 0):.2f}, "
+                         f"backward {block['stage_loop_backward_buffers']:.2f})")
     lines.append("device peak within each phase (GiB): "
                  + ", ".join(f"{name} {peak:.2f}" for name, peak in result.phase_peaks.items()))
     for key, value in result.modelled.items():

@@ -3,8 +3,8 @@
 ``FSDPMemTracker`` counts every tensor the step allocates on each device, by kind (sharded /
 unsharded params and grads, FSDP all-gather buffers, optimizer state, activations, temps).
 :class:`PhaseTracker` adds where in the step each peak happens: per block and per part of a
-block (attention, its stage loop, MLP, the rest) in forward and in backward (which includes
-activation checkpointing's recompute), the loss, the optimizer step. Host memory (offloaded
+block (attention, its stage loop, MLP, the rest) in forward, in activation checkpointing's
+recompute and in backward; the loss; the optimizer step. Host memory (offloaded
 activations, packed to "meta" while measuring) shows up as its own device.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from upipe_compile.estimate.job import Job
 
@@ -51,6 +52,28 @@ class PhaseTracker(FSDPMemTracker):
         """What runs when no model module does: set by the step (loss, clip, ...)."""
         self.phases: dict[tuple, PhaseStats] = defaultdict(PhaseStats)
         self.peak_phase: tuple | None = None
+        self._recomputing = False
+        self._recompute_hooks = []
+        self._checkpointed = [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
+
+    def __enter__(self):
+        # torchtitan puts the checkpoint inside each FSDP block, so FSDPMemTracker's own AC flag
+        # (set by FSDP's pre-forward in backward) never rises: watch the checkpointed modules.
+        for module in self._checkpointed:
+            self._recompute_hooks += [
+                module.register_forward_pre_hook(lambda *_: self._set_recomputing(self._mod_tracker.is_bw)),
+                module.register_forward_hook(lambda *_: self._set_recomputing(False), always_call=True),
+            ]
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        for hook in self._recompute_hooks:
+            hook.remove()
+        self._recompute_hooks = []
+        return super().__exit__(*args)
+
+    def _set_recomputing(self, value: bool) -> None:
+        self._recomputing = value
 
     def _track_optimizer_states(self, reftype, optimizer) -> None:
         # torchtitan's OptimizersContainer keeps the state in its per-model-part optimizers.
@@ -61,7 +84,10 @@ class PhaseTracker(FSDPMemTracker):
         if self._in_opt:
             return ("optimizer step",)
         parents = self._mod_tracker.parents
-        direction = "backward" if self._mod_tracker.is_bw else "forward"
+        if not self._mod_tracker.is_bw:
+            direction = "forward"
+        else:  # in backward, a block's forward again is activation checkpointing's recompute
+            direction = "recompute" if self._recomputing else "backward"
         layers = [int(m.group(1)) for name in parents if (m := _LAYER.search(name))]
         if layers:
             return (direction, max(layers), _part(parents))
