@@ -10,6 +10,7 @@ meshes, the registered TrainSpec, a meta-device model, model converters, ``paral
 
 from __future__ import annotations
 
+import copy
 import importlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -135,7 +136,8 @@ def build_job(job_config, fake_mode) -> Job:
     train_spec = get_train_spec(job_config.model.name)
     if job_config.model.flavor not in train_spec.model_args:
         raise JobError(f"[model] flavor = {job_config.model.flavor!r} is not one of {sorted(train_spec.model_args)}")
-    model_args = train_spec.model_args[job_config.model.flavor]
+    # A copy: update_from_config mutates the registry's args, which later probes would inherit.
+    model_args = copy.deepcopy(train_spec.model_args[job_config.model.flavor])
     model_args.update_from_config(job_config)
     with torch.device("meta"):
         model = train_spec.model_cls(model_args)
