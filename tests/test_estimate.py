@@ -98,6 +98,12 @@ def test_unknown_override_names_the_key():
     assert "--upipe.heads_per_stagex" in result.stderr
 
 
+def test_job_without_fsdp_is_refused_with_the_keys():
+    result = run_estimate("--config", DEBUG_TOML, "--parallelism.context_parallel_degree", "1")
+    assert result.returncode == 2
+    assert "data_parallel_shard_degree x context_parallel_degree" in result.stderr
+
+
 def test_impossible_seq_len_names_the_key():
     result = run_estimate("--config", DEBUG_TOML, "--training.seq_len", "1001")
     assert result.returncode == 2

@@ -131,6 +131,9 @@ def build_job(job_config, fake_mode) -> Job:
     )
     if parallel_dims.pp_enabled:
         raise JobError("[parallelism] pipeline_parallel_degree > 1: the estimate runs one model part per rank")
+    if not parallel_dims.fsdp_enabled:
+        raise JobError("the estimate measures FSDP jobs (its tracker follows FSDP's buffers): [parallelism] "
+                       "data_parallel_shard_degree x context_parallel_degree must be > 1")
     parallel_dims.build_mesh()  # outside fake mode: the meshes hold real rank lists
 
     train_spec = get_train_spec(job_config.model.name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -101,13 +101,13 @@ class PhaseTracker(FSDPMemTracker):
         snap = self._curr_mem_snap.get(DEVICE)
         if snap is None:
             return
-        total = snap["Total"]
-        stats = self.phases[self.phase()]
+        total, phase = snap["Total"], self.phase()
+        stats = self.phases[phase]
         if stats.entry < 0:
             stats.entry = total
         stats.peak = max(stats.peak, total)
         if self._peak_mem.get(DEVICE, 0) > previous_peak:
-            self.peak_phase = self.phase()
+            self.peak_phase = phase
 
     def device_peak_snapshot(self) -> dict[str, int]:
         return dict(self._peak_mem_snap.get(DEVICE, {}))
@@ -127,7 +127,6 @@ class StepMemory:
     checkpointed_on_device: int
     logits: int
     after_forward: int
-    saved: dict = field(default_factory=dict)
 
 
 class _SavedOnDevice:
@@ -142,7 +141,8 @@ class _SavedOnDevice:
         self.storages: dict[int, int] = {}
 
     def pack(self, t):
-        if t.device == DEVICE and len(self.tracker.phase()) == 3 and self.tracker.phase()[0] == "forward":
+        phase = self.tracker.phase()
+        if t.device == DEVICE and len(phase) == 3 and phase[0] == "forward":
             storage = t.untyped_storage()
             if storage._cdata not in self.exclude:
                 self.storages[storage._cdata] = storage.nbytes()
@@ -201,15 +201,19 @@ def _train_step(job: Job, tracker: PhaseTracker):
             config.parallelism.context_parallel_load_balancer,
         )
     saved = _SavedOnDevice(tracker, job.model)
-    label("forward")
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        pred = job.model(inputs, **extra_kwargs)
-    logits = pred.numel() * pred.element_size()
-    after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
-    label("loss")
-    loss = job.loss_fn(pred, labels) / global_valid_tokens
-    del pred
-    loss.backward()
+    loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
+    # AMP only where FSDP does not already cast (DDP / one device), as the Trainer decides.
+    amp = dist_utils.maybe_enable_amp(dims, config.training.mixed_precision_param, DEVICE.type)
+    with dist_utils.get_train_context(loss_parallel)(), amp:
+        label("forward")
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            pred = job.model(inputs, **extra_kwargs)
+        logits = pred.numel() * pred.element_size()
+        after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
+        label("loss")
+        loss = job.loss_fn(pred, labels) / global_valid_tokens
+        del pred
+        loss.backward()
     label("grad clip")
     dist_utils.clip_grad_norm_(list(job.model.parameters()), config.training.max_norm, foreach=True)
     label("optimizer step")
