@@ -16,6 +16,9 @@ x + 4*Hq + 4*Hkv (x, q, k, v, out, dout, dq, dk, dv; x has hidden/head_dim units
 op's stage buffers, P * (4*m + 4*k) (backward holds q', out', dout', dq' for m query heads
 and k', v', dk', dv' for k KV heads over the full sequence; Ulysses: m = Hq/P, k = Hkv/P),
 plus P * 2*k when a KV group spans several stages (its dK/dV then accumulate in fp32).
+The measurement also counts the CUDA kernel's backward workspace (``--cuda-kernel``, default
+flash-attn: an fp32 dq accumulator and, for GQA, expanded dK/dV), which the CPU kernels run
+here do not allocate; the count leaves it out, as it lives only during the kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.tiny_llama import rope  # noqa: E402
-from upipe_compile.memory import StageLoopFunction, fake_process_group, tracker_peak_bytes  # noqa: E402
+from upipe_compile.memory import (  # noqa: E402
+    StageLoopFunction, fake_process_group, modelled_kernel, tracker_peak_bytes,
+)
 from upipe_compile.schedule import plan_stages  # noqa: E402
 
 HEAD_DIM = 128
@@ -84,10 +89,10 @@ def upipe(heads_per_stage: int, group_name: str):
     return lambda q, k, v: StageLoopFunction.apply(q, k, v, True, None, heads_per_stage, group_name)
 
 
-def measure_layer(preset: Preset, seq: int, world: int, attention) -> float:
+def measure_layer(preset: Preset, seq: int, world: int, attention, cuda_kernel: str | None) -> float:
     """Activation peak (bytes) of one rank's forward + backward of the layer."""
     s_local = seq // world
-    with FakeTensorMode():
+    with FakeTensorMode(), modelled_kernel(cuda_kernel):
         layer = AttentionLayer(preset, attention)
         x = torch.empty(1, s_local, preset.hidden, dtype=torch.bfloat16, requires_grad=True)
         positions = torch.arange(s_local).unsqueeze(0)
@@ -137,7 +142,7 @@ def method_stage_heads(preset: Preset, world: int) -> dict[str, int]:
     return methods
 
 
-def run(worlds, seqs, presets, progress=True):
+def run(worlds, seqs, presets, cuda_kernel, progress=True):
     rows, ring = [], {}
     total = len(worlds) * len(seqs) * len(presets)
     done, start = 0, time.time()
@@ -149,7 +154,7 @@ def run(worlds, seqs, presets, progress=True):
                 for seq in seqs:
                     base = None
                     for method, u in methods.items():
-                        peak = measure_layer(preset, seq, world, upipe(u, group.group_name))
+                        peak = measure_layer(preset, seq, world, upipe(u, group.group_name), cuda_kernel)
                         base = base or peak
                         expected = expected_units(preset, world, u) / expected_units(preset, world, preset.q_heads)
                         rows.append({
@@ -166,7 +171,7 @@ def run(worlds, seqs, presets, progress=True):
     return rows, ring
 
 
-def write_outputs(rows, ring, out_dir, command):
+def write_outputs(rows, ring, out_dir, command, cuda_kernel):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "memory.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -174,7 +179,8 @@ def write_outputs(rows, ring, out_dir, command):
         writer.writerows(rows)
     lines = [f"$ {command}", "",
              "Activation peak of one attention layer (projections, RoPE, attention, output projection), "
-             "one rank, forward + backward, bf16, batch 1, head_dim 128; fake tensors + fake process group. "
+             "one rank, forward + backward, bf16, batch 1, head_dim 128; fake tensors + fake process group; "
+             f"CUDA kernel workspace modelled: {cuda_kernel or 'none (CPU kernels)'}. "
              "ratio = vs Ulysses at the same P and length; expected = analytic count (see benchmarks/memory.py); "
              "gap = ratio / expected - 1.", ""]
     for world, status in ring.items():
@@ -224,14 +230,17 @@ def main(argv=None):
     parser.add_argument("--seqs", type=int, nargs="+", default=SEQS)
     parser.add_argument("--presets", nargs="+", default=[p.name for p in PRESETS])
     parser.add_argument("--quick", action="store_true", help="P=4, 128K tokens, two presets")
+    parser.add_argument("--cuda-kernel", default="flash-attn", choices=["flash-attn", "aten-flash", "none"],
+                        help="whose backward workspace to count (none: only what the CPU kernels allocate)")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     if args.quick:
         args.worlds, args.seqs, args.presets = [4], [128 * K], ["Llama3-8B", "MHA-64"]
     presets = [p for p in PRESETS if p.name in args.presets]
-    rows, ring = run(args.worlds, args.seqs, presets)
+    cuda_kernel = None if args.cuda_kernel == "none" else args.cuda_kernel
+    rows, ring = run(args.worlds, args.seqs, presets, cuda_kernel)
     command = "python benchmarks/memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(write_outputs(rows, ring, args.out_dir, command.strip()))
+    print(write_outputs(rows, ring, args.out_dir, command.strip(), cuda_kernel))
 
 
 if __name__ == "__main__":

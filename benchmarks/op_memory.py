@@ -5,8 +5,10 @@
 
 One rank's peak over forward + backward beyond the op's own inputs and outputs (see
 upipe_compile.memory), for U = P, 2P and U = all query heads (= Ulysses), with the
-analytic ratio from ARCHITECTURE.md beside the measured one. U = P is also measured with
-each prefetch mode (the default, "forward", is what every other row uses).
+analytic ratio (upipe_compile.memory.expected_ratio) beside the measured one. U = P is also
+measured with each prefetch mode (the default, "forward", is what every other row uses).
+The CUDA kernel's backward workspace is counted (``--cuda-kernel``, default flash-attn:
+its fp32 dq accumulator and, for GQA, expanded dK/dV), which the CPU kernels do not allocate.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ PRESETS = {
 }
 
 
-def run(world: int, seq: int, head_dim: int):
+def run(world: int, seq: int, head_dim: int, cuda_kernel: str | None = "flash-attn"):
     rows = []
     with fake_process_group(world) as group:
         for name, (q_heads, kv_heads) in PRESETS.items():
             measure = lambda u, prefetch="forward": measure_op_memory(  # noqa: E731
                 group, seq=seq, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                heads_per_stage=u, dtype=torch.bfloat16, prefetch=prefetch,
+                heads_per_stage=u, dtype=torch.bfloat16, prefetch=prefetch, cuda_kernel=cuda_kernel,
             )
             ulysses = measure(q_heads)
             configs = [(u, "forward") for u in sorted({world, 2 * world, q_heads})]
@@ -56,16 +58,27 @@ def main(argv=None):
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2**20)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--cuda-kernel", default="flash-attn", choices=["flash-attn", "aten-flash", "none"],
+                        help="whose backward workspace to count (none: only what the CPU kernels allocate)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args(argv)
-    rows = run(args.world, args.seq, args.head_dim)
+    cuda_kernel = None if args.cuda_kernel == "none" else args.cuda_kernel
+    rows = run(args.world, args.seq, args.head_dim, cuda_kernel)
     if args.json:
         json.dump(rows, sys.stdout)
         return
-    print(f"# python benchmarks/op_memory.py --world {args.world} --seq {args.seq} --head-dim {args.head_dim}")
-    print(f"# attention op peak beyond its inputs/outputs, per rank, fwd+bwd, bf16, batch 1, P={args.world}, "
-          f"{args.seq} tokens (fake tensors + fake process group)")
-    print(tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"))
+    text = "\n".join([
+        f"# python benchmarks/op_memory.py --world {args.world} --seq {args.seq} --head-dim {args.head_dim} "
+        f"--cuda-kernel {args.cuda_kernel}",
+        f"# attention op peak beyond its inputs/outputs, per rank, fwd+bwd, bf16, batch 1, P={args.world}, "
+        f"{args.seq} tokens (fake tensors + fake process group); CUDA kernel workspace: {args.cuda_kernel}",
+        tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"),
+    ])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from upipe_compile.kernels import cuda_problems
 from upipe_compile.passes.find import AttentionMatch
 from upipe_compile.schedule import shape_problems
 
@@ -41,6 +42,6 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int)
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
     reasons += shape_problems(q.shape, k.shape, v.shape, match.enable_gqa is not False, world, heads_per_stage)
-    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"q is {q.dtype} on CUDA; UPipe's CUDA kernels need fp16 or bf16")
+    if q.device.type == "cuda":
+        reasons += cuda_problems(q.dtype, q.shape[-1])
     return reasons

@@ -85,6 +85,17 @@ def test_parameter_and_optimizer_terms_match_hand_arithmetic(debug_estimate, deb
     assert b["model_buffers"] * GIB == pytest.approx(SEQ * (args.dim // args.n_heads // 2) * 8, abs=ROUNDING)
 
 
+def test_cuda_kernel_workspace_is_counted(debug_estimate):
+    """aten's flash backward holds more than flash-attn's (its copies of out and dout): the
+    stage loop's backward buffers show the kernel the estimate was told to model."""
+    result = run_estimate(*DEBUG_ARGS, "--json", "--cuda-kernel", "aten-flash")
+    assert result.returncode == 0, result.stderr[-3000:]
+    aten = json.loads(result.stdout)
+    assert debug_estimate["cuda_kernel"] == "flash-attn" and aten["cuda_kernel"] == "aten-flash"
+    flash_buffers = debug_estimate["block_recompute"]["stage_loop_backward_buffers"]
+    assert aten["block_recompute"]["stage_loop_backward_buffers"] > flash_buffers
+
+
 def test_the_stage_loops_ran(debug_estimate):
     """The route put every block's attention through the real loops: their buffers show."""
     block = debug_estimate["block_recompute"]
@@ -119,7 +130,7 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0):
 
     probed = []
 
-    def probe(job_config, seq_len, gpu_gib, gpus_per_node):
+    def probe(job_config, seq_len, gpu_gib, gpus_per_node, cuda_kernel):
         probed.append(seq_len)
         peak = base_gib + gib_per_token * seq_len + curve * (seq_len / 1e6) ** 2
         return SimpleNamespace(peak_device_gib=peak, fits=peak <= budget_gib(gpu_gib), seq_len=seq_len)

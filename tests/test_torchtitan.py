@@ -50,7 +50,7 @@ def test_h100_toml_parallel_dims_for_world_size_8():
     )
     assert (dims.cp, dims.dp_shard, dims.dp_replicate, dims.tp, dims.pp) == (8, 1, 1, 1, 1)
     assert dims.fsdp_enabled and dims.fsdp_gradient_divide_factor == 8
-    assert config.training.seq_len >= 1 << 20 and config.training.seq_len % dims.cp == 0
+    assert config.training.seq_len % (1024 * dims.cp) == 0
     assert config.activation_checkpoint.mode != "none"
     assert config.model.name == "llama3" and config.model.flavor == "8B"
     spec = get_train_spec(config.model.name)  # the custom_import has registered upipe's spec
@@ -112,3 +112,19 @@ def test_debug_model_cp2_matches_cp1(rank_pools):
         assert ref.norm() > 0, name
         for result in cp2:
             assert relative_error(result["grads"][name], ref) < 1e-5, name
+
+
+def test_blocks_are_compiled_with_the_backend_callable(monkeypatch):
+    """Not the name "upipe", which resolves only through the installed entry point."""
+    from types import SimpleNamespace
+
+    from upipe_compile import upipe_backend
+    from upipe_compile.integrations.torchtitan import parallelize
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: seen.append(kwargs) or module)
+    model = SimpleNamespace(layers=torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "1": torch.nn.Linear(2, 2)}))
+    dims = SimpleNamespace(cp_enabled=True, cp=2, get_mesh=lambda name: f"<{name} mesh>")
+    parallelize.compile_blocks(model, load_config(DEBUG_TOML), dims)
+    assert [kwargs["backend"] for kwargs in seen] == [upipe_backend, upipe_backend]
+    assert all(kwargs["options"]["cp_mesh"] == "<cp mesh>" for kwargs in seen)

@@ -238,7 +238,12 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
 
 
 # --- the custom ops ---------------------------------------------------------------------
-@torch.library.custom_op("upipe::attention", mutates_args=())
+# The first call per shape syncs with the host (the cross-rank shape check, head indices
+# and kernel markers made once), so CUDA graphs must not capture the ops.
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("upipe::attention", mutates_args=(), tags=_OP_TAGS)
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
@@ -267,7 +272,7 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
     return q.new_empty(q.shape), lse
 
 
-@torch.library.custom_op("upipe::attention_backward", mutates_args=())
+@torch.library.custom_op("upipe::attention_backward", mutates_args=(), tags=_OP_TAGS)
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
@@ -318,6 +323,8 @@ def upipe_attention(
     world = group.size()
     heads_per_stage = world if heads_per_stage is None else heads_per_stage
     problems = shape_problems(q.shape, k.shape, v.shape, enable_gqa, world, heads_per_stage)
+    if q.device.type == "cuda":
+        problems += kernels.cuda_problems(q.dtype, q.shape[-1])
     if problems:
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1:

@@ -114,11 +114,22 @@ def scatter_heads_back(recv: torch.Tensor, head_index: torch.Tensor, dest: torch
         heads_first.index_copy_(0, head_index, rows)
 
 
+_same_shape_checked: set[tuple[str, tuple[int, ...]]] = set()
+
+
 def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup, device: torch.device) -> None:
     """Refuse, on every rank at once, shards whose shapes differ across ranks.
 
     An even all-to-all over shards of different lengths would silently pair the wrong
-    chunks or hang; one tiny all-gather of the shapes turns that into a clear error."""
+    chunks or hang; one tiny all-gather of the shapes turns that into a clear error.
+    The all-gather and its read-back are host syncs, so each (group, shape) is checked
+    once: a check that passed was entered by every rank with this same shape, so every
+    rank's record of checked shapes is the same, and a rank whose shape differs from the
+    others' finds it unchecked while theirs is too -- unless the others' shape was checked
+    before and this rank's was not (caught only by the collective timeout)."""
+    key = (group.group_name, tuple(shape))
+    if key in _same_shape_checked:
+        return
     world = group.size()
     mine = torch.tensor(shape, dtype=torch.int64, device=device)
     everyone = all_gather(mine, group)
@@ -130,3 +141,4 @@ def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup, dev
             "Pad the sequence to a multiple of the context-parallel size before sharding "
             "(upipe_compile.shard_sequence refuses uneven lengths)."
         )
+    _same_shape_checked.add(key)

@@ -4,137 +4,316 @@
 ``backward(dout, q, k, v, out, lse, is_causal, scale) -> (dq, dk, dv)`` with
 q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` where ``Hkv`` divides ``Hq`` and query head
 ``h`` uses KV head ``h // (Hq // Hkv)`` (SDPA's ``enable_gqa`` rule); ``lse`` is
-``[B, Hq, S]`` float32; dk/dv come back with k/v's head count.
+``[B, Hq, S]`` float32; dk/dv come back with k/v's head count. Every kernel here takes
+fewer KV heads natively, so K/V are never repeated.
 
 The kernel is picked by device: CPU uses aten's flash kernel for CPU; CUDA uses
-flash-attn when it is importable, else aten's CUDA flash kernel. No dropout, no mask: the
-passes refuse those before a kernel is ever called.
+flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`) when it is importable, else aten's CUDA
+flash kernel. No dropout, no mask: the passes refuse those before a kernel is ever called.
+
+Under FakeTensorMode (memory measurement) the CPU kernels run, which allocate less than
+the CUDA ones; :func:`modelled_cuda_kernel` makes them also allocate the CUDA kernel's
+workspace (:data:`CUDA_BACKWARD_WORKSPACE`), so measured peaks are GPU peaks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from typing import Callable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.errors import UnsupportedAttention
 
 _aten = torch.ops.aten
 
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
 
-def forward(q, k, v, is_causal: bool, scale: float | None):
-    if q.device.type == "cpu":
+
+def cuda_problems(dtype: torch.dtype, head_dim: int) -> list[str]:
+    """Why q of this dtype and head_dim cannot run on UPipe's CUDA kernels (empty: it can).
+    Both flash-attn's and aten's flash backward need head_dim % 8 == 0 and <= 256 (only
+    their public forward wrappers pad), so such head dims are refused, not padded."""
+    problems = []
+    if dtype not in CUDA_DTYPES:
+        problems.append(
+            f"q is {dtype} on CUDA; UPipe's CUDA kernels (flash-attn / aten flash) need fp16 or bf16: "
+            "run attention under torch.autocast or cast the model to bf16"
+        )
+    if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
+        problems.append(
+            f"head_dim={head_dim}: the CUDA flash kernels' backward needs a multiple of 8 that is at most "
+            f"{FLASH_MAX_HEAD_DIM}; pad the model's head_dim (e.g. to {min(-(-head_dim // 8) * 8, FLASH_MAX_HEAD_DIM)})"
+        )
+    return problems
+
+
+class CpuKernels:
+    """aten's flash kernel for CPU (takes GQA natively)."""
+
+    name = "aten-cpu"
+
+    def forward(self, q, k, v, is_causal: bool, scale: float | None):
         return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-    if q.device.type == "cuda":
-        _check_cuda_dtype(q)
-        if _flash_attn() is not None:
-            return _flash_attn_forward(q, k, v, is_causal, scale)
-        return _aten_cuda_forward(q, k, v, is_causal, scale)
-    raise UnsupportedAttention(f"no UPipe attention kernel for device type {q.device.type!r} (cpu and cuda are supported)")
 
-
-def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
-    if q.device.type == "cpu":
+    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
-    if q.device.type == "cuda":
-        if _flash_attn() is not None:
-            return _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale)
-        return _aten_cuda_backward(dout, q, k, v, out, lse, is_causal, scale)
-    raise UnsupportedAttention(f"no UPipe attention kernel for device type {q.device.type!r} (cpu and cuda are supported)")
 
 
-def _check_cuda_dtype(q):
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise UnsupportedAttention(
-            f"UPipe's CUDA kernels (flash-attn / aten flash) need fp16 or bf16 inputs, got {q.dtype}; "
-            "run attention under torch.autocast or cast the model to bf16"
+class AtenCudaKernels:
+    """aten's CUDA flash kernel, the fallback without flash-attn. Its forward takes the
+    ``[B, H, S, D]`` views as they are (only ``stride(-1) == 1`` is needed) and fewer KV
+    heads natively (flash's ``num_heads % num_heads_k == 0`` rule); its backward copies
+    ``dout``/``out`` to the ``[B, S, H, D]`` layout itself, and honours
+    ``torch.use_deterministic_algorithms``."""
+
+    name = "aten-flash"
+
+    def forward(self, q, k, v, is_causal: bool, scale: float | None):
+        out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
+        cum_q, cum_k, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
+        seq = q.shape[2]
+        return _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, seq, seq, 0.0, is_causal, seed, offset, scale=scale
         )
 
 
-# --- CUDA, flash-attn ------------------------------------------------------------------
-@functools.cache
-def _flash_attn():
-    try:
-        import flash_attn.flash_attn_interface as fa
-    except ImportError:
-        return None
-    return fa
+_dense_markers_cache: dict[tuple, tuple] = {}
 
 
-def _call_with_known_params(fn, **kwargs):
-    """flash-attn renamed and added private parameters between 2.x releases
-    (``window_size`` became ``window_size_left/right``, ``softcap`` appeared): pass only
-    the ones this installed version takes."""
-    params = inspect.signature(fn).parameters
-    return fn(**{name: value for name, value in kwargs.items() if name in params})
-
-
-def _flash_attn_forward(q, k, v, is_causal, scale):
-    fa = _flash_attn()
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # flash-attn wants [B, S, H, D]; it handles GQA itself.
-    out, lse, *_ = fa.flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        dropout_p=0.0, softmax_scale=scale, causal=is_causal, return_attn_probs=True,
-    )
-    return out.transpose(1, 2), lse
-
-
-def _flash_attn_backward(dout, q, k, v, out, lse, is_causal, scale):
-    fa = _flash_attn()
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
-    _call_with_known_params(
-        fa._flash_attn_backward,
-        dout=dout.transpose(1, 2).contiguous(), q=qt, k=kt, v=vt,
-        out=out.transpose(1, 2).contiguous(), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-        dropout_p=0.0, softmax_scale=scale, causal=is_causal,
-        window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
-        alibi_slopes=None, deterministic=False, rng_state=None,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-# --- CUDA, aten flash ------------------------------------------------------------------
-def _repeat_kv(q, k, v):
-    groups = q.shape[1] // k.shape[1]
-    if groups == 1:
-        return k, v
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-
-
-def _sum_kv_groups(dk, kv_heads):
-    if dk.shape[1] == kv_heads:
-        return dk
-    batch, heads, seq, dim = dk.shape
-    return dk.view(batch, kv_heads, heads // kv_heads, seq, dim).sum(2)
-
-
-def _aten_cuda_forward(q, k, v, is_causal, scale):
-    k, v = _repeat_kv(q, k, v)
-    out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-    return out, lse
-
-
-@functools.cache
 def _aten_cuda_dense_markers(device: torch.device, dtype: torch.dtype):
     """The cumulative-length and philox tensors aten's flash forward returns for dense
-    inputs without dropout; its backward wants them back, and they carry no per-call data."""
+    inputs without dropout; its backward wants them back, and they carry no per-call data.
+    Made once per device and dtype; never cached under FakeTensorMode (a fake tensor must
+    not outlive its mode)."""
+    key = (device, dtype)
+    if torch._guards.detect_fake_mode() is None and key in _dense_markers_cache:
+        return _dense_markers_cache[key]
     x = torch.zeros(1, 1, 1, 8, device=device, dtype=dtype)
     _, _, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
-    return cum_q, cum_k, seed, offset
+    markers = (cum_q, cum_k, seed, offset)
+    if torch._guards.detect_fake_mode() is None:
+        _dense_markers_cache[key] = markers
+    return markers
 
 
-def _aten_cuda_backward(dout, q, k, v, out, lse, is_causal, scale):
-    kv_heads = k.shape[1]
-    k, v = _repeat_kv(q, k, v)
-    cum_q, cum_k, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
-    seq = q.shape[2]
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, seq, seq, 0.0, is_causal, seed, offset, scale=scale
+class FlashAttnKernels:
+    """flash-attn's private ``_flash_attn_forward`` / ``_flash_attn_backward`` from a module
+    with the API of ``flash_attn.flash_attn_interface``, for releases 2.5 through 2.8.
+
+    The releases differ in their parameters: 2.5 takes ``window_size`` as a tuple, 2.6 adds
+    ``softcap``, 2.7+ takes ``window_size_left/right`` and wraps both functions in
+    ``torch.library.custom_op`` (so ``inspect.signature`` shows only ``*args, **kwargs``:
+    the names come from the op schema). Arguments are passed positionally in the installed
+    version's order; a parameter this adapter does not know and that has no default is
+    refused with the version's parameter list, never silently dropped.
+
+    The kernels need only ``stride(-1) == 1``, so the ``[B, H, S, D]`` stage buffers are
+    passed as ``[B, S, H, D]`` views, without copies; GQA is native.
+    """
+
+    name = "flash-attn"
+
+    def __init__(self, interface):
+        self.interface = interface
+        self._forward = interface._flash_attn_forward
+        self._backward = interface._flash_attn_backward
+        self._forward_params = _parameters(self._forward)
+        self._backward_params = _parameters(self._backward)
+
+    def forward(self, q, k, v, is_causal: bool, scale: float | None):
+        values = self._common(q, is_causal, scale)
+        values.update(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), return_softmax=False)
+        result = _call(self._forward, self._forward_params, values, "_flash_attn_forward")
+        # 2.5/2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+: (out, lse, S_dmask, rng_state)
+        if len(result) == 8:
+            out, lse = result[0], result[5]
+        elif len(result) == 4:
+            out, lse = result[0], result[1]
+        else:
+            raise UnsupportedAttention(
+                f"flash-attn's _flash_attn_forward returned {len(result)} values; upipe-compile knows the "
+                "8-value (2.5, 2.6) and 4-value (2.7, 2.8) forms"
+            )
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
+        # flash writes dq/dk/dv in place; allocated [B, S, H, D] as it wants them.
+        dq, dk, dv = (torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format) for t in (q, k, v))
+        values = self._common(q, is_causal, scale)
+        values.update(
+            dout=dout.transpose(1, 2), q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2),
+            out=out.transpose(1, 2), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+            deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
+        )
+        _call(self._backward, self._backward_params, values, "_flash_attn_backward")
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    @staticmethod
+    def _common(q, is_causal, scale) -> dict:
+        return {
+            "dropout_p": 0.0,
+            "softmax_scale": q.shape[-1] ** -0.5 if scale is None else scale,
+            "causal": is_causal,
+            "window_size": (-1, -1),
+            "window_size_left": -1,
+            "window_size_right": -1,
+            "softcap": 0.0,
+            "alibi_slopes": None,
+        }
+
+
+def _parameters(fn: Callable) -> list[tuple[str, bool]]:
+    """``(name, has_default)`` of each parameter, in order: from the op schema for
+    ``torch.library`` ops (flash-attn >= 2.7), else from the Python signature."""
+    schema = None
+    if isinstance(fn, torch._library.custom_ops.CustomOpDef):
+        schema = fn._opoverload._schema
+    elif isinstance(fn, torch._ops.OpOverloadPacket):
+        schema = fn.default._schema
+    elif isinstance(fn, torch._ops.OpOverload):
+        schema = fn._schema
+    if schema is not None:
+        return [(arg.name, arg.has_default_value()) for arg in schema.arguments]
+    return [(p.name, p.default is not inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
+
+
+def _call(fn: Callable, params: list[tuple[str, bool]], values: dict, what: str):
+    """``fn`` with each of its parameters from ``values``: positionally while every one is
+    known; an unknown one that has a default keeps it, and those after it go by keyword."""
+    args, kwargs, skipped = [], {}, False
+    for name, has_default in params:
+        if name not in values:
+            if not has_default:
+                raise UnsupportedAttention(
+                    f"this flash-attn's {what} takes a parameter {name!r} that upipe-compile does not know "
+                    f"(its parameters: {[p for p, _ in params]}); flash-attn 2.5 to 2.8 are supported"
+                )
+            skipped = True
+        elif skipped:
+            kwargs[name] = values[name]
+        else:
+            args.append(values[name])
+    return fn(*args, **kwargs)
+
+
+@functools.cache
+def _flash_attn_interface():
+    try:
+        import flash_attn.flash_attn_interface as interface
+    except ImportError:
+        return None
+    return interface
+
+
+@functools.cache
+def _cuda_kernels():
+    interface = _flash_attn_interface()
+    return AtenCudaKernels() if interface is None else FlashAttnKernels(interface)
+
+
+_CPU = CpuKernels()
+
+
+def kernels_for(q: torch.Tensor):
+    """The kernel pair for ``q``'s device (refusing what the CUDA kernels cannot take)."""
+    if q.device.type == "cpu":
+        return _CPU
+    if q.device.type == "cuda":
+        problems = cuda_problems(q.dtype, q.shape[-1])
+        if problems:
+            raise UnsupportedAttention("; ".join(problems))
+        return _cuda_kernels()
+    raise UnsupportedAttention(f"no UPipe attention kernel for device type {q.device.type!r} (cpu and cuda are supported)")
+
+
+def forward(q, k, v, is_causal: bool, scale: float | None):
+    return kernels_for(q).forward(q, k, v, is_causal, scale)
+
+
+def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
+    with _modelled_backward_workspace(q, k):
+        return kernels_for(q).backward(dout, q, k, v, out, lse, is_causal, scale)
+
+
+# --- what CUDA kernels allocate beyond their outputs, for fake-tensor measurements ------
+H100_SMS = 132
+"""Streaming multiprocessors of an H100 SXM: flash's deterministic backward keeps one dq
+accumulator per split, and it splits until every SM has work."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
+                             deterministic: bool, sms: int = H100_SMS) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The buffers flash's dense backward (flash-attn 2.x ``mha_bwd``, also vendored by aten)
+    allocates besides dq/dk/dv: ``name -> (shape, dtype)``."""
+    seq_rounded = _round_up(seq, 128)
+    dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+    splits = -(-sms // (batch * q_heads)) if deterministic else 1
+    workspace = {
+        "softmax_d": ((batch, q_heads, seq_rounded), torch.float32),
+        "dq_accum": ((splits, batch, seq_rounded, q_heads, dim_rounded), torch.float32),
+    }
+    if kv_heads != q_heads:  # GQA: per-query-head dK/dV, summed into the KV heads at the end
+        workspace["dk_expanded"] = ((batch, seq, q_heads, head_dim), dtype)
+        workspace["dv_expanded"] = ((batch, seq, q_heads, head_dim), dtype)
+    return workspace
+
+
+def aten_flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms=H100_SMS):
+    """aten's flash backward: flash's workspace plus the ``[B, S, H, D]`` copies it makes of
+    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``)."""
+    workspace = flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms)
+    workspace["dout_contiguous"] = ((batch, seq, q_heads, head_dim), dtype)
+    workspace["out_contiguous"] = ((batch, seq, q_heads, head_dim), dtype)
+    return workspace
+
+
+CUDA_BACKWARD_WORKSPACE = {"flash-attn": flash_backward_workspace, "aten-flash": aten_flash_backward_workspace}
+"""Per CUDA kernel, its backward's workspace. The forwards allocate only out and lse (their
+split-KV accumulators are used only when batch x heads x query blocks leaves SMs idle,
+never at long context), so they need no entry."""
+
+_modelled_kernel: str | None = None
+
+
+@contextlib.contextmanager
+def modelled_cuda_kernel(name: str = "flash-attn") -> Iterator[None]:
+    """While active, kernels running on fake tensors also allocate (and free after the call)
+    the workspace of CUDA kernel ``name``, so that a MemTracker counts it."""
+    global _modelled_kernel
+    if name not in CUDA_BACKWARD_WORKSPACE:
+        raise ValueError(f"unknown CUDA kernel {name!r}; one of {sorted(CUDA_BACKWARD_WORKSPACE)}")
+    previous, _modelled_kernel = _modelled_kernel, name
+    try:
+        yield
+    finally:
+        _modelled_kernel = previous
+
+
+@contextlib.contextmanager
+def _modelled_backward_workspace(q, k) -> Iterator[None]:
+    if _modelled_kernel is None or not is_fake(q):
+        yield
+        return
+    batch, q_heads, seq, head_dim = q.shape
+    shapes = CUDA_BACKWARD_WORKSPACE[_modelled_kernel](
+        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, torch.are_deterministic_algorithms_enabled()
     )
-    return dq, _sum_kv_groups(dk, kv_heads), _sum_kv_groups(dv, kv_heads)
+    workspace = [q.new_empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
+    try:
+        yield
+    finally:
+        del workspace

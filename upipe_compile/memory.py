@@ -11,23 +11,24 @@ UPipe's stage loop is meant to shrink from O(H) to O(U).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.overrides import TorchFunctionMode
 
+from upipe_compile import kernels
 from upipe_compile.attention import stage_loop_backward, stage_loop_forward
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.passes.find import SDPA_SIGNATURE
-from upipe_compile.schedule import shape_problems
+from upipe_compile.schedule import plan_stages, shape_problems
 
 
-@contextmanager
+@contextlib.contextmanager
 def fake_process_group(world: int):
     """A fake default process group of ``world`` ranks (this process is rank 0)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -62,15 +63,22 @@ def tracker_peak_bytes(tracker: MemTracker) -> int:
     return sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
 
 
+def modelled_kernel(cuda_kernel: str | None):
+    """The context that makes fake-tensor runs allocate CUDA kernel ``cuda_kernel``'s
+    workspace (see :data:`upipe_compile.kernels.CUDA_BACKWARD_WORKSPACE`); None: CPU kernels only."""
+    return contextlib.nullcontext() if cuda_kernel is None else kernels.modelled_cuda_kernel(cuda_kernel)
+
+
 def measure_op_memory(
     group: dist.ProcessGroup, *, seq: int, q_heads: int, kv_heads: int, head_dim: int,
     heads_per_stage: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
-    prefetch: str = "forward",
+    prefetch: str = "forward", cuda_kernel: str | None = "flash-attn",
 ) -> OpMemory:
-    """Peak intermediate memory of one rank's forward and backward of the stage-loop op."""
+    """Peak intermediate memory of one rank's forward and backward of the stage-loop op,
+    with the workspace of CUDA kernel ``cuda_kernel`` counted (None: the CPU kernels')."""
     world = group.size()
     s_local = seq // world
-    with FakeTensorMode():
+    with FakeTensorMode(), modelled_kernel(cuda_kernel):
         q = torch.empty(batch, q_heads, s_local, head_dim, dtype=dtype)
         k = torch.empty(batch, kv_heads, s_local, head_dim, dtype=dtype)
         v = torch.empty_like(k)
@@ -144,10 +152,10 @@ class SDPAThroughStageLoops(TorchFunctionMode):
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:
-    """ARCHITECTURE.md's count: one stage holds 2*m + 2*k full-sequence heads (m = U/P query
-    heads, k KV heads per rank); Ulysses holds 2*Hq/P + 2*Hkv/P."""
-    from upipe_compile.schedule import plan_stages
-
+    """The design count (docs/design.md): one stage holds 2*m + 2*k full-sequence heads
+    (m = U/P query heads, k KV heads per rank); Ulysses holds 2*Hq/P + 2*Hkv/P. The CUDA
+    kernel's workspace is left out: it lives only while a backward kernel runs, which is
+    not always when the op peaks."""
     upipe = plan_stages(q_heads, kv_heads, world, heads_per_stage)
     ulysses = plan_stages(q_heads, kv_heads, world, q_heads)
     units = lambda s: 2 * s.q_per_rank + 2 * s.kv_per_rank  # noqa: E731

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from upipe_compile.attention import PREFETCH_MODES
+from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
@@ -104,7 +105,9 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     cfg = upipe_config(job_config)
     for layer_id, block in model.layers.named_children():
         if parallel_dims.cp_enabled:
-            compiled = torch.compile(block, backend=BACKEND, fullgraph=True,
+            # The backend callable, not its name: the name resolves only through the
+            # package's entry point, which a source checkout on PYTHONPATH does not have.
+            compiled = torch.compile(block, backend=upipe_backend, fullgraph=True,
                                      options=compile_options(job_config, parallel_dims))
         else:
             compiled = torch.compile(block, backend=_inner(cfg.inner_backend), fullgraph=True)

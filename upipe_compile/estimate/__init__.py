@@ -2,9 +2,10 @@
 
 Builds the job as torchtitan's Trainer would (job.py), on fake CPU tensors over a fake
 process group of the job's world size, runs a real training step under a memory tracker
-(step.py) with the GPU attention kernels' workspaces switched on (gpu.py), and reports the
-per-rank device peak with a breakdown, the host memory of offloaded activations, and whether
-it fits a GPU after a stated reserve. See docs/estimate.md.
+(step.py) with the CUDA attention kernel's workspaces switched on
+(``upipe_compile.kernels.modelled_cuda_kernel``), and reports the per-rank device peak with a
+breakdown, the host memory of offloaded activations, and whether it fits a GPU after a
+stated reserve (gpu.py). See docs/estimate.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from upipe_compile.estimate.gpu import GIB, budget_gib, gpu_kernel_workspace
+from upipe_compile import kernels
+from upipe_compile.estimate.gpu import GIB, budget_gib
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
 from upipe_compile.estimate.step import StepMemory, run_step
 
@@ -25,6 +27,8 @@ __all__ = ["H100_80GB_GIB", "Estimate", "JobError", "estimate", "load_job_config
 @dataclass
 class Estimate:
     seq_len: int
+    cuda_kernel: str
+    """The attention kernel whose GPU workspace is counted (kernels.CUDA_BACKWARD_WORKSPACE)."""
     world_size: int
     cp: int
     heads_per_stage: int
@@ -51,7 +55,8 @@ class Estimate:
         return asdict(self)
 
 
-def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8) -> Estimate:
+def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
+             cuda_kernel: str = "flash-attn") -> Estimate:
     """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
     fake default process group: call it where no process group exists."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -61,7 +66,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
 
     start = time.time()
     world = world_size(job_config)
-    with fake_process_group(world), private_sharding_fake_mode(), gpu_kernel_workspace():
+    with fake_process_group(world), private_sharding_fake_mode(), kernels.modelled_cuda_kernel(cuda_kernel):
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         job = build_job(job_config, fake_mode)
@@ -76,7 +81,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB
     return Estimate(
-        seq_len=job_config.training.seq_len, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
+        seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
         peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
         budget_gib=round(budget, 6), fits=peak <= budget,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),

@@ -1,5 +1,5 @@
 """python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context]
-[--gpu-gib G] [--gpus-per-node N] [--json]
+[--gpu-gib G] [--gpus-per-node N] [--cuda-kernel K] [--json]
 
 Every argument this command does not know is a torchtitan override (``--training.seq_len
 5242880``, ``--upipe.heads_per_stage 32``), parsed by torchtitan's own ConfigManager, which
@@ -13,6 +13,7 @@ import json
 import sys
 
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.kernels import CUDA_BACKWARD_WORKSPACE
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
 from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
 
@@ -29,6 +30,9 @@ def parse_args(argv):
     parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB,
                         help=f"GPU memory as torch reports it (default {H100_80GB_GIB}: an 80 GB H100)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for host memory per node")
+    parser.add_argument("--cuda-kernel", choices=sorted(CUDA_BACKWARD_WORKSPACE), default="flash-attn",
+                        help="the attention kernel whose GPU workspace is counted (default flash-attn; "
+                             "aten-flash where flash-attn is not installed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_known_args(argv)
 
@@ -36,7 +40,8 @@ def parse_args(argv):
 def format_report(result: Estimate) -> str:
     lines = [
         f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}, "
-        f"U = {result.heads_per_stage} heads per stage), estimated in {result.seconds:.0f} s",
+        f"U = {result.heads_per_stage} heads per stage, {result.cuda_kernel} workspaces), "
+        f"estimated in {result.seconds:.0f} s",
         f"per-rank peak device memory  {result.peak_device_gib:8.2f} GiB   (at: {result.peak_phase})",
         f"  reserve                    {result.reserve_gib:8.2f} GiB   "
         f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the budget for "
@@ -81,12 +86,13 @@ def main(argv=None) -> int:
             from upipe_compile.estimate.search import max_context
 
             found, result, probes = max_context(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
-                                                progress=not args.json)
+                                                progress=not args.json, cuda_kernel=args.cuda_kernel)
             payload = {**result.as_json(), "max_context": found, "probes": probes}
             text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB after the reserve "
                     f"({len(probes)} probes)\n" + format_report(result))
         else:
-            result = estimate(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node)
+            result = estimate(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
+                              cuda_kernel=args.cuda_kernel)
             payload, text = result.as_json(), format_report(result)
     except (JobError, UnsupportedAttention) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -27,7 +27,7 @@ def _probe(job_config, seq_len: int, **kwargs) -> Estimate:
 
 
 def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8, progress: bool = True,
-                max_probes: int = MAX_PROBES):
+                max_probes: int = MAX_PROBES, cuda_kernel: str = "flash-attn"):
     """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed)."""
     from tqdm import tqdm
 
@@ -40,7 +40,8 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
     def probe(seq_len: int) -> Estimate:
         if seq_len not in results:
             bar.set_postfix_str(f"seq_len {seq_len:,}")
-            results[seq_len] = _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node)
+            results[seq_len] = _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
+                                      cuda_kernel=cuda_kernel)
             bar.update(1)
         return results[seq_len]
 

@@ -1,0 +1,232 @@
+"""The attention kernels: the flash-attn adapter for every signature family (2.5, 2.6,
+2.7/2.8) driven through CPU stand-ins of its interface, the CUDA refusals, and the CUDA
+workspace model used by fake-tensor memory measurements."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import rank_jobs
+from flash_attn_standins import FAMILIES
+from tests_support import TOLERANCE, AttentionCase, eager_reference, relative_error
+from upipe_compile import UnsupportedAttention, kernels
+
+SETTINGS = dict(deadline=None, max_examples=40)
+
+
+def _stage_layout(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] as the stage loop hands it over: a view of [B, S, H, D] storage."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@settings(**SETTINGS)
+@given(
+    family=st.sampled_from(sorted(FAMILIES)), batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 4]), seq=st.integers(1, 40), head_dim=st.sampled_from([8, 16, 32, 64]),
+    is_causal=st.booleans(), scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
+    dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16),
+)
+def test_flash_attn_adapter_equals_sdpa(family, batch, kv_heads, group, seq, head_dim, is_causal, scale, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q_heads = kv_heads * group
+    torch_dtype = getattr(torch, dtype)
+
+    def randn(heads):
+        return torch.randn(batch, heads, seq, head_dim, generator=gen).to(torch_dtype)
+
+    q, k, v, dout = randn(q_heads), randn(kv_heads), randn(kv_heads), randn(q_heads)
+    adapter = kernels.FlashAttnKernels(FAMILIES[family]())
+    out, lse = adapter.forward(*(_stage_layout(x) for x in (q, k, v)), is_causal, scale)
+    dq, dk, dv = adapter.backward(*(_stage_layout(x) for x in (dout, q, k, v, out)), lse, is_causal, scale)
+
+    q_ref, k_ref, v_ref = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out_ref = F.scaled_dot_product_attention(q_ref, k_ref, v_ref, is_causal=is_causal, scale=scale, enable_gqa=True)
+    out_ref.backward(dout)
+    scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) * (scale or head_dim**-0.5)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    tolerance = TOLERANCE[dtype]
+    assert out.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert lse.dtype == torch.float32 and relative_error(lse, scores.logsumexp(-1)) < 1e-4  # fp32 sums
+    for name, actual, expected in (("out", out, out_ref), ("dq", dq, q_ref.grad), ("dk", dk, k_ref.grad),
+                                   ("dv", dv, v_ref.grad)):
+        assert relative_error(actual, expected) < tolerance, f"{family} {name}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_flash_attn_backward_honours_deterministic_algorithms(family):
+    interface = FAMILIES[family]()
+    adapter = kernels.FlashAttnKernels(interface)
+    q = torch.randn(1, 2, 16, 8)
+    out, lse = adapter.forward(q, q, q, True, None)
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        for deterministic in (True, False):
+            torch.use_deterministic_algorithms(deterministic)
+            adapter.backward(q, q, q, q, out, lse, True, None)
+            assert interface.calls[-1]["deterministic"] is deterministic
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    windows = [call.get("window_size", (call.get("window_size_left"), -1)) for call in interface.calls]
+    assert all(window == (-1, -1) for window in windows)
+
+
+def test_flash_attn_interface_with_an_unknown_required_parameter_is_refused():
+    interface = FAMILIES["2.6"]()
+    real_forward = interface._flash_attn_forward
+
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            return_softmax, sink_tokens):
+        return real_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            return_softmax)
+
+    interface._flash_attn_forward = _flash_attn_forward
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(UnsupportedAttention, match="'sink_tokens'.*2.5 to 2.8"):
+        kernels.FlashAttnKernels(interface).forward(q, q, q, False, None)
+
+
+def test_unknown_parameters_with_defaults_keep_them():
+    seen = {}
+
+    def fn(a, b, extra=7, c=None):
+        seen.update(a=a, b=b, extra=extra, c=c)
+
+    kernels._call(fn, kernels._parameters(fn), {"a": 1, "b": 2, "c": 3}, "fn")
+    assert seen == {"a": 1, "b": 2, "extra": 7, "c": 3}
+
+
+def test_custom_op_parameters_come_from_the_schema():
+    names = [name for name, _ in kernels._parameters(FAMILIES["2.7/2.8"]()._flash_attn_backward)]
+    assert names[:9] == ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv"]
+    assert names[-4:] == ["softcap", "alibi_slopes", "deterministic", "rng_state"]
+
+
+def test_cuda_refusals_name_the_fix():
+    assert kernels.cuda_problems(torch.bfloat16, 128) == []
+    assert kernels.cuda_problems(torch.float16, 256) == []
+    (fp32,) = kernels.cuda_problems(torch.float32, 128)
+    assert "fp16 or bf16" in fp32 and "autocast" in fp32
+    (odd,) = kernels.cuda_problems(torch.bfloat16, 100)
+    assert "head_dim=100" in odd and "multiple of 8" in odd and "104" in odd
+    assert "at most 256" in kernels.cuda_problems(torch.bfloat16, 264)[0]
+
+
+def test_aten_cuda_markers_are_not_cached_under_fake_mode():
+    kernels._dense_markers_cache.clear()
+    with FakeTensorMode():
+        markers = kernels._aten_cuda_dense_markers(torch.device("cpu"), torch.bfloat16)
+    assert len(markers) == 4
+    assert kernels._dense_markers_cache == {}
+
+
+def test_flash_backward_workspace_table():
+    ws = kernels.flash_backward_workspace(1, 4, 1, 1000, 128, torch.bfloat16, deterministic=False)
+    assert ws == {
+        "softmax_d": ((1, 4, 1024), torch.float32),
+        "dq_accum": ((1, 1, 1024, 4, 128), torch.float32),
+        "dk_expanded": ((1, 1000, 4, 128), torch.bfloat16),
+        "dv_expanded": ((1, 1000, 4, 128), torch.bfloat16),
+    }
+    # deterministic: one dq accumulator per split, until all 132 SMs of an H100 have work
+    assert kernels.flash_backward_workspace(1, 4, 4, 1000, 80, torch.bfloat16, True)["dq_accum"][0] == (
+        33, 1, 1024, 4, 96)
+    aten = kernels.aten_flash_backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False)
+    assert set(aten) == {"softmax_d", "dq_accum", "dout_contiguous", "out_contiguous"}
+
+
+def _nbytes(workspace) -> int:
+    return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in workspace.values())
+
+
+@pytest.mark.parametrize("cuda_kernel", sorted(kernels.CUDA_BACKWARD_WORKSPACE))
+def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kernel):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from upipe_compile.memory import tracker_peak_bytes
+
+    def backward_peak(model: bool) -> int:
+        with FakeTensorMode():
+            q, dout, out = (torch.empty(1, 4, 4096, 128, dtype=torch.bfloat16) for _ in range(3))
+            k = torch.empty(1, 2, 4096, 128, dtype=torch.bfloat16)
+            lse = torch.empty(1, 4, 4096)
+            tracker = MemTracker()
+            tracker.track_external(q, k, dout, out, lse)
+            with tracker, (kernels.modelled_cuda_kernel(cuda_kernel) if model else contextlib.nullcontext()):
+                grads = kernels.backward(dout, q, k, k, out, lse, True, None)
+                peak = tracker_peak_bytes(tracker)
+            del grads
+            return peak
+
+    expected = _nbytes(kernels.CUDA_BACKWARD_WORKSPACE[cuda_kernel](1, 4, 2, 4096, 128, torch.bfloat16, False))
+    assert backward_peak(True) - backward_peak(False) == expected
+
+
+def test_op_measurement_counts_the_modelled_workspace():
+    from upipe_compile.memory import fake_process_group, measure_op_memory
+
+    seq, world = 2**16, 4
+    shape = dict(seq=seq, q_heads=8, kv_heads=2, head_dim=128, heads_per_stage=8)
+    with fake_process_group(world) as group:
+        cpu = measure_op_memory(group, **shape, cuda_kernel=None)
+        flash = measure_op_memory(group, **shape, cuda_kernel="flash-attn")
+    # Ulysses here: 2 q heads and 1 KV head per rank -> the kernel expands dK/dV to 2 heads
+    workspace = _nbytes(kernels.flash_backward_workspace(1, 2, 1, seq, 128, torch.bfloat16, deterministic=False))
+    assert flash.forward_bytes == cpu.forward_bytes
+    assert cpu.backward_bytes < flash.backward_bytes <= cpu.backward_bytes + workspace
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("kv_heads, heads_per_stage", [(8, 2), (2, 2), (2, 8)])
+def test_stage_loop_through_flash_attn_adapter_equals_eager(rank_pools, family, kv_heads, heads_per_stage):
+    """The op on 2 gloo ranks with FlashAttnKernels (what CUDA runs) equals eager SDPA."""
+    for dtype in ("float32", "bfloat16"):
+        case = AttentionCase(world=2, batch=1, q_heads=8, kv_heads=kv_heads, seq_local=24, head_dim=16,
+                             heads_per_stage=heads_per_stage, is_causal=True, scale=None, dtype=dtype, seed=3)
+        results = rank_pools(2).run(rank_jobs.op_case_with_flash_standin, case, family)
+        expected = eager_reference(case)
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            actual = torch.cat([r[i] for r in results], dim=2)
+            assert relative_error(actual, expected[i]) < TOLERANCE[dtype], f"{family} {dtype} {name}"
+
+
+def test_shape_check_runs_once_per_shape_and_still_refuses_uneven_shards(rank_pools):
+    per_rank = rank_pools(2).run(rank_jobs.shape_checks_per_call, [(4, 2), (4, 2), (6, 2), (4, 2), (6, 2)])
+    assert per_rank[0] == per_rank[1] == [1, 0, 1, 0, 0]
+
+    # A new shape that differs across ranks is refused on every rank at once.
+    uneven = rank_pools(2).run(rank_jobs.uneven_then_even, 5)
+    for result in uneven:
+        assert "equal, contiguous shard" in result[0] and result[1] == 0
+
+
+@pytest.mark.parametrize("dtype, head_dim, expected", [
+    (torch.bfloat16, 100, "head_dim=100"), (torch.float32, 128, "fp16 or bf16"), (torch.bfloat16, 128, None),
+])
+def test_cuda_inputs_the_kernels_cannot_take_are_refused_at_compile_time(dtype, head_dim, expected):
+    import torch.fx as fx
+
+    from upipe_compile.passes import find_attention, unsupported_reasons
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = fx.symbolic_trace(attention)
+    with FakeTensorMode():
+        example = torch.empty(1, 8, 64, head_dim, dtype=dtype, device="cuda")
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["example_value"] = example
+    (match,) = find_attention(gm)
+    reasons = unsupported_reasons(match, world=2, heads_per_stage=2)
+    if expected is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and expected in reasons[0]
