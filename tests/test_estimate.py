@@ -170,3 +170,18 @@ def test_max_context_refuses_when_nothing_fits(monkeypatch):
                              parallelism=SimpleNamespace(context_parallel_degree=8))
     with pytest.raises(JobError, match="does not fit"):
         max_context(config, progress=False)
+
+
+def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debug_model):
+    """Under selective op AC the compiled path saves each layer's upipe::attention outputs
+    (out and the per-stage LSE), which the eager route recomputes: the estimate adds them."""
+    from upipe_compile.estimate import _sac_saved_attention_bytes
+
+    config, args, _ = debug_model
+    world, heads_per_stage = 2, 2
+    head_dim = args.dim // args.n_heads
+    batch = config.training.local_batch_size
+    out = batch * args.n_heads * (SEQ // world) * head_dim * 4  # fp32 debug TOML
+    stages, q_per_rank = args.n_heads // heads_per_stage, heads_per_stage // world
+    lse = stages * batch * q_per_rank * SEQ * 4
+    assert _sac_saved_attention_bytes(config, args, heads_per_stage) == args.n_layers * (out + lse)
