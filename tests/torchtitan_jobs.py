@@ -30,12 +30,26 @@ def load_config(toml: str, *overrides: str):
     return load_job_config(toml, list(overrides))
 
 
+# The long-context stack, all on: full AC (offload needs it), uneven MLP tiles and loss chunks
+# on both CP degrees (128 or 256 local tokens per rank).
+STACK_OVERRIDES = (
+    "--activation_checkpoint.mode=full", "--upipe.offload_block_inputs",
+    "--upipe.mlp_tile_tokens=48", "--upipe.loss_chunk_tokens=40",
+    "--upipe.host_memory_reserve_gib=1",  # this machine's RAM is small; the inputs are not
+)
+
+
 def global_batch(job_config, step: int, vocab: int):
-    """The same full-sequence batch on every rank: (inputs, labels) [B, S]."""
+    """The same full-sequence batch on every rank: (inputs, labels) [B, S]; a few labels are
+    torchtitan's IGNORE_INDEX (as padding gives), so the loss's ignore path is exercised."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
     gen = torch.Generator().manual_seed(1000 + step)
     b, s = job_config.training.local_batch_size, job_config.training.seq_len
     tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    labels = tokens[:, 1:].clone()
+    labels[torch.rand(b, s, generator=gen) < 0.1] = IGNORE_INDEX
+    return tokens[:, :-1].contiguous(), labels
 
 
 def _clean(name: str) -> str:
@@ -48,10 +62,13 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
+def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = (),
+                      model_changes: dict | None = None):
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
-    ranks of the current (gloo) world. Returns (losses, first-step grads by parameter name,
-    first-step local positions, attention op counts of the last step, load balancer seen)."""
+    ranks of the current (gloo) world, the debug TOML changed by ``overrides`` (torchtitan
+    command-line style) and the flavor's model args by ``model_changes``. Returns (losses, first-step grads by parameter name, first-step local
+    positions, upipe op counts of the last step, load balancer seen, what the offloader moved
+    in each step)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
@@ -62,7 +79,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     torch._dynamo.reset()
     world = dist.get_world_size()
     job_config = load_config(DEBUG_TOML, f"--parallelism.context_parallel_degree={cp}",
-                             f"--training.steps={steps}")
+                             f"--training.steps={steps}", *overrides)
     importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
     p = job_config.parallelism
     parallel_dims = ParallelDims(
@@ -74,9 +91,10 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     train_spec = get_train_spec(job_config.model.name)
     model_args = train_spec.model_args[job_config.model.flavor]
     model_args.update_from_config(job_config)
-    if n_layers is not None:
+    changes = dict(model_changes or {}, **({"n_layers": n_layers} if n_layers is not None else {}))
+    if changes:
         import dataclasses
-        model_args = dataclasses.replace(model_args, n_layers=n_layers)
+        model_args = dataclasses.replace(model_args, **changes)
 
     # Reference weights: one seeded full model, identical for every CP degree.
     torch.manual_seed(0)
@@ -104,7 +122,8 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, steps)
     loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
 
-    losses, first_grads, first_positions, counts = [], None, None, None
+    losses, first_grads, first_positions, counts, offloaded = [], None, None, None, []
+    offloader = getattr(model, "upipe_offloader", None)
     for step in range(1, steps + 1):
         optimizers.zero_grad()
         inputs, labels = global_batch(job_config, step, model_args.vocab_size)
@@ -120,12 +139,15 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
         if prof:
             prof.__enter__()
         pred = model(inputs, **extra_kwargs)
+        pred_type = type(pred).__name__
         loss = loss_fn(pred, labels) / global_valid_tokens
         del pred
         loss.backward()
         if prof:
             prof.__exit__(None, None, None)
             counts = dict(attention_events(prof))
+        if offloader is not None:
+            offloaded.append((offloader.offloaded_last_step, offloader.offloaded_bytes_last_step))
         if step == 1:
             first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
             first_positions = extra_kwargs.get("positions")
@@ -139,5 +161,6 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None):
     return {
         "losses": losses, "grads": first_grads, "positions": first_positions, "counts": counts,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
-        "n_layers": model_args.n_layers,
+        "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type,
+        "local_tokens": inputs.numel(), "dim": model_args.dim,
     }

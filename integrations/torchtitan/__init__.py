@@ -10,8 +10,8 @@ Three keys turn it on (see llama3_8b_upipe.toml and README.md next to this file)
     enable = true
     backend = "upipe"
 
-Importing this module registers a TrainSpec under the name "llama3" (torchtitan looks up
-user-registered specs before its own), identical to torchtitan's Llama3 spec except for
+Importing this module registers TrainSpecs under the names "llama3" and "qwen3" (torchtitan
+looks up user-registered specs before its own), identical to torchtitan's specs except for
 ``parallelize_fn`` and ``build_loss_fn`` (see parallelize.py). Those fall through to the stock
 functions unless ``[compile] backend = "upipe"``, so importing it changes nothing else.
 """
@@ -20,38 +20,40 @@ from __future__ import annotations
 
 from upipe_compile.integrations.torchtitan.config import UPipe, upipe_config
 from upipe_compile.integrations.torchtitan.parallelize import (
-    build_loss_fn_upipe, check_job, compile_options, parallelize_llama_upipe, upipe_enabled,
+    build_loss_fn_upipe, check_job, compile_options, parallelize_llama_upipe, parallelize_qwen3_upipe, upipe_enabled,
 )
 
 MODEL_NAME = "llama3"
+MODEL_NAMES = ("llama3", "qwen3")
+_PARALLELIZE = {"llama3": parallelize_llama_upipe, "qwen3": parallelize_qwen3_upipe}
 
 __all__ = [
-    "MODEL_NAME", "UPipe", "build_loss_fn_upipe", "check_job", "compile_options", "get_train_spec",
-    "parallelize_llama_upipe", "register", "upipe_config", "upipe_enabled",
+    "MODEL_NAME", "MODEL_NAMES", "UPipe", "build_loss_fn_upipe", "check_job", "compile_options", "get_train_spec",
+    "parallelize_llama_upipe", "parallelize_qwen3_upipe", "register", "upipe_config", "upipe_enabled",
 ]
 
 
-def get_train_spec():
-    """torchtitan's Llama3 TrainSpec with the UPipe-aware parallelize and loss builders."""
+def get_train_spec(name: str = MODEL_NAME):
+    """torchtitan's TrainSpec for ``name`` ("llama3" or "qwen3") with the UPipe-aware
+    parallelize and loss builders."""
     import dataclasses
+    import importlib
 
-    from torchtitan.models import llama3
-
-    return dataclasses.replace(
-        llama3.get_train_spec(), parallelize_fn=parallelize_llama_upipe, build_loss_fn=build_loss_fn_upipe,
-    )
+    stock = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
+    return dataclasses.replace(stock, parallelize_fn=_PARALLELIZE[name], build_loss_fn=build_loss_fn_upipe)
 
 
-def register() -> str:
-    """Register the spec under "llama3" (idempotent); returns the name."""
+def register() -> tuple[str, ...]:
+    """Register the specs under "llama3" and "qwen3" (idempotent); returns the names."""
     from torchtitan.protocols import train_spec as ts
 
-    existing = ts._extra_train_specs.get(MODEL_NAME)
-    if existing is None:
-        ts.register_train_spec(MODEL_NAME, get_train_spec())
-    elif existing.parallelize_fn is not parallelize_llama_upipe:
-        raise RuntimeError(f"another TrainSpec is already registered as {MODEL_NAME!r}; cannot add upipe's")
-    return MODEL_NAME
+    for name in MODEL_NAMES:
+        existing = ts._extra_train_specs.get(name)
+        if existing is None:
+            ts.register_train_spec(name, get_train_spec(name))
+        elif existing.parallelize_fn is not _PARALLELIZE[name]:
+            raise RuntimeError(f"another TrainSpec is already registered as {name!r}; cannot add upipe's")
+    return MODEL_NAMES
 
 
 register()

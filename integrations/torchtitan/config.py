@@ -9,6 +9,11 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     heads_per_stage = 0         # U; 0 = P (one head per rank per stage, least memory)
     inner_backend = "inductor"  # what compiles each block after the UPipe rewrite
     prefetch = "forward"        # overlap the next stage's all-to-alls: none | forward | both
+    # the long-context stack (each off by default; see stack.py and README.md)
+    offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
+    host_memory_reserve_gib = 64    # node RAM kept free for everything but offloaded inputs
+    mlp_tile_tokens = 0             # SwiGLU over tiles of this many tokens; 0 = untiled
+    loss_chunk_tokens = 0           # output projection + loss over chunks; 0 = whole logits
 
 Without that line the section is unknown to torchtitan's ConfigManager (it rejects the TOML),
 and the integration uses the defaults below.
@@ -31,6 +36,27 @@ class UPipe:
     prefetch: str = "forward"
     """Start the next stage's all-to-alls during this stage's attention: "forward" (no extra
     peak memory for GQA models), "both" (backward too; about U = 2P's memory) or "none"."""
+
+    # --- the long-context stack: each piece opt-in ---
+    offload_block_inputs: bool = False
+    """Move each TransformerBlock's checkpointed input to pinned host memory after the block's
+    forward and back just before its recompute (side CUDA stream, overlapped with the
+    neighbouring block). Needs [activation_checkpoint] mode = "full". Host memory per rank:
+    n_layers x local_batch_size x seq_len / CP x dim x activation bytes; the job refuses to
+    start when the node (x ranks per node) cannot hold it next to host_memory_reserve_gib."""
+
+    host_memory_reserve_gib: float = 64.0
+    """Node RAM the offload check leaves for everything else (OS, the ranks' own CPU memory,
+    dataloader workers, pinned staging)."""
+
+    mlp_tile_tokens: int = 0
+    """Run each block's SwiGLU feed-forward over tiles of this many tokens, recomputed tile by
+    tile in backward, so tokens x hidden_dim intermediates exist for one tile only. 0 = off."""
+
+    loss_chunk_tokens: int = 0
+    """Compute the output projection and cross-entropy this many tokens at a time (logits
+    recomputed per chunk in backward), so tokens x vocab logits never exist for the whole
+    local sequence. 0 = off (torchtitan's loss on full logits)."""
 
 
 @dataclass

@@ -15,7 +15,11 @@ Differences from stock ``parallelize_llama`` when ``[compile] backend = "upipe"`
 - FSDP shards over torchtitan's "fsdp" mesh (dp_shard x cp), as stock torchtitan does, so
   gradients are reduced over data-parallel x CP ranks; HSDP/DDP over dp_replicate likewise.
 
-With any other [compile] backend the stock ``parallelize_llama`` runs unchanged.
+The long-context stack ([upipe] mlp_tile_tokens, loss_chunk_tokens, offload_block_inputs;
+stack.py) is applied here too: module swaps before AC, offload hooks after FSDP.
+
+With any other [compile] backend the stock ``parallelize_llama`` runs unchanged (and stack
+keys are refused: they would do nothing).
 
 Under ``measurement.measuring()`` (the whole-step memory estimate) nothing is compiled: each
 block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
@@ -31,6 +35,7 @@ import torch.nn as nn
 from upipe_compile.attention import PREFETCH_MODES
 from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.integrations.torchtitan import stack
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.options import INNER_BACKENDS
@@ -53,10 +58,26 @@ def compile_options(job_config, parallel_dims) -> dict:
     return options
 
 
-def check_job(job_config, parallel_dims, model_args=None) -> None:
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise UnsupportedAttention("torchtitan job cannot run with [compile] backend = \"upipe\":\n"
+                                   + "".join(f"  - {p}\n" for p in problems))
+
+
+def refuse_stack_without_upipe(job_config) -> None:
+    """Stack keys only act on the upipe path; set without it they would be silently ignored."""
+    keys = stack.stack_enabled(upipe_config(job_config))
+    if keys and not upipe_enabled(job_config):
+        raise UnsupportedAttention(
+            f"[upipe] {', '.join(keys)} only apply with [compile] enable = true and backend = \"upipe\" "
+            f"(got enable = {job_config.compile.enable}, backend = {job_config.compile.backend!r})"
+        )
+
+
+def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     """Everything the UPipe path refuses, with the TOML key to change."""
     cfg = upipe_config(job_config)
-    problems = []
+    problems = stack.stack_problems(job_config)
     if cfg.inner_backend not in INNER_BACKENDS:
         problems.append(f"[upipe] inner_backend = {cfg.inner_backend!r} is not one of {INNER_BACKENDS}")
     if cfg.prefetch not in PREFETCH_MODES:
@@ -67,10 +88,15 @@ def check_job(job_config, parallel_dims, model_args=None) -> None:
         problems.append("[parallelism] tensor_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
     if parallel_dims.pp_enabled:
         problems.append("[parallelism] pipeline_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
+    if parallel_dims.ep_enabled:
+        problems.append("[parallelism] expert_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
     cp = parallel_dims.cp
     if job_config.training.seq_len % cp:
         problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by the CP degree {cp}")
     if model_args is not None:
+        if getattr(model_args, "moe_enabled", False):
+            problems.append("MoE model flavors are not supported with backend upipe (not implemented/tested); "
+                            "use a dense flavor")
         attn_type = getattr(model_args, "attn_type", "sdpa")
         if attn_type != "sdpa":
             problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" (e.g. flavor "8B", not "8B_flex")')
@@ -82,9 +108,9 @@ def check_job(job_config, parallel_dims, model_args=None) -> None:
                 f"[upipe] heads_per_stage = {cfg.heads_per_stage} must be a multiple of the CP degree {cp} "
                 f"and divide n_heads = {heads}"
             )
-    if problems:
-        raise UnsupportedAttention("torchtitan job cannot run with [compile] backend = \"upipe\":\n"
-                                   + "".join(f"  - {p}\n" for p in problems))
+    if model is not None:
+        problems += stack.model_problems(model, job_config)
+    _refuse(problems)
 
 
 def disable_torchtitan_cp_sharding_balance(job_config) -> None:
@@ -151,20 +177,37 @@ def _inner(name: str):
 
 def parallelize_llama_upipe(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     """torchtitan ParallelizeFunction for Llama3 (registered by this package's TrainSpec)."""
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_fsdp, parallelize_llama
+
+    return _parallelize_upipe(model, parallel_dims, job_config, stock=parallelize_llama,
+                              sac_save_list=_op_sac_save_list, apply_fsdp=apply_fsdp)
+
+
+def parallelize_qwen3_upipe(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """torchtitan ParallelizeFunction for Qwen3's dense flavors; torchtitan's Qwen3 applies
+    llama4's (MoE-aware) apply_fsdp, and so does this."""
+    from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list, parallelize_qwen3
+
+    return _parallelize_upipe(model, parallel_dims, job_config, stock=parallelize_qwen3,
+                              sac_save_list=_op_sac_save_list, apply_fsdp=apply_fsdp)
+
+
+def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sac_save_list, apply_fsdp) -> nn.Module:
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed.activation_checkpoint import apply_ac
-    from torchtitan.models.llama3.infra.parallelize import (
-        _op_sac_save_list, apply_ddp, apply_fsdp, parallelize_llama,
-    )
+    from torchtitan.models.llama3.infra.parallelize import apply_ddp
 
+    refuse_stack_without_upipe(job_config)
     if not upipe_enabled(job_config):
-        return parallelize_llama(model, parallel_dims, job_config)
+        return stock(model, parallel_dims, job_config)
 
-    check_job(job_config, parallel_dims, getattr(model, "model_args", None))
+    check_job(job_config, parallel_dims, getattr(model, "model_args", None), model)
     disable_torchtitan_cp_sharding_balance(job_config)
+    stack.apply_module_swaps(model, job_config)
 
     if job_config.activation_checkpoint.mode != "none":
-        save_list = set(_op_sac_save_list) | {torch.ops.upipe.attention.default}
+        save_list = set(sac_save_list) | {torch.ops.upipe.attention.default}
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=True,
                  op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
 
@@ -181,11 +224,13 @@ def parallelize_llama_upipe(model: nn.Module, parallel_dims, job_config) -> nn.M
             reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
         )
         _sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))
+        stack.keep_output_weight_for_loss(model, job_config)
     elif parallel_dims.dp_replicate_enabled:
         mesh = parallel_dims.get_mesh("dp_replicate")
         if parallel_dims.world_size != mesh.size():
             raise RuntimeError("DDP has not supported > 1D parallelism")
         apply_ddp(model, mesh, enable_compile=True)
+    stack.install_offload(model, job_config, parallel_dims)
     return model
 
 
@@ -206,12 +251,16 @@ def _sum_reductions_on_gloo(model: nn.Module, dp_mesh) -> None:
 
 
 def build_loss_fn_upipe(job_config, **kwargs):
-    """torchtitan's cross-entropy loss; with backend "upipe" the loss (no attention in it) is
-    compiled with the [upipe] inner backend instead."""
+    """torchtitan's cross-entropy loss, or with [upipe] loss_chunk_tokens the chunked one (the
+    model then returns LazyLogits, see stack.py); with backend "upipe" the loss (no attention in
+    it) is compiled with the [upipe] inner backend."""
     from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
 
+    refuse_stack_without_upipe(job_config)
     if not upipe_enabled(job_config):
         return build_cross_entropy_loss(job_config, **kwargs)
+    _refuse(stack.stack_problems(job_config))
+    loss_fn = stack.stack_loss_fn(job_config) or cross_entropy_loss
     if "loss" in job_config.compile.components and not is_measuring():
-        return torch.compile(cross_entropy_loss, backend=_inner(upipe_config(job_config).inner_backend))
-    return cross_entropy_loss
+        return torch.compile(loss_fn, backend=_inner(upipe_config(job_config).inner_backend))
+    return loss_fn

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from upipe_compile import kernels
 from upipe_compile.estimate.gpu import GIB, budget_gib
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
+from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step
 
 H100_80GB_GIB = 79.1
@@ -66,7 +67,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
 
     start = time.time()
     world = world_size(job_config)
-    with fake_process_group(world), private_sharding_fake_mode(), kernels.modelled_cuda_kernel(cuda_kernel):
+    with fake_process_group(world), private_sharding_fake_mode(), kernels.modelled_cuda_kernel(cuda_kernel), \
+            plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         job = build_job(job_config, fake_mode)

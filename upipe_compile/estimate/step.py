@@ -208,7 +208,8 @@ def _train_step(job: Job, tracker: PhaseTracker):
         label("forward")
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             pred = job.model(inputs, **extra_kwargs)
-        logits = pred.numel() * pred.element_size()
+        # With [upipe] loss_chunk_tokens the model returns LazyLogits: no logits tensor exists.
+        logits = pred.numel() * pred.element_size() if isinstance(pred, torch.Tensor) else 0
         after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
         label("loss")
         loss = job.loss_fn(pred, labels) / global_valid_tokens

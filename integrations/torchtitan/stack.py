@@ -1,0 +1,172 @@
+"""The long-context stack on a torchtitan model, from the [upipe] keys: sequence-tiled MLP,
+chunked output projection + loss, offload of checkpointed block inputs. Each piece is a plain
+module of upipe_compile (tiled_mlp, chunked_loss, offload); this file only checks the keys,
+applies them to torchtitan's model at the right point of ``parallelize_llama_upipe`` and
+builds the matching loss.
+
+Where each piece goes, relative to torchtitan's AC -> per-block compile -> FSDP:
+
+- tiled MLP and the lazy output projection replace submodules of the *raw* model (before AC),
+  keeping parameter names, so AC, compile, FSDP, init_weights and checkpoints see the same
+  parameters under the same state-dict keys;
+- the offload hooks go on the final per-block modules (after FSDP), outside the compiled
+  region: they see what the compiled, checkpointed block saves for backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn as nn
+
+from upipe_compile.chunked_loss import LazyOutputProjection, lazy_logits_cross_entropy
+from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.measurement import host_device
+from upipe_compile.offload import (
+    BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, total_host_memory_bytes,
+)
+from upipe_compile.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
+
+log = logging.getLogger(__name__)
+
+STACK_KEYS = ("offload_block_inputs", "mlp_tile_tokens", "loss_chunk_tokens")
+
+
+def stack_enabled(cfg) -> list[str]:
+    """The stack keys the job turns on."""
+    return [key for key in STACK_KEYS if getattr(cfg, key)]
+
+
+def _count_problem(cfg, key: str) -> str | None:
+    value = getattr(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"[upipe] {key} = {value!r} must be a whole number of tokens > 0 (or 0 = off)"
+    return None
+
+
+def stack_problems(job_config) -> list[str]:
+    """What the job's stack keys get wrong, before any model exists."""
+    cfg = upipe_config(job_config)
+    problems = [p for p in (_count_problem(cfg, "mlp_tile_tokens"), _count_problem(cfg, "loss_chunk_tokens")) if p]
+    if not isinstance(cfg.offload_block_inputs, bool):
+        problems.append(f"[upipe] offload_block_inputs = {cfg.offload_block_inputs!r} must be true or false")
+    if cfg.offload_block_inputs and job_config.activation_checkpoint.mode != "full":
+        problems.append(
+            f'[upipe] offload_block_inputs = true needs [activation_checkpoint] mode = "full" (got '
+            f'"{job_config.activation_checkpoint.mode}"): only then is the block input all a block saves'
+        )
+    reserve = cfg.host_memory_reserve_gib
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
+        problems.append(f"[upipe] host_memory_reserve_gib = {reserve!r} must be a number >= 0")
+    return problems
+
+
+def model_problems(model: nn.Module, job_config) -> list[str]:
+    """What the stack keys cannot apply to on this model."""
+    cfg = upipe_config(job_config)
+    problems = []
+    if cfg.mlp_tile_tokens:
+        for name, block in model.layers.named_children():
+            feed_forward = getattr(block, "feed_forward", None)
+            problem = "it has no feed_forward (a MoE layer?)" if feed_forward is None else swiglu_problem(feed_forward)
+            if problem:
+                problems.append(f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile layers.{name}: {problem}")
+                break
+    if cfg.loss_chunk_tokens:
+        output = getattr(model, "output", None)
+        if not isinstance(output, nn.Linear) or output.bias is not None:
+            problems.append(f"[upipe] loss_chunk_tokens = {cfg.loss_chunk_tokens} needs the model's `output` to be "
+                            f"a bias-free nn.Linear, got {type(output).__name__}")
+    if cfg.offload_block_inputs and not len(getattr(model, "layers", ())):
+        problems.append("[upipe] offload_block_inputs = true needs a model with `layers`")
+    return problems
+
+
+def apply_module_swaps(model: nn.Module, job_config) -> None:
+    """Tiled MLP and lazy output projection, on the raw model (before AC/compile/FSDP)."""
+    cfg = upipe_config(job_config)
+    if cfg.mlp_tile_tokens:
+        for block in model.layers.values():
+            block.feed_forward = SequenceTiledSwiGLU(block.feed_forward, cfg.mlp_tile_tokens)
+        log.info("upipe: SwiGLU of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
+    if cfg.loss_chunk_tokens:
+        model.output = LazyOutputProjection(model.output)
+        log.info("upipe: output projection deferred to the loss, %d tokens per chunk", cfg.loss_chunk_tokens)
+
+
+def keep_output_weight_for_loss(model: nn.Module, job_config) -> None:
+    """The chunked loss multiplies by the output weight after the output module's forward has
+    returned, so FSDP must not reshard that group after forward (torchtitan only does so with
+    fsdp_reshard_after_forward = "always")."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if upipe_config(job_config).loss_chunk_tokens and isinstance(model.output, FSDPModule):
+        if job_config.parallelism.fsdp_reshard_after_forward == "always":
+            log.warning('upipe: [upipe] loss_chunk_tokens keeps the output weight gathered until the loss '
+                        'ran: [parallelism] fsdp_reshard_after_forward = "always" is not applied to norm/output')
+        model.output.set_reshard_after_forward(False, recurse=False)
+
+
+def activation_dtype(job_config, parallel_dims) -> torch.dtype:
+    """The residual stream's dtype: FSDP's param dtype (the blocks compute in it), else fp32."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    if parallel_dims.fsdp_enabled:
+        return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    return torch.float32
+
+
+def offload_host_bytes_per_rank(job_config, parallel_dims, model_args) -> int:
+    """Host memory the offloaded block inputs take per rank (0 when offload is off)."""
+    if not upipe_config(job_config).offload_block_inputs:
+        return 0
+    tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp
+    return host_bytes_per_rank(model_args.n_layers, tokens, model_args.dim, activation_dtype(job_config, parallel_dims))
+
+
+def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_bytes: int | None = None,
+                            ranks: int | None = None) -> None:
+    """Refuse to start when this node's RAM cannot hold every local rank's offloaded inputs."""
+    from upipe_compile.errors import UnsupportedAttention
+
+    per_rank = offload_host_bytes_per_rank(job_config, parallel_dims, model_args)
+    if not per_rank:
+        return
+    ranks = ranks if ranks is not None else ranks_per_node(default=parallel_dims.world_size)
+    total = total_bytes if total_bytes is not None else total_host_memory_bytes()
+    reserve = int(upipe_config(job_config).host_memory_reserve_gib * (1 << 30))
+    problem = host_memory_problem(per_rank, ranks, total, reserve)
+    if problem:
+        raise UnsupportedAttention(
+            f"[upipe] offload_block_inputs = true: {problem}. Lower [training] seq_len, raise "
+            "[parallelism] context_parallel_degree (more nodes), or lower [upipe] host_memory_reserve_gib."
+        )
+    log.info("upipe: offload needs %.1f GiB host memory per rank, %.1f GiB for %d ranks on this node",
+             per_rank / (1 << 30), per_rank * ranks / (1 << 30), ranks)
+
+
+def _on_fake_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def install_offload(model: nn.Module, job_config, parallel_dims) -> BlockInputOffloader | None:
+    """Offload hooks on the final per-block modules; checks the node's RAM first (skipped on a
+    fake process group: a memory estimate reports host memory instead of refusing)."""
+    if not upipe_config(job_config).offload_block_inputs:
+        return None
+    if not _on_fake_process_group():
+        check_offload_fits_host(job_config, parallel_dims, model.model_args)
+    # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
+    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device())
+    model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule
+    return offloader
+
+
+def stack_loss_fn(job_config):
+    """The chunked loss when [upipe] loss_chunk_tokens is set, else None."""
+    chunk = upipe_config(job_config).loss_chunk_tokens
+    return functools.partial(lazy_logits_cross_entropy, chunk_tokens=chunk) if chunk else None

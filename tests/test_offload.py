@@ -1,0 +1,195 @@
+"""upipe_compile.offload: the checkpointed input of each block, and nothing else, goes to host
+memory after the block's forward and comes back for its recompute (the previous block's
+prefetched meanwhile); results are bit-identical to no offload, eager or compiled; the host
+memory arithmetic and the node check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from upipe_compile.offload import (
+    BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, total_host_memory_bytes,
+)
+
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.up, self.down = nn.Linear(DIM, 3 * DIM), nn.Linear(3 * DIM, DIM)
+
+    def forward(self, x, scale):
+        return x + self.down(torch.relu(self.up(self.norm(x)) * scale))
+
+
+def make_blocks(n, backend):
+    torch.manual_seed(0)
+    blocks = [checkpoint_wrapper(Block()) for _ in range(n)]
+    if backend != "eager":
+        blocks = [torch.compile(b, backend=backend, fullgraph=True) for b in blocks]
+    return blocks
+
+
+def run(blocks, x, scale, watch=None):
+    """Forward through the blocks as torchtitan's model does, then backward; ``watch`` gets
+    a weak reference to each block input's storage, taken after the forward."""
+    x = x.clone().requires_grad_()
+    h, inputs = x, []
+    for block in blocks:
+        inputs.append(StorageWeakRef(h.untyped_storage()))
+        h = block(h, scale)
+    if watch is not None:
+        watch.extend(inputs)
+    h.square().sum().backward()
+    return h.detach(), x.grad, [p.grad.clone() for b in blocks for p in b.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_offload_is_exact_and_moves_exactly_the_block_inputs(backend):
+    x, scale = torch.randn(2, 12, DIM), torch.rand(3 * DIM)
+    ref = run(make_blocks(4, backend), x, scale)
+    blocks = make_blocks(4, backend)
+    offloader = BlockInputOffloader(blocks)
+    watch = []
+    got = run(blocks, x, scale, watch)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+    # One tensor per block, the block input: not `scale`, not the parameters.
+    assert offloader.offloaded_last_step == 4
+    assert offloader.offloaded_bytes_last_step == host_bytes_per_rank(4, 2 * 12, DIM, torch.float32)
+    offloader.remove()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_block_inputs_are_released_after_forward(backend):
+    """With offload, nothing keeps a block input's memory after the forward (blocks 1..n-1:
+    their inputs are intermediate activations); without, the checkpoint keeps every one."""
+    x, scale = torch.randn(1, 10, DIM), torch.rand(3 * DIM)
+
+    def alive_after_forward(offload):
+        blocks = make_blocks(3, backend)
+        offloader = BlockInputOffloader(blocks) if offload else None
+        h = x.clone().requires_grad_()
+        refs = []
+        for block in blocks:
+            refs.append(StorageWeakRef(h.untyped_storage()))
+            h = block(h, scale)
+        alive = [not ref.expired() for ref in refs[1:]]
+        h.sum().backward()
+        if offloader:
+            offloader.remove()
+        return alive
+
+    assert alive_after_forward(offload=False) == [True, True]
+    assert alive_after_forward(offload=True) == [False, False]
+
+
+def test_backward_prefetches_the_previous_block(monkeypatch):
+    from upipe_compile import offload
+
+    log = []
+    original_unpack, original_prefetch = offload._OffloadedInput.unpack, offload._OffloadedInput.prefetch
+
+    def unpack(self):
+        log.append(("unpack", self.block_index))
+        return original_unpack(self)
+
+    def prefetch(self):
+        if self.fetched is None:
+            log.append(("copy to device", self.block_index))
+        return original_prefetch(self)
+
+    monkeypatch.setattr(offload._OffloadedInput, "unpack", unpack)
+    monkeypatch.setattr(offload._OffloadedInput, "prefetch", prefetch)
+    blocks = make_blocks(3, "eager")
+    BlockInputOffloader(blocks)
+    run(blocks, torch.randn(1, 5, DIM), torch.rand(3 * DIM))
+    assert log == [
+        ("unpack", 2), ("copy to device", 2), ("copy to device", 1),  # block 1's copy starts now
+        ("unpack", 1), ("copy to device", 0),
+        ("unpack", 0),
+    ]
+
+
+def test_no_grad_forward_is_left_alone():
+    blocks = make_blocks(2, "eager")
+    offloader = BlockInputOffloader(blocks)
+    with torch.no_grad():
+        h = torch.randn(1, 4, DIM)
+        for block in blocks:
+            h = block(h, torch.ones(3 * DIM))
+    assert offloader.offloaded_last_step == 0
+
+
+def test_host_memory_arithmetic_and_node_check(tmp_path, monkeypatch):
+    gib = 1 << 30
+    # Llama3-8B at 5M tokens on 8 ranks: 655360 tokens x 4096 x bf16 = 5 GiB per block, 32 blocks.
+    per_rank = host_bytes_per_rank(32, 5242880 // 8, 4096, torch.bfloat16)
+    assert per_rank == 160 * gib
+    assert host_memory_problem(per_rank, 8, total_bytes=2048 * gib, reserve_bytes=64 * gib) is None
+    problem = host_memory_problem(per_rank, 8, total_bytes=1024 * gib, reserve_bytes=64 * gib)
+    assert "160.0 GiB of host memory per rank x 8 ranks per node = 1280.0 GiB" in problem
+    assert "node has 1024.0 GiB" in problem
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       2113929216 kB\nMemFree:        1000 kB\n")
+    assert total_host_memory_bytes(str(meminfo)) == 2113929216 * 1024
+    assert total_host_memory_bytes(str(tmp_path / "missing")) > 0  # falls back to sysconf
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ranks_per_node(default=16) == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert ranks_per_node(default=16) == 16
+
+
+def test_with_fsdp2_inputs_are_released_and_results_exact(rank_pools):
+    """torchtitan's order: checkpoint_wrapper -> per-block compile -> FSDP2 (blocks and root),
+    hooks on the final block modules: FSDP's pre-forward alias of the input still matches,
+    nothing else keeps the inputs, and results equal the same model without offload."""
+    assert rank_pools(1).run(_fsdp_blocks_job) == [([True, True], [False, False], True)]
+
+
+def _fsdp_blocks_job():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x, scale = torch.randn(1, 10, DIM), torch.rand(3 * DIM)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(make_blocks(3, "aot_eager"))
+
+        def forward(self, h, refs):
+            for block in self.layers:
+                refs.append(StorageWeakRef(h.untyped_storage()))
+                h = block(h, scale)
+            return h
+
+    def run_model(offload):
+        model = Stack()
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        offloader = BlockInputOffloader(list(model.layers)) if offload else None
+        refs = []
+        h = model(x.clone().requires_grad_(), refs)
+        alive = [not ref.expired() for ref in refs[1:]]
+        h.square().sum().backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        if offloader:
+            assert offloader.offloaded_last_step == 3
+        return alive, h.detach(), grads
+
+    alive_plain, out_plain, grads_plain = run_model(False)
+    alive_offload, out_offload, grads_offload = run_model(True)
+    exact = torch.equal(out_plain, out_offload) and all(torch.equal(a, b) for a, b in zip(grads_plain, grads_offload))
+    return alive_plain, alive_offload, exact

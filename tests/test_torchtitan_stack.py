@@ -1,0 +1,171 @@
+"""The [upipe] stack keys in torchtitan jobs: bad values and models they cannot apply to are
+refused before anything runs, each message naming the TOML key; the offload's host-memory
+arithmetic for the shipped 8xH100 TOML and the node check. (Training with the stack on:
+tests/test_torchtitan.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torchtitan_jobs import DEBUG_TOML, load_config
+from upipe_compile.errors import UnsupportedAttention
+
+GIB = 1 << 30
+
+
+def dims_for(config, world_size):
+    from torchtitan.distributed import ParallelDims
+
+    p = config.parallelism
+    return ParallelDims(
+        dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world_size,
+    )
+
+
+def debug_job(*overrides):
+    import upipe_compile.integrations.torchtitan  # noqa: F401  registers the spec
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    config = load_config(DEBUG_TOML, "--activation_checkpoint.mode=full", *overrides)
+    spec = get_train_spec("llama3")
+    args = spec.model_args["debugmodel"]
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return config, dims_for(config, config.parallelism.context_parallel_degree), args, model
+
+
+def refusal(*overrides, mutate=None) -> str:
+    from upipe_compile.integrations.torchtitan import check_job
+
+    config, dims, args, model = debug_job(*overrides)
+    if mutate:
+        mutate(model)
+    with pytest.raises(UnsupportedAttention) as info:
+        check_job(config, dims, args, model)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("key", ["mlp_tile_tokens", "loss_chunk_tokens"])
+def test_negative_tile_or_chunk_names_the_key(key):
+    assert f"[upipe] {key} = -4 must be a whole number of tokens > 0 (or 0 = off)" in refusal(f"--upipe.{key}=-4")
+
+
+def test_offload_needs_full_activation_checkpointing():
+    message = refusal("--upipe.offload_block_inputs", "--activation_checkpoint.mode=selective")
+    assert '[upipe] offload_block_inputs = true needs [activation_checkpoint] mode = "full"' in message
+
+
+def test_negative_host_reserve_is_refused():
+    assert "[upipe] host_memory_reserve_gib = -1.0 must be a number >= 0" in refusal(
+        "--upipe.host_memory_reserve_gib=-1")
+
+
+def test_tiled_mlp_on_a_model_without_swiglu_names_the_key_and_layer():
+    class GeluMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2, self.w3 = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.w2(nn.functional.gelu(self.w1(x)))
+
+    def swap(model):
+        model.layers["0"].feed_forward = GeluMLP()
+
+    message = refusal("--upipe.mlp_tile_tokens=64", mutate=swap)
+    assert "[upipe] mlp_tile_tokens = 64 cannot tile layers.0: GeluMLP is not a known SwiGLU feed-forward" in message
+
+    def drop(model):  # a MoE layer has `moe` instead of `feed_forward`
+        del model.layers["1"].feed_forward
+
+    assert "cannot tile layers.1: it has no feed_forward" in refusal("--upipe.mlp_tile_tokens=64", mutate=drop)
+
+
+def test_chunked_loss_on_an_output_with_bias_names_the_key():
+    def biased(model):
+        model.output = nn.Linear(model.output.in_features, model.output.out_features, bias=True)
+
+    message = refusal("--upipe.loss_chunk_tokens=128", mutate=biased)
+    assert "[upipe] loss_chunk_tokens = 128 needs the model's `output` to be a bias-free nn.Linear" in message
+
+
+def test_stack_keys_without_the_upipe_backend_are_refused_not_ignored():
+    from upipe_compile.integrations.torchtitan import build_loss_fn_upipe, parallelize_llama_upipe
+
+    config, dims, _, model = debug_job("--upipe.mlp_tile_tokens=64", "--compile.backend=inductor")
+    with pytest.raises(UnsupportedAttention, match=r"\[upipe\] mlp_tile_tokens only apply with \[compile\]"):
+        parallelize_llama_upipe(model, dims, config)
+    with pytest.raises(UnsupportedAttention, match=r"\[upipe\] mlp_tile_tokens only apply"):
+        build_loss_fn_upipe(config)
+
+
+def test_stack_defaults_change_nothing():
+    from upipe_compile.integrations.torchtitan import check_job
+
+    config, dims, args, model = debug_job()
+    assert (config.upipe.offload_block_inputs, config.upipe.mlp_tile_tokens, config.upipe.loss_chunk_tokens) == \
+        (False, 0, 0)
+    check_job(config, dims, args, model)
+    from upipe_compile.integrations.torchtitan.stack import offload_host_bytes_per_rank
+
+    assert offload_host_bytes_per_rank(config, dims, args) == 0
+
+
+def test_offload_host_memory_for_8b_at_5m_tokens_and_the_node_check():
+    """Llama3-8B, 5M tokens, CP=8, bf16: 655360 x 4096 x 2 B = 5 GiB per block, 32 blocks."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan.stack import check_offload_fits_host, offload_host_bytes_per_rank
+
+    h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
+    config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs")
+    dims = dims_for(config, 8)
+    args = get_train_spec("llama3").model_args["8B"]
+    assert offload_host_bytes_per_rank(config, dims, args) == 160 * GIB
+    check_offload_fits_host(config, dims, args, total_bytes=2048 * GIB, ranks=8)  # a 2 TiB node holds it
+    with pytest.raises(UnsupportedAttention) as info:
+        check_offload_fits_host(config, dims, args, total_bytes=1024 * GIB, ranks=8)
+    message = str(info.value)
+    assert message.startswith("[upipe] offload_block_inputs = true: offloading block inputs needs 160.0 GiB")
+    assert "x 8 ranks per node = 1280.0 GiB" in message and "node has 1024.0 GiB" in message
+
+
+def test_output_group_is_kept_gathered_for_the_chunked_loss(rank_pools):
+    assert rank_pools(2).run(_reshard_policy_with_chunked_loss) == [(False, True)] * 2
+
+
+def _reshard_policy_with_chunked_loss():
+    """On a rank: parallelize the debug model with fsdp_reshard_after_forward = "always";
+    (norm/output group resharded after forward?, a block resharded after forward?)."""
+    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan import parallelize_llama_upipe
+
+    torchtitan_on_cpu()
+    config, dims, _, model = debug_job("--upipe.loss_chunk_tokens=64", "--parallelism.fsdp_reshard_after_forward=always")
+    dims.build_mesh()  # FSDP over the fsdp mesh = cp (2 ranks)
+    model = parallelize_llama_upipe(model, dims, config)
+
+    def resharded(module):
+        return module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+
+    return resharded(model.output), resharded(model.layers["0"])
+
+
+def test_qwen3_spec_is_registered_and_moe_flavors_refused():
+    import upipe_compile.integrations.torchtitan  # noqa: F401
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan import check_job
+
+    spec = get_train_spec("qwen3")
+    assert spec.parallelize_fn.__name__ == "parallelize_qwen3_upipe"
+    assert spec.build_loss_fn.__name__ == "build_loss_fn_upipe"
+    config = load_config(DEBUG_TOML, "--model.name=qwen3", "--model.flavor=32B")
+    dims = dims_for(config, 2)
+    check_job(config, dims, spec.model_args["32B"])  # 64 q / 8 kv heads, dense: accepted
+    with pytest.raises(UnsupportedAttention, match="MoE model flavors are not supported"):
+        check_job(config, dims, spec.model_args["30B-A3B"])
