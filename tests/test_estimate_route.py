@@ -8,6 +8,7 @@ autograd keeps the same bytes for backward over the whole block.
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 import pytest
@@ -165,3 +166,36 @@ def test_activations_offloaded_to_host_device_count_as_host_memory(group):
     assert host_device() == torch.device("cpu")  # outside measuring(): real host memory
     assert tracker.host_peak() == 2 * activation_bytes  # both layers' inputs, until backward
     assert tracker.device_peak_snapshot()["Total"] > 0
+
+
+def test_rms_norm_counted_as_the_fused_gpu_kernel():
+    """On fake CPU tensors F.rms_norm decomposes into activation-sized fp32 temporaries; the
+    estimate counts the fused kernel instead: output + fp32 rstd, and autograd keeps input,
+    weight and rstd."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from upipe_compile.estimate.plain_loops import fused_rms_norm
+    from upipe_compile.memory import tracker_peak_bytes
+
+    def forward_backward(fused: bool):
+        with FakeTensorMode():
+            norm = torch.nn.RMSNorm(4096, dtype=torch.bfloat16)
+            x = torch.empty(1024, 4096, dtype=torch.bfloat16, requires_grad=True)
+            saved = []
+            tracker = MemTracker()
+            tracker.track_external(norm, x)
+            with tracker, (fused_rms_norm() if fused else contextlib.nullcontext()):
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    out = norm(x)
+                out.backward(torch.empty_like(out))
+                peak = tracker_peak_bytes(tracker)
+            return out, x.grad, peak, saved
+
+    out, grad, fused_peak, saved = forward_backward(True)
+    plain_out, plain_grad, plain_peak, _ = forward_backward(False)
+    assert (out.shape, out.dtype, grad.shape, grad.dtype) == (plain_out.shape, plain_out.dtype, plain_grad.shape,
+                                                             plain_grad.dtype)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [
+        ((1024, 4096), torch.bfloat16), ((4096,), torch.bfloat16), ((1024, 1), torch.float32)]
+    assert fused_peak < plain_peak

@@ -1,4 +1,12 @@
-"""The long-context stack's loops, run for real in the estimate.
+"""What the estimate runs in place of ops whose fake-CPU allocations are not a GPU's.
+
+RMSNorm: on CPU, ``F.rms_norm`` decomposes into fp32 ops (an fp32 copy of the input, its
+square, the scaled product: three activation-sized fp32 tensors, as many again in backward).
+On the GPU the job runs it fused (torch's CUDA ``_fused_rms_norm`` kernel in eager, one
+fused kernel under inductor): output and an fp32 ``rstd`` per row; backward, the input's
+gradient. While :func:`fused_rms_norm` is active, fake-tensor RMSNorms allocate that.
+
+The long-context stack's loops:
 
 The tiled MLP and the chunked loss are custom ops (``upipe::tiled_swiglu``,
 ``upipe::linear_cross_entropy``) around plain loop functions. Under FakeTensorMode an op runs
@@ -13,6 +21,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile import chunked_loss, tiled_mlp
 
@@ -54,3 +64,37 @@ def plain_stack_loops():
         yield
     finally:
         tiled_mlp.tiled_swiglu_op, chunked_loss.linear_cross_entropy_op = originals
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """The allocations of a fused RMSNorm kernel, on fake tensors (no values are computed)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_dims: int, weight):
+        rstd = x.new_empty((*x.shape[:-normalized_dims], *([1] * normalized_dims)), dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), None, None if weight is None else torch.empty_like(weight)
+
+
+@contextmanager
+def fused_rms_norm():
+    """Fake-tensor RMSNorms allocate what the fused GPU kernel does (see the module doc).
+    ``F.rms_norm`` itself is swapped, not intercepted by a mode: torch function modes are not
+    active where autograd runs activation checkpointing's recompute."""
+    original = F.rms_norm
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if not is_fake(input):
+            return original(input, normalized_shape, weight, eps)
+        return FusedRMSNormFunction.apply(input, len(normalized_shape), weight)
+
+    F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = original
