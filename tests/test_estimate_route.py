@@ -199,3 +199,35 @@ def test_rms_norm_counted_as_the_fused_gpu_kernel():
     assert [(tuple(t.shape), t.dtype) for t in saved] == [
         ((1024, 4096), torch.bfloat16), ((4096,), torch.bfloat16), ((1024, 1), torch.float32)]
     assert fused_peak < plain_peak
+
+
+def test_llama3_rope_counted_as_a_fused_kernel():
+    """Eager, torchtitan's RoPE makes fp32 copies and complex products of q and k; the
+    estimate counts a fused kernel instead: the rotated q and k only (same shapes, dtypes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torchtitan.models.llama3.model import model as llama3
+
+    from upipe_compile.estimate.plain_loops import fused_rope
+    from upipe_compile.memory import tracker_peak_bytes
+
+    def rope(fused: bool):
+        with FakeTensorMode():
+            xq = torch.empty(1, 1024, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+            xk = torch.empty(1, 1024, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+            freqs = torch.empty(1024, 64, dtype=torch.complex64)
+            tracker = MemTracker()
+            tracker.track_external(xq, xk, freqs)
+            with tracker, (fused_rope() if fused else contextlib.nullcontext()):
+                q, k = llama3.apply_rotary_emb(xq, xk, freqs)
+                torch.autograd.backward((q, k), (torch.empty_like(q), torch.empty_like(k)))
+                peak = tracker_peak_bytes(tracker)
+            return q, k, peak
+
+    q, k, fused_peak = rope(True)
+    eager_q, eager_k, eager_peak = rope(False)
+    assert [(t.shape, t.dtype) for t in (q, k)] == [(t.shape, t.dtype) for t in (eager_q, eager_k)]
+    unit = 1024 * 8 * 128 * 2 + 1024 * 2 * 128 * 2  # one bf16 copy of q and k
+    freqs = 1024 * 64 * 8
+    # inputs, outputs, incoming gradients, input gradients: 4 units and the RoPE table.
+    assert fused_peak == 4 * unit + freqs < eager_peak

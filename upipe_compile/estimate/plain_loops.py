@@ -6,6 +6,11 @@ On the GPU the job runs it fused (torch's CUDA ``_fused_rms_norm`` kernel in eag
 fused kernel under inductor): output and an fp32 ``rstd`` per row; backward, the input's
 gradient. While :func:`fused_rms_norm` is active, fake-tensor RMSNorms allocate that.
 
+RoPE (torchtitan's Llama3 ``apply_rotary_emb``): eager, it makes fp32 copies of q and k,
+their complex products and the casts back (about five q-sized bf16 units beyond q); the
+compiled block fuses it into one kernel that writes the rotated q and k (and in backward
+their gradients). While :func:`fused_rope` is active, fake-tensor RoPE allocates that.
+
 The long-context stack's loops:
 
 The tiled MLP and the chunked loss are custom ops (``upipe::tiled_swiglu``,
@@ -98,3 +103,35 @@ def fused_rms_norm():
         yield
     finally:
         F.rms_norm = original
+
+
+class FusedRoPEFunction(torch.autograd.Function):
+    """The allocations of a fused RoPE kernel, on fake tensors (no values are computed)."""
+
+    @staticmethod
+    def forward(ctx, xq, xk):
+        return torch.empty_like(xq), torch.empty_like(xk)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        return torch.empty_like(grad_q), torch.empty_like(grad_k)
+
+
+@contextmanager
+def fused_rope():
+    """Fake-tensor RoPE of torchtitan's Llama3 allocates what a fused kernel does (see the
+    module doc). Other models' RoPE (e.g. Qwen3's rotate-half) is counted as eager runs it."""
+    from torchtitan.models.llama3.model import model as llama3
+
+    original = llama3.apply_rotary_emb
+
+    def apply_rotary_emb(xq, xk, freqs_cis, positions=None):
+        if not is_fake(xq):
+            return original(xq, xk, freqs_cis, positions)
+        return FusedRoPEFunction.apply(xq, xk)
+
+    llama3.apply_rotary_emb = apply_rotary_emb
+    try:
+        yield
+    finally:
+        llama3.apply_rotary_emb = original

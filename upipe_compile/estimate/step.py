@@ -19,7 +19,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from upipe_compile.estimate.job import Job
-from upipe_compile.estimate.plain_loops import fused_rms_norm
+from upipe_compile.estimate.plain_loops import fused_rms_norm, fused_rope
 
 DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
 HOST = torch.device("meta")  # where offloaded activations are packed while measuring
@@ -164,7 +164,7 @@ def run_step(job: Job, fake_mode) -> StepMemory:
     with fake_mode:
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
-        with fused_rms_norm(), tracker:
+        with fused_rms_norm(), fused_rope(), tracker:
             measured = _train_step(job, tracker)
     return measured
 
