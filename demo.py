@@ -8,18 +8,17 @@ Ulysses (U = all heads) vs UPipe (U = P) side by side.
 from __future__ import annotations
 
 import argparse
-import datetime
-import socket
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tabulate import tabulate
 
 import upipe_compile
 from benchmarks.tiny_llama import LlamaConfig, build
+from upipe_compile.launch import report, run_on_ranks
 from upipe_compile.memory import fake_process_group, measure_op_memory
 
 CONFIG = LlamaConfig(vocab=512, hidden=256, layers=2, q_heads=8, kv_heads=2, ffn=512)
@@ -36,10 +35,15 @@ def fwd_bwd(model, tokens, positions, dout):
     return logits.detach()
 
 
-def rank_main(rank: int, world: int, port: int, args, results) -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def say(message: str) -> None:
+    """Progress on stderr (stdout carries only the result table)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def rank_main(args) -> list[dict]:
+    """On every rank: the eager reference, then each method compiled, checked and timed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    progress = report if rank == 0 else (lambda message: None)
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, CONFIG.vocab, (1, args.seq), generator=gen)
@@ -47,6 +51,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     dout = torch.randn(1, args.seq, CONFIG.vocab, generator=gen)
 
     # The reference: eager attention over the full, unsharded sequence.
+    progress(f"eager reference on the full {args.seq}-token sequence")
     reference = build(CONFIG)
     ref_logits = fwd_bwd(reference, tokens, positions, dout)
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
@@ -60,9 +65,12 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         model = build(CONFIG)
         compiled = torch.compile(model, backend="upipe", options={
             "cp_mesh": mesh, "heads_per_stage": heads_per_stage, "inner_backend": args.inner_backend})
+        progress(f"{method} (U={heads_per_stage}): compiling with backend=\"upipe\" "
+                 f"(inner {args.inner_backend}) and running the first step")
         start = time.perf_counter()
         logits = fwd_bwd(compiled, my_tokens, my_positions, my_dout)
         compile_s = time.perf_counter() - start
+        progress(f"{method} (U={heads_per_stage}): first step took {compile_s:.1f} s; timing {args.repeats} more")
         times = []
         for _ in range(args.repeats):
             dist.barrier()
@@ -82,18 +90,17 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             "first call (compile) s": compile_s,
             "fwd+bwd ms (median)": 1000 * statistics.median(times),
         })
-    if rank == 0:
-        results.put(rows)
-    dist.destroy_process_group()
+    return rows
 
 
 def attention_memory_at_scale(world: int, seq: int) -> dict[int, float]:
     """Per-rank attention-op peak (GiB) for this architecture at ``seq`` tokens, measured on
-    fake tensors over a fake process group."""
+    fake tensors over a fake process group, with the CPU kernels this demo runs (no CUDA
+    kernel workspace)."""
     with fake_process_group(world) as group:
         return {
             u: measure_op_memory(group, seq=seq, q_heads=CONFIG.q_heads, kv_heads=CONFIG.kv_heads,
-                                 head_dim=CONFIG.head_dim, heads_per_stage=u).peak_bytes / 2**30
+                                 head_dim=CONFIG.head_dim, heads_per_stage=u, cuda_kernel=None).peak_bytes / 2**30
             for u in (CONFIG.q_heads, world)
         }
 
@@ -107,20 +114,11 @@ def main():
     parser.add_argument("--memory-seq", type=int, default=2**20)
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, results)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    rows = results.get(timeout=1800)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a rank exited with code {p.exitcode}")
-
+    say(f"starting {args.world} gloo ranks")
+    threads = max(1, torch.get_num_threads() // args.world)
+    rows = run_on_ranks(args.world, rank_main, args, on_report=lambda rank, message: say(message),
+                        threads=threads, timeout_s=1800, group_timeout_s=300)[0]
+    say(f"measuring the attention op's memory at {args.memory_seq} tokens on fake tensors")
     memory = attention_memory_at_scale(args.world, args.memory_seq)
     ulysses_ms, ulysses_mem = rows[0]["fwd+bwd ms (median)"], memory[CONFIG.q_heads]
     for row in rows:

@@ -1,4 +1,6 @@
-"""Locate every scaled_dot_product_attention call in an FX graph, nested bodies included."""
+"""Locate every scaled_dot_product_attention call in an FX graph, nested bodies included,
+and every ``upipe::document_sdpa`` (SDPA within packed documents, see
+:mod:`upipe_compile.document_sdpa`), which carries its boundaries as ``cu_seqlens``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+import upipe_compile.document_sdpa  # noqa: F401  (registers upipe::document_sdpa)
 
 # Dynamo records F.scaled_dot_product_attention (the same object as
 # torch._C._nn.scaled_dot_product_attention); graphs traced below Dynamo carry the aten op.
@@ -25,6 +29,15 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 SDPA_SIGNATURE = inspect.signature(_sdpa_signature)
+
+DOCUMENT_SDPA = torch.ops.upipe.document_sdpa.default
+
+
+def _document_sdpa_signature(q, k, v, cu_seqlens, is_causal, scale):
+    pass
+
+
+_DOCUMENT_SIGNATURE = inspect.signature(_document_sdpa_signature)
 
 
 @dataclass
@@ -42,6 +55,8 @@ class AttentionMatch:
     is_causal: Any
     scale: Any
     enable_gqa: Any
+    cu_seqlens: Any = None
+    """Document boundaries over the full sequence (``upipe::document_sdpa``); None for SDPA."""
 
     @property
     def source_line(self) -> str:
@@ -65,6 +80,13 @@ def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
             bound = SDPA_SIGNATURE.bind(*node.args, **node.kwargs)
             bound.apply_defaults()
             yield AttentionMatch(graph_module=gm, node=node, **bound.arguments)
+        elif node.op == "call_function" and node.target is DOCUMENT_SDPA:
+            args = _DOCUMENT_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+            yield AttentionMatch(
+                graph_module=gm, node=node, query=args["q"], key=args["k"], value=args["v"], attn_mask=None,
+                dropout_p=0.0, is_causal=args["is_causal"], scale=args["scale"], enable_gqa=True,
+                cu_seqlens=args["cu_seqlens"],
+            )
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>[^\n]*)')

@@ -20,10 +20,13 @@ def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: i
         op = graph.call_function(
             UPIPE_ATTENTION,
             (match.query, match.key, match.value, match.is_causal, scale, heads_per_stage, world_size, group_name,
-             prefetch),
+             prefetch) + (() if match.cu_seqlens is None else (match.cu_seqlens,)),
         )
-        out = graph.call_function(operator.getitem, (op, 0))
+        # SDPA returns the output; document_sdpa returns (out, lse) like the op, and its
+        # users take item 0 (its lse is for its own backward only).
+        out = op if match.cu_seqlens is not None else graph.call_function(operator.getitem, (op, 0))
     op.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
-    out.meta.update(node.meta)
+    if out is not op:
+        out.meta.update(node.meta)
     node.replace_all_uses_with(out)
     graph.erase_node(node)

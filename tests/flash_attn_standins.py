@@ -1,7 +1,10 @@
 """Stand-ins for ``flash_attn.flash_attn_interface`` of each signature family, on CPU.
 
-Each module has ``_flash_attn_forward`` / ``_flash_attn_backward`` with the parameters of
-the released interface files (2.5.9, 2.6.3, 2.7.4 / 2.8.3) and their return forms. The
+Each module has ``_flash_attn_forward`` / ``_flash_attn_backward`` and their variable-length
+forms ``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward`` with the parameters of
+the released interface files (2.5.9, 2.6.3, 2.7.4 / 2.8.3) and their return forms; the
+varlen log-sum-exp is padded per document ``[n, H, max_seqlen]`` in 2.5 and packed
+``[H, total]`` from 2.6 on, as the released kernels allocate it. The
 bodies compute with aten's CPU flash kernels on the ``[B, S, H, D]`` layout and check what
 the real kernels check: last-dimension-contiguous inputs, preallocated contiguous
 dq/dk/dv of the right shapes, head_dim a multiple of 8, no dropout. Each module records
@@ -49,6 +52,50 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_sc
     return q.new_empty((batch, heads, -(-seq // 128) * 128), dtype=torch.float32)  # softmax_d
 
 
+def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    assert q.dim() == 3, f"varlen takes [total, H, D], got {tuple(q.shape)}"
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.device == q.device
+    assert cu_seqlens_k is cu_seqlens_q or torch.equal(cu_seqlens_k, cu_seqlens_q)
+    spans = list(zip(cu_seqlens_q.tolist()[:-1], cu_seqlens_q.tolist()[1:]))
+    assert cu_seqlens_q[-1] == q.shape[0] and isinstance(max_seqlen_q, int) and max_seqlen_q == max_seqlen_k
+    assert max_seqlen_q == max(b - a for a, b in spans)
+    return spans
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    causal, padded_lse: bool):
+    """Per document through ``_forward``: out ``[total, H, D]``, lse packed or padded."""
+    spans = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty_like(q)
+    heads = q.shape[1]
+    lse = (q.new_full((len(spans), heads, max_seqlen_q), float("nan"), dtype=torch.float32) if padded_lse
+           else q.new_empty((heads, q.shape[0]), dtype=torch.float32))
+    for i, (a, b) in enumerate(spans):
+        out_doc, lse_doc = _forward(*(x[a:b].unsqueeze(0) for x in (q, k, v)), dropout_p, softmax_scale, causal)
+        out[a:b] = out_doc[0]
+        if padded_lse:
+            lse[i, :, : b - a] = lse_doc[0]
+        else:
+            lse[:, a:b] = lse_doc[0]
+    return out, lse
+
+
+def _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse: bool):
+    spans = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    heads = q.shape[1]
+    expected = (len(spans), heads, max_seqlen_q) if padded_lse else (heads, q.shape[0])
+    assert tuple(softmax_lse.shape) == expected, f"lse {tuple(softmax_lse.shape)}, this release wants {expected}"
+    for i, (a, b) in enumerate(spans):
+        lse_doc = softmax_lse[i, :, : b - a] if padded_lse else softmax_lse[:, a:b]
+        grads = [x.new_empty((1, b - a, *x.shape[1:])) for x in (q, k, v)]
+        _backward(*(x[a:b].unsqueeze(0) for x in (dout, q, k, v, out)), lse_doc.unsqueeze(0).contiguous(), *grads,
+                  dropout_p, softmax_scale, causal)
+        for dest, grad in zip((dq, dk, dv), grads):
+            dest[a:b] = grad[0]
+    return q.new_empty((heads, q.shape[0] + 128 * len(spans)), dtype=torch.float32)  # softmax_d
+
+
 def interface_2_5():
     calls = []
 
@@ -65,7 +112,24 @@ def interface_2_5():
         softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal)
         return dq, dk, dv, softmax_d
 
-    return _module("2.5.9", calls, _flash_attn_forward, _flash_attn_backward)
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size, alibi_slopes, return_softmax, block_table):
+        calls.append(dict(varlen=True, window_size=window_size, block_table=block_table))
+        assert window_size == (-1, -1) and alibi_slopes is None and not return_softmax and block_table is None
+        out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, padded_lse=True)
+        return out, q, k, v, out, lse, None, None
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                    alibi_slopes, deterministic, rng_state=None):
+        calls.append(dict(varlen=True, window_size=window_size, deterministic=deterministic))
+        softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=True)
+        return dq, dk, dv, softmax_d
+
+    return _module("2.5.9", calls, _flash_attn_forward, _flash_attn_backward,
+                   _flash_attn_varlen_forward, _flash_attn_varlen_backward)
 
 
 def interface_2_6():
@@ -85,7 +149,26 @@ def interface_2_6():
         softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal)
         return dq, dk, dv, softmax_d
 
-    return _module("2.6.3", calls, _flash_attn_forward, _flash_attn_backward)
+    def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                   return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
+        calls.append(dict(varlen=True, window_size=window_size, softcap=softcap))
+        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and not return_softmax
+        assert block_table is None and leftpad_k is None and seqused_k is None
+        out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                   softmax_scale, causal, padded_lse=False)
+        return out, q, k, v, out, lse, None, None
+
+    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                    softcap, alibi_slopes, deterministic, rng_state=None):
+        calls.append(dict(varlen=True, window_size=window_size, softcap=softcap, deterministic=deterministic))
+        softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False)
+        return dq, dk, dv, softmax_d
+
+    return _module("2.6.3", calls, _flash_attn_forward, _flash_attn_backward,
+                   _flash_attn_varlen_forward, _flash_attn_varlen_backward)
 
 
 _CALLS_2_7: list = []
@@ -115,17 +198,52 @@ def _flash_attn_backward_2_7(
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal)
 
 
+@torch.library.custom_op("upipe_test_flash_2_7::_flash_attn_varlen_forward", mutates_args=())
+def _flash_attn_varlen_forward_2_7(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+    window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, zero_tensors=zero_tensors))
+    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0) and alibi_slopes is None
+    assert block_table is None and leftpad_k is None and seqused_k is None and not zero_tensors
+    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, padded_lse=False)
+    return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("upipe_test_flash_2_7::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
+def _flash_attn_varlen_backward_2_7(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False,
+) -> torch.Tensor:
+    _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, deterministic=deterministic))
+    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0) and alibi_slopes is None
+    return _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False)
+
+
 def interface_2_7():
     """2.7 and 2.8 share this form: both functions are ``torch.library.custom_op`` objects."""
     _CALLS_2_7.clear()
-    return _module("2.8.3", _CALLS_2_7, _flash_attn_forward_2_7, _flash_attn_backward_2_7)
+    return _module("2.8.3", _CALLS_2_7, _flash_attn_forward_2_7, _flash_attn_backward_2_7,
+                   _flash_attn_varlen_forward_2_7, _flash_attn_varlen_backward_2_7)
 
 
 FAMILIES = {"2.5": interface_2_5, "2.6": interface_2_6, "2.7/2.8": interface_2_7}
 
 
-def _module(version, calls, forward, backward):
+def _module(version, calls, forward, backward, varlen_forward, varlen_backward):
     module = types.ModuleType(f"flash_attn_interface_standin_{version}")
+    module._flash_attn_varlen_forward = varlen_forward
+    module._flash_attn_varlen_backward = varlen_backward
     module.__version__ = version
     module.calls = calls
     module._flash_attn_forward = forward

@@ -162,3 +162,53 @@ def refused_llama_case(case: LlamaCase, attn_implementation: str, with_padding: 
             raise
         return {"chain": [type(e).__name__ for e in chain], "message": str(unsupported[0])}
     raise AssertionError(f"{attn_implementation} with padding={with_padding} compiled and ran without UnsupportedAttention")
+
+
+def packed_inputs(case: LlamaCase, lengths: tuple[int, ...]):
+    """One packed row of documents of ``lengths`` (summing to case.seq): token ids, position
+    ids restarting at 0 per document (as DataCollatorWithFlattening makes them), dout."""
+    assert sum(lengths) == case.seq
+    ids, dout = make_inputs(case)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return ids[:1], positions, dout[:1]
+
+
+def per_document_reference(case: LlamaCase, lengths: tuple[int, ...]):
+    """Each document alone through the uncompiled, unsharded stock "sdpa" model:
+    (logits laid end to end, param grads of the summed loss)."""
+    model = build_model(case, "sdpa")
+    ids, _, dout = packed_inputs(case, lengths)
+    logits, start = [], 0
+    for n in lengths:
+        doc_logits = model(input_ids=ids[:, start:start + n], use_cache=False).logits
+        (doc_logits * dout[:, start:start + n]).sum().backward()
+        logits.append(doc_logits.detach())
+        start += n
+    return torch.cat(logits, dim=1), _grads(model)
+
+
+def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask: bool = False):
+    """This rank's shard of one packed row through the compiled model with boundaries from
+    packed_batch: (local logits, param grads, attention op counts of the second step)."""
+    from upipe_compile.integrations.transformers import packed_batch
+
+    torch._dynamo.reset()
+    model = build_model(case, CAUSAL_SDPA)
+    ids, positions, dout = packed_inputs(case, lengths)
+    extra = {"attention_mask": torch.ones_like(ids)} if attention_mask else {}
+    inputs = packed_batch(ids, positions, **extra)
+    dout = upipe_compile.shard_sequence(dout, dim=1)
+    compiled = torch.compile(
+        model, backend="upipe", options={"heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"},
+    )
+
+    def step():
+        logits = compiled(**inputs, use_cache=False).logits
+        (logits * dout).sum().backward()
+        return logits.detach()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = step()
+    return logits, _grads(model), dict(attention_events(prof))

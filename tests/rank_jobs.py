@@ -9,7 +9,7 @@ import upipe_compile
 from tests_support import AttentionCase, make_inputs
 
 
-def op_case(case: AttentionCase):
+def op_case(case: AttentionCase, cu_seqlens: torch.Tensor | None = None):
     """upipe_attention on this rank's shard; returns (out, dq, dk, dv) shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (x.chunk(world, dim=2)[rank].clone() for x in make_inputs(case))
@@ -17,7 +17,7 @@ def op_case(case: AttentionCase):
         x.requires_grad_(True)
     out = upipe_compile.upipe_attention(
         q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage,
-        prefetch=case.prefetch,
+        prefetch=case.prefetch, cu_seqlens=cu_seqlens,
     )
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
@@ -43,9 +43,9 @@ def uneven_shards_case():
     return upipe_compile.upipe_attention(q, q, q, is_causal=True)
 
 
-def op_case_with_flash_standin(case: AttentionCase, family: str):
-    """op_case with the stage loop's kernels replaced by FlashAttnKernels over a CPU
-    stand-in of flash-attn's interface (what the CUDA path runs)."""
+def op_case_with_flash_standin(case: AttentionCase, family: str, bounds: tuple[int, ...] | None = None):
+    """op_case (packed_op_case with ``bounds``) with the stage loop's kernels replaced by
+    FlashAttnKernels over a CPU stand-in of flash-attn's interface (what the CUDA path runs)."""
     from flash_attn_standins import FAMILIES
 
     from upipe_compile import kernels
@@ -53,10 +53,12 @@ def op_case_with_flash_standin(case: AttentionCase, family: str):
     cpu, interface = kernels._CPU, FAMILIES[family]()
     kernels._CPU = kernels.FlashAttnKernels(interface)
     try:
-        result = op_case(case)
+        result = op_case(case) if bounds is None else packed_op_case(case, bounds)
     finally:
         kernels._CPU = cpu
     assert interface.calls, "the stage loop did not go through the flash-attn adapter"
+    if bounds is not None and len(bounds) > 2:
+        assert all(call.get("varlen") for call in interface.calls), "packed stages must use the varlen kernels"
     return result
 
 
@@ -109,3 +111,95 @@ def uneven_then_even(seq_local: int):
     finally:
         collectives.all_gather = real
     return counts[0], len(gathers)
+
+
+def packed_op_case(case: AttentionCase, bounds: tuple[int, ...], dtype: str = "int32"):
+    """op_case over a packed sequence: ``bounds`` are the documents' cumulative lengths
+    over the full sequence, passed identically on every rank."""
+    return op_case(case, torch.tensor(bounds, dtype=getattr(torch, dtype)))
+
+
+def packed_bad_boundaries_case(bounds_per_rank: list, dtype: str = "int32"):
+    """upipe_attention with rank r passing ``bounds_per_rank[r]``: expected to raise on every rank."""
+    rank = dist.get_rank()
+    q = torch.randn(1, 2, 4, 8)
+    cu_seqlens = torch.tensor(bounds_per_rank[rank], dtype=getattr(torch, dtype))
+    try:
+        upipe_compile.upipe_attention(q, q, q, is_causal=True, cu_seqlens=cu_seqlens)
+    except upipe_compile.UnsupportedAttention as error:
+        return str(error)
+    return None
+
+
+class _DocumentAttention(torch.nn.Module):
+    """TinyAttention with document_sdpa instead of SDPA (what a packing model calls)."""
+
+    def __init__(self, case: AttentionCase):
+        super().__init__()
+        from tests_support import TinyAttention
+
+        self.inner = TinyAttention(case)
+
+    def forward(self, x, cu_seqlens):
+        inner, c = self.inner, self.inner.case
+        b, s, _ = x.shape
+        q = inner.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
+        k = inner.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = inner.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        out = upipe_compile.document_sdpa(q, k, v, cu_seqlens, is_causal=c.is_causal, scale=c.scale, enable_gqa=True)
+        return inner.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def compiled_document_block_case(case: AttentionCase, bounds: tuple[int, ...], inner_backend: str):
+    """The document_sdpa block compiled with backend="upipe" on this rank's shard, with the
+    full-sequence boundaries: (out, dx, param grads, how many boundary checks ran)."""
+    from tests_support import make_block_inputs
+
+    from upipe_compile import documents
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, dout = (t.chunk(world, dim=1)[rank] for t in make_block_inputs(case))
+    model = _DocumentAttention(case)
+    compiled = torch.compile(model, backend="upipe", options={"heads_per_stage": case.heads_per_stage,
+                                                              "inner_backend": inner_backend})
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    x = x.detach().clone().requires_grad_(True)
+    out = compiled(x, cu_seqlens)
+    out.backward(dout)
+    return out.detach(), x.grad, {name: p.grad for name, p in model.inner.named_parameters()}
+
+
+def document_block_reference(case: AttentionCase, bounds: tuple[int, ...]):
+    """The same block on one process, uncompiled: document_sdpa over the full sequence."""
+    from tests_support import block_grads, make_block_inputs
+
+    x, dout = make_block_inputs(case)
+    model = _DocumentAttention(case)
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x, torch.tensor(bounds))
+    out.backward(dout)
+    return out.detach(), x.grad, {name: p.grad for name, p in model.inner.named_parameters()}
+
+
+def boundary_checks_per_call(bounds: tuple[int, ...], calls: int, modify_between: bool):
+    """``calls`` op calls sharing one boundaries tensor (as a model's layers do): how many
+    cross-rank boundary checks (all-gathers beyond the once-per-shape check) each made."""
+    from upipe_compile import collectives
+
+    q = torch.randn(1, 2, bounds[-1] // dist.get_world_size(), 8)
+    upipe_compile.upipe_attention(q, q, q, is_causal=True)  # the shape check, once
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
+    gathers, real = [], collectives.all_gather
+    collectives.all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    counts = []
+    try:
+        for _ in range(calls):
+            before = len(gathers)
+            upipe_compile.upipe_attention(q, q, q, is_causal=True, cu_seqlens=cu_seqlens)
+            counts.append(len(gathers) - before)
+            if modify_between:
+                cu_seqlens.add_(0)  # an in-place change: the boundaries must be checked again
+    finally:
+        collectives.all_gather = real
+    return counts

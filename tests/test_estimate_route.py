@@ -9,6 +9,7 @@ autograd keeps the same bytes for backward over the whole block.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from contextlib import contextmanager
 
 import pytest
@@ -43,9 +44,12 @@ def recording(monkeypatch, calls: list):
 
     def wrap(owner, name, label):
         original = getattr(owner, name)
+        signature = inspect.signature(original)
 
         def logged(*args, **kwargs):
-            calls.append((label, tuple(_describe(a) for a in args)))
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()  # the same call, whether a default is passed or left out
+            calls.append((label, tuple(_describe(a) for a in call.arguments.values())))
             return original(*args, **kwargs)
 
         monkeypatch.setattr(owner, name, logged)

@@ -230,3 +230,60 @@ def test_cuda_inputs_the_kernels_cannot_take_are_refused_at_compile_time(dtype, 
         assert reasons == []
     else:
         assert len(reasons) == 1 and expected in reasons[0]
+
+
+@settings(**SETTINGS)
+@given(
+    family=st.sampled_from(sorted(FAMILIES)), batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]), seq=st.integers(1, 24), is_causal=st.booleans(), data=st.data(),
+)
+def test_flash_attn_varlen_adapter_equals_per_document_kernel(family, batch, kv_heads, group, seq, is_causal, data):
+    """FlashAttnKernels' packed path (varlen functions; padded LSE in 2.5, packed after)
+    equals the CPU kernel run per document: out, the packed LSE, dq, dk, dv."""
+    from upipe_compile.documents import Documents
+
+    cuts = sorted(data.draw(st.sets(st.integers(1, seq - 1), max_size=seq - 1))) if seq > 1 else []
+    documents = Documents.from_bounds((0, *cuts, seq), "cpu")
+    gen = torch.Generator().manual_seed(seq)
+    q, k, v, dout = (_stage_layout(torch.randn(batch, h, seq, 16, generator=gen))
+                     for h in (kv_heads * group, kv_heads, kv_heads, kv_heads * group))
+    flash, cpu = kernels.FlashAttnKernels(FAMILIES[family]()), kernels.CpuKernels()
+    results = []
+    for kernel in (flash, cpu):
+        out, lse = kernel.forward_documents(q, k, v, documents, is_causal, None)
+        results.append((out, lse, *kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, None)))
+    for name, actual, expected in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert actual.shape == expected.shape and relative_error(actual, expected) < 1e-5, f"{family} {name}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_stage_loop_through_flash_attn_adapter_equals_eager(rank_pools, family):
+    """The packed op on 2 gloo ranks through FlashAttnKernels' varlen path equals eager SDPA
+    per document (a document crossing the shard boundary, one of length 1, GQA, U > P)."""
+    from tests_support import eager_documents_reference
+
+    case = AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=12, head_dim=16, heads_per_stage=4,
+                         is_causal=True, scale=None, dtype="float32", seed=5)
+    bounds = (0, 5, 6, 19, 24)
+    results = rank_pools(2).run(rank_jobs.op_case_with_flash_standin, case, family, bounds)
+    expected = eager_documents_reference(case, bounds)
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        actual = torch.cat([r[i] for r in results], dim=2)
+        assert relative_error(actual, expected[i]) < TOLERANCE["float32"], f"{family} {name}"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_aten_cuda_varlen_calls_match_the_op_schemas(batch):
+    """No GPU here: on meta tensors aten's varlen flash forward/backward check the arguments
+    AtenCudaKernels passes (order, int32 cumulative lengths, [S, H, D] views) and return the
+    packed [H, S] log-sum-exp its backward is handed back."""
+    from upipe_compile.documents import Documents
+
+    documents = Documents.from_bounds((0, 5, 6, 32), "meta")
+    q = torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(batch, 2, 32, 64, device="meta", dtype=torch.bfloat16)
+    kernel = kernels.AtenCudaKernels()
+    out, lse = kernel.forward_documents(q, k, k, documents, True, None)
+    assert out.shape == q.shape and lse.shape == (batch, 4, 32) and kernel.lse_padded is False
+    dq, dk, dv = kernel.backward_documents(q, q, k, k, out, lse, documents, True, None)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape

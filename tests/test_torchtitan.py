@@ -202,3 +202,21 @@ def test_qwen3_debug_model_with_stack_cp2_matches_cp1(rank_pools):
         assert set(result["grads"]) == set(cp1["grads"])
         for name, ref in cp1["grads"].items():
             assert relative_error(result["grads"][name], ref) < 1e-5, name
+
+
+def test_debug_model_with_documents_cp2_matches_cp1(rank_pools):
+    """torchtitan's document masking (the varlen flavor, boundaries from EOS tokens made once
+    per step by get_attention_masks on the full batch) through UPipe: CP=2 equals CP=1
+    (losses and first-step gradients); every layer's attention ran as the upipe op."""
+    cp2 = rank_pools(2).run(train_debug_model, 2, 2, documents=True)
+    cp1 = rank_pools(1).run(train_debug_model, 1, 2, documents=True)[0]
+    assert all(n >= 5 for n in cp1["documents"]), cp1["documents"]
+    for result in cp2:
+        counts = result["counts"]
+        assert counts.get("plain sdpa outside upipe", 0) == 0, counts
+        assert counts["upipe::attention_backward"] == cp1["n_layers"], counts
+    for step, (a, b) in enumerate(zip(cp2[0]["losses"], cp1["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    for name, ref in cp1["grads"].items():
+        for result in cp2:
+            assert relative_error(result["grads"][name], ref) < 1e-5, name

@@ -123,3 +123,18 @@ def attention_events(prof) -> collections.Counter:
             if parent is None:
                 counts["plain sdpa outside upipe"] += 1
     return counts
+
+
+def eager_documents_reference(case: AttentionCase, bounds: tuple[int, ...]):
+    """Eager SDPA run separately on each document of the full sequence: (out, dq, dk, dv)."""
+    q, k, v, dout = make_inputs(case)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    pieces = [
+        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=case.is_causal,
+                                       scale=case.scale, enable_gqa=True)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    out = torch.cat(pieces, dim=2)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad

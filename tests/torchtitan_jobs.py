@@ -39,14 +39,22 @@ STACK_OVERRIDES = (
 )
 
 
-def global_batch(job_config, step: int, vocab: int):
+EOS_ID = 0
+
+
+def global_batch(job_config, step: int, vocab: int, documents: bool = False):
     """The same full-sequence batch on every rank: (inputs, labels) [B, S]; a few labels are
-    torchtitan's IGNORE_INDEX (as padding gives), so the loss's ignore path is exercised."""
+    torchtitan's IGNORE_INDEX (as padding gives), so the loss's ignore path is exercised.
+    With ``documents``, EOS tokens (and no other zeros) end documents of random lengths, one
+    crossing the middle (the CP=2 shard boundary), one of length 1."""
     from torchtitan.components.loss import IGNORE_INDEX
 
     gen = torch.Generator().manual_seed(1000 + step)
     b, s = job_config.training.local_batch_size, job_config.training.seq_len
-    tokens = torch.randint(0, vocab, (b, s + 1), generator=gen)
+    tokens = torch.randint(1 if documents else 0, vocab, (b, s + 1), generator=gen)
+    if documents:
+        ends = torch.randperm(s - 1, generator=gen)[:6].tolist() + [3, 4]
+        tokens[:, [e for e in ends if abs(e - s // 2) > 2]] = EOS_ID
     labels = tokens[:, 1:].clone()
     labels[torch.rand(b, s, generator=gen) < 0.1] = IGNORE_INDEX
     return tokens[:, :-1].contiguous(), labels
@@ -63,12 +71,14 @@ def _full(t):
 
 
 def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = (),
-                      model_changes: dict | None = None):
+                      model_changes: dict | None = None, documents: bool = False):
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
     ranks of the current (gloo) world, the debug TOML changed by ``overrides`` (torchtitan
     command-line style) and the flavor's model args by ``model_changes``. Returns (losses, first-step grads by parameter name, first-step local
     positions, upipe op counts of the last step, load balancer seen, what the offloader moved
-    in each step)."""
+    in each step). ``documents``: the varlen flavor on one packed row of EOS-separated
+    documents, its boundaries made by the model's get_attention_masks on the full batch (as
+    the Trainer does) and passed whole to every rank (prepare_packed_input)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
@@ -78,8 +88,9 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     torchtitan_on_cpu()
     torch._dynamo.reset()
     world = dist.get_world_size()
+    packed = ["--model.flavor=debugmodel_varlen_attn", "--training.local_batch_size=1"] if documents else []
     job_config = load_config(DEBUG_TOML, f"--parallelism.context_parallel_degree={cp}",
-                             f"--training.steps={steps}", *overrides)
+                             f"--training.steps={steps}", *overrides, *packed)
     importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
     p = job_config.parallelism
     parallel_dims = ParallelDims(
@@ -122,14 +133,27 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     lr_schedulers = train_spec.build_lr_schedulers_fn(optimizers, job_config.lr_scheduler, steps)
     loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
 
-    losses, first_grads, first_positions, counts, offloaded = [], None, None, None, []
+    losses, first_grads, first_positions, counts, offloaded, document_counts = [], None, None, None, [], []
     offloader = getattr(model, "upipe_offloader", None)
     for step in range(1, steps + 1):
         optimizers.zero_grad()
-        inputs, labels = global_batch(job_config, step, model_args.vocab_size)
+        inputs, labels = global_batch(job_config, step, model_args.vocab_size, documents)
         global_valid_tokens = (labels != IGNORE_INDEX).sum().float()  # dp degree 1
         extra_kwargs = {}
-        if parallel_dims.cp_enabled:
+        if documents:
+            from types import SimpleNamespace
+
+            import torchtitan.train
+
+            masks = model.get_attention_masks(input_batch=inputs, tokenizer=SimpleNamespace(eos_id=EOS_ID))
+            document_counts.append(masks.cu_seq_q.numel() - 1)
+            extra_kwargs["attention_masks"] = masks
+            if parallel_dims.cp_enabled:  # the function the Trainer calls (routed by the integration)
+                inputs, labels, extra_kwargs = torchtitan.train.prepare_context_parallel_input(
+                    inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
+                    job_config.parallelism.context_parallel_load_balancer,
+                )
+        elif parallel_dims.cp_enabled:
             inputs, labels, extra_kwargs = prepare_context_parallel_input(
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
                 job_config.parallelism.context_parallel_load_balancer,
@@ -161,6 +185,6 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     return {
         "losses": losses, "grads": first_grads, "positions": first_positions, "counts": counts,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
-        "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type,
+        "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type, "documents": document_counts,
         "local_tokens": inputs.numel(), "dim": model_args.dim,
     }

@@ -6,6 +6,8 @@ UPipe (untied Ulysses) context parallelism.
 
 from upipe_compile.attention import upipe_attention
 from upipe_compile.backend import apply_upipe_passes, upipe_backend
+from upipe_compile.document_sdpa import document_sdpa
+from upipe_compile.documents import cu_seqlens_from_position_ids
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.sharding import gather_sequence, global_positions, shard_sequence
@@ -14,6 +16,8 @@ __all__ = [
     "UPipeOptions",
     "UnsupportedAttention",
     "apply_upipe_passes",
+    "cu_seqlens_from_position_ids",
+    "document_sdpa",
     "gather_sequence",
     "global_positions",
     "shard_sequence",

@@ -14,7 +14,7 @@ dq (per stage) and dk/dv (per KV group) back to their sequence shards.
 
 ``upipe::attention`` / ``upipe::attention_backward`` are ``torch.library`` custom ops with
 fake kernels, so torch.compile treats the loop as one opaque node and never unrolls it
-(unrolling would let autograd keep every stage's buffers alive; see ARCHITECTURE.md).
+(unrolling would let autograd keep every stage's buffers alive; see docs/design.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile import collectives, kernels
+from upipe_compile.documents import Documents, documents_for
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.schedule import StageSchedule, plan_stages, shape_problems
 
@@ -151,9 +152,10 @@ class _InputPipeline:
 
 
 def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_per_stage: int, group_name: str,
-                       prefetch: str = "forward"):
+                       prefetch: str = "forward", documents: Optional[Documents] = None):
     """The forward loop (called by the custom op; also directly by memory measurements,
-    which run it under FakeTensorMode where the op itself would only run its fake kernel)."""
+    which run it under FakeTensorMode where the op itself would only run its fake kernel).
+    ``documents``: packed-sequence boundaries over the full sequence (None: one sequence)."""
     group = collectives.group_from_name(group_name)
     world = group.size()
     if not is_fake(q):
@@ -172,7 +174,7 @@ def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_p
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = _stage_kv(buffers, stage, q.device)
-        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale)
+        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale, documents)
         del k_stage, v_stage
         lse[index].copy_(lse_stage)
         del lse_stage
@@ -183,7 +185,7 @@ def stage_loop_forward(q, k, v, is_causal: bool, scale: Optional[float], heads_p
 
 
 def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], heads_per_stage: int,
-                        group_name: str, prefetch: str = "forward"):
+                        group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None):
     group = collectives.group_from_name(group_name)
     world = group.size()
     schedule = schedule_for(q, k, world, heads_per_stage)
@@ -222,7 +224,7 @@ def stage_loop_backward(dout, q, k, v, out, lse, is_causal: bool, scale: Optiona
         inputs.before_kernel(index)
         k_stage, v_stage = _stage_kv(buffers, stage, q.device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale, documents
         )
         del k_stage, v_stage
         if dkv_full is not None:
@@ -247,10 +249,20 @@ _OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str = "forward",
+    prefetch: str = "forward", cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_world(world_size, group_name)
-    return stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch)
+    documents = _documents(cu_seqlens, q, group_name)
+    return stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch, documents)
+
+
+def _documents(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor, group_name: str) -> Optional[Documents]:
+    """Checked boundaries (see :mod:`upipe_compile.documents`: once per boundaries tensor,
+    on every rank at once), or None for one sequence per batch row."""
+    if cu_seqlens is None:
+        return None
+    group = collectives.group_from_name(group_name)
+    return documents_for(cu_seqlens, q.shape[2] * group.size(), group, q.device)
 
 
 def _check_world(world_size: int, group_name: str) -> None:
@@ -265,7 +277,8 @@ def _check_world(world_size: int, group_name: str) -> None:
 # P is an explicit argument (not read from the group) so that it is part of the graph, and
 # so of every compile cache key: a graph compiled for P = 2 is never reused for P = 4.
 @attention_op.register_fake
-def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch="forward"):
+def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch="forward",
+                    cu_seqlens=None):
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
     lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
@@ -276,29 +289,36 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str = "forward",
+    prefetch: str = "forward", cu_seqlens: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_world(world_size, group_name)
-    return stage_loop_backward(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name, prefetch)
+    documents = _documents(cu_seqlens, q, group_name)
+    return stage_loop_backward(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, group_name, prefetch,
+                               documents)
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name,
-                             prefetch="forward"):
+                             prefetch="forward", cu_seqlens=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_OP_ARGUMENTS = 10  # q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch, cu_seqlens
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
+    args += [None] * (_OP_ARGUMENTS - 3 - len(args))  # prefetch / cu_seqlens left to their defaults
+    args[-2] = "forward" if args[-2] is None else args[-2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = tuple(args)
+    ctx.save_for_backward(q, k, v, out, lse, args[-1])  # the boundaries are a tensor: saved, not captured
+    ctx.args = tuple(args[:-1])
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, *ctx.args, cu_seqlens)
+    return (dq, dk, dv) + (None,) * (_OP_ARGUMENTS - 3)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -309,6 +329,7 @@ def upipe_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
     cp_mesh=None, heads_per_stage: Optional[int] = None, prefetch: str = "forward",
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on sequence-sharded inputs.
 
@@ -317,6 +338,11 @@ def upipe_attention(
     sequence. ``heads_per_stage`` (U, a multiple of P; default P) sets how many query heads
     all ranks together compute per stage; U = Hq is plain Ulysses. ``prefetch`` is one of
     :data:`PREFETCH_MODES`.
+
+    ``cu_seqlens`` (packed sequences): the cumulative document lengths over the *full*
+    sequence, ``[0, len_0, len_0 + len_1, ..., S]`` (int32/int64, the same on every rank);
+    attention then stays inside each document (causal within it when ``is_causal``).
+    See docs/packed_sequences.md.
     """
     check_prefetch(prefetch)
     group = collectives.resolve_group(cp_mesh)
@@ -327,7 +353,7 @@ def upipe_attention(
         problems += kernels.cuda_problems(q.dtype, q.shape[-1])
     if problems:
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
-    if world == 1:
+    if world == 1 and cu_seqlens is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, world, group.group_name, prefetch)
+    out, _ = attention_op(q, k, v, is_causal, scale, heads_per_stage, world, group.group_name, prefetch, cu_seqlens)
     return out

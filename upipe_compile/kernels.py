@@ -7,6 +7,12 @@ q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` where ``Hkv`` divides ``Hq`` and que
 ``[B, Hq, S]`` float32; dk/dv come back with k/v's head count. Every kernel here takes
 fewer KV heads natively, so K/V are never repeated.
 
+Packed sequences: both take ``documents`` (:class:`upipe_compile.documents.Documents`,
+the checked boundaries of the full sequence); attention then stays inside each document.
+One document over the whole sequence runs the dense kernel, exactly as without boundaries.
+CPU runs the dense kernel once per document on slices of the stage buffers; CUDA runs the
+kernels' variable-length ("varlen") forms on each batch row. No mask is ever built.
+
 The kernel is picked by device: CPU uses aten's flash kernel for CPU; CUDA uses
 flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`) when it is importable, else aten's CUDA
 flash kernel. No dropout, no mask: the passes refuse those before a kernel is ever called.
@@ -52,7 +58,36 @@ def cuda_problems(dtype: torch.dtype, head_dim: int) -> list[str]:
     return problems
 
 
-class CpuKernels:
+class PerDocumentKernels:
+    """Packed sequences by running the dense kernel once per document on slices of the
+    full-sequence buffers (written into full-size out/lse, dq/dk/dv): exact, including the
+    log-sum-exp backward needs, and with no allocation beyond one document's outputs."""
+
+    def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None):
+        batch, heads, seq, _ = q.shape
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = q.new_empty((batch, heads, seq), dtype=torch.float32)
+        for start, end in documents.spans:
+            piece = slice(start, end)
+            out_doc, lse_doc = self.forward(q[:, :, piece], k[:, :, piece], v[:, :, piece], is_causal, scale)
+            out[:, :, piece].copy_(out_doc)
+            lse[:, :, piece].copy_(lse_doc)
+        return out, lse
+
+    def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        for start, end in documents.spans:
+            piece = slice(start, end)
+            grads = self.backward(
+                dout[:, :, piece], q[:, :, piece], k[:, :, piece], v[:, :, piece], out[:, :, piece],
+                lse[:, :, piece].contiguous(), is_causal, scale,
+            )
+            for dest, grad in zip((dq, dk, dv), grads):
+                dest[:, :, piece].copy_(grad)
+        return dq, dk, dv
+
+
+class CpuKernels(PerDocumentKernels):
     """aten's flash kernel for CPU (takes GQA natively)."""
 
     name = "aten-cpu"
@@ -66,7 +101,61 @@ class CpuKernels:
         )
 
 
-class AtenCudaKernels:
+class VarlenKernels:
+    """Packed sequences through a CUDA kernel's variable-length form, one batch row at a
+    time: the row's ``[H, S, D]`` stage buffers go in as ``[S, H, D]`` views (no copies)
+    with the documents' ``cu_seqlens`` as both query and key boundaries. Subclasses give
+    ``_varlen_forward_row`` / ``_varlen_backward_row``. Their log-sum-exp comes either
+    packed ``[H, S]`` or padded per document ``[n, H, max_len]`` (flash-attn 2.5); the
+    stage loop keeps it packed and pads it again for a backward that wants it so."""
+
+    lse_padded: bool | None = None  # learned from the first forward
+
+    def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None):
+        batch, heads, seq, dim = q.shape
+        lse = q.new_empty((batch, heads, seq), dtype=torch.float32)
+        out = None if batch == 1 else q.new_empty((batch, seq, heads, dim))
+        for row in range(batch):
+            out_row, lse_row = self._varlen_forward_row(
+                q[row].transpose(0, 1), k[row].transpose(0, 1), v[row].transpose(0, 1), documents, is_causal, scale
+            )
+            self.lse_padded = lse_row.dim() == 3
+            lse[row].copy_(_packed_lse(lse_row, documents) if self.lse_padded else lse_row)
+            if out is None:
+                out = out_row.unsqueeze(0)
+            else:
+                out[row].copy_(out_row)
+        return out.transpose(1, 2), lse
+
+    def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+        grads = [[], [], []]
+        for row in range(q.shape[0]):
+            lse_row = _padded_lse(lse[row], documents) if self.lse_padded else lse[row]
+            rows = self._varlen_backward_row(
+                *(t[row].transpose(0, 1) for t in (dout, q, k, v, out)), lse_row, documents, is_causal, scale
+            )
+            for collected, grad in zip(grads, rows):
+                collected.append(grad)
+        return tuple(torch.stack(g).transpose(1, 2) if len(g) > 1 else g[0].unsqueeze(0).transpose(1, 2)
+                     for g in grads)
+
+
+def _packed_lse(padded: torch.Tensor, documents) -> torch.Tensor:
+    """``[n, H, max_len]`` (document i's rows first) as ``[H, S]``."""
+    packed = padded.new_empty((padded.shape[1], documents.bounds[-1]))
+    for i, (start, end) in enumerate(documents.spans):
+        packed[:, start:end].copy_(padded[i, :, : end - start])
+    return packed
+
+
+def _padded_lse(packed: torch.Tensor, documents) -> torch.Tensor:
+    padded = packed.new_zeros((len(documents.spans), packed.shape[0], documents.max_length))
+    for i, (start, end) in enumerate(documents.spans):
+        padded[i, :, : end - start].copy_(packed[:, start:end])
+    return padded
+
+
+class AtenCudaKernels(VarlenKernels):
     """aten's CUDA flash kernel, the fallback without flash-attn. Its forward takes the
     ``[B, H, S, D]`` views as they are (only ``stride(-1) == 1`` is needed) and fewer KV
     heads natively (flash's ``num_heads % num_heads_k == 0`` rule); its backward copies
@@ -84,6 +173,20 @@ class AtenCudaKernels:
         seq = q.shape[2]
         return _aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, seq, seq, 0.0, is_causal, seed, offset, scale=scale
+        )
+
+
+    def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None):
+        cu, longest = documents.cu_seqlens, documents.max_length
+        out, lse, *_ = _aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, is_causal, False,
+                                                      scale=scale)
+        return out, lse
+
+    def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+        _, _, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
+        cu, longest = documents.cu_seqlens, documents.max_length
+        return _aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, is_causal, seed, offset, scale=scale
         )
 
 
@@ -106,7 +209,7 @@ def _aten_cuda_dense_markers(device: torch.device, dtype: torch.dtype):
     return markers
 
 
-class FlashAttnKernels:
+class FlashAttnKernels(VarlenKernels):
     """flash-attn's private ``_flash_attn_forward`` / ``_flash_attn_backward`` from a module
     with the API of ``flash_attn.flash_attn_interface``, for releases 2.5 through 2.8.
 
@@ -129,6 +232,11 @@ class FlashAttnKernels:
         self._backward = interface._flash_attn_backward
         self._forward_params = _parameters(self._forward)
         self._backward_params = _parameters(self._backward)
+        # The varlen pair (packed sequences) differs across releases exactly as the dense one.
+        self._varlen_forward = getattr(interface, "_flash_attn_varlen_forward", None)
+        self._varlen_backward = getattr(interface, "_flash_attn_varlen_backward", None)
+        self._varlen_forward_params = None if self._varlen_forward is None else _parameters(self._varlen_forward)
+        self._varlen_backward_params = None if self._varlen_backward is None else _parameters(self._varlen_backward)
 
     def forward(self, q, k, v, is_causal: bool, scale: float | None):
         values = self._common(q, is_causal, scale)
@@ -157,6 +265,42 @@ class FlashAttnKernels:
         )
         _call(self._backward, self._backward_params, values, "_flash_attn_backward")
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None):
+        values = self._common(q, is_causal, scale)
+        values.update(q=q, k=k, v=v, return_softmax=False, **self._varlen_values(documents))
+        result = _call(self._require(self._varlen_forward), self._varlen_forward_params, values,
+                       "_flash_attn_varlen_forward")
+        # the same return forms as the dense forward (8 values in 2.5/2.6, 4 in 2.7+)
+        return (result[0], result[5]) if len(result) == 8 else (result[0], result[1])
+
+    def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        values = self._common(q, is_causal, scale)
+        values.update(
+            dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+            deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
+            **self._varlen_values(documents),
+        )
+        _call(self._require(self._varlen_backward), self._varlen_backward_params, values,
+              "_flash_attn_varlen_backward")
+        return dq, dk, dv
+
+    @staticmethod
+    def _varlen_values(documents) -> dict:
+        cu, longest = documents.cu_seqlens, documents.max_length
+        return {
+            "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": longest, "max_seqlen_k": longest,
+            "block_table": None, "leftpad_k": None, "seqused_k": None, "zero_tensors": False,
+        }
+
+    def _require(self, fn):
+        if fn is None:
+            raise UnsupportedAttention(
+                "this flash-attn has no _flash_attn_varlen_forward/_backward, which packed sequences "
+                "(cu_seqlens) need; flash-attn 2.5 to 2.8 have them"
+            )
+        return fn
 
     @staticmethod
     def _common(q, is_causal, scale) -> dict:
@@ -236,13 +380,21 @@ def kernels_for(q: torch.Tensor):
     raise UnsupportedAttention(f"no UPipe attention kernel for device type {q.device.type!r} (cpu and cuda are supported)")
 
 
-def forward(q, k, v, is_causal: bool, scale: float | None):
-    return kernels_for(q).forward(q, k, v, is_causal, scale)
+def forward(q, k, v, is_causal: bool, scale: float | None, documents=None):
+    """(out, lse); with ``documents`` (more than one) attention stays inside each."""
+    kernel = kernels_for(q)
+    if documents is None or documents.is_single:
+        return kernel.forward(q, k, v, is_causal, scale)
+    return kernel.forward_documents(q, k, v, documents, is_causal, scale)
 
 
-def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
-    with _modelled_backward_workspace(q, k):
-        return kernels_for(q).backward(dout, q, k, v, out, lse, is_causal, scale)
+def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None):
+    kernel = kernels_for(q)
+    packed = documents is not None and not documents.is_single
+    with _modelled_backward_workspace(q, k, len(documents.spans) if packed else None):
+        if not packed:
+            return kernel.backward(dout, q, k, v, out, lse, is_causal, scale)
+        return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale)
 
 
 # --- what CUDA kernels allocate beyond their outputs, for fake-tensor measurements ------
@@ -256,11 +408,25 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
-                             deterministic: bool, sms: int = H100_SMS) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                             deterministic: bool, sms: int = H100_SMS,
+                             documents: int | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The buffers flash's dense backward (flash-attn 2.x ``mha_bwd``, also vendored by aten)
-    allocates besides dq/dk/dv: ``name -> (shape, dtype)``."""
-    seq_rounded = _round_up(seq, 128)
+    allocates besides dq/dk/dv: ``name -> (shape, dtype)``. With ``documents`` (packed
+    sequences, one varlen call per batch row) those of ``mha_varlen_bwd``, whose per-row
+    buffers are padded by 128 rows per document instead of rounding the sequence up."""
     dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+    if documents is not None:
+        rows = seq + 128 * documents
+        splits = -(-sms // (documents * q_heads)) if deterministic else 1
+        workspace = {
+            "softmax_d": ((q_heads, rows), torch.float32),
+            "dq_accum": ((splits, rows, q_heads, dim_rounded), torch.float32),
+        }
+        if kv_heads != q_heads:
+            workspace["dk_expanded"] = ((seq, q_heads, head_dim), dtype)
+            workspace["dv_expanded"] = ((seq, q_heads, head_dim), dtype)
+        return workspace
+    seq_rounded = _round_up(seq, 128)
     splits = -(-sms // (batch * q_heads)) if deterministic else 1
     workspace = {
         "softmax_d": ((batch, q_heads, seq_rounded), torch.float32),
@@ -272,12 +438,14 @@ def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, 
     return workspace
 
 
-def aten_flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms=H100_SMS):
+def aten_flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms=H100_SMS,
+                                  documents=None):
     """aten's flash backward: flash's workspace plus the ``[B, S, H, D]`` copies it makes of
-    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``)."""
-    workspace = flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms)
-    workspace["dout_contiguous"] = ((batch, seq, q_heads, head_dim), dtype)
-    workspace["out_contiguous"] = ((batch, seq, q_heads, head_dim), dtype)
+    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``; per row when packed)."""
+    workspace = flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms, documents)
+    rows = 1 if documents is not None else batch
+    workspace["dout_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
+    workspace["out_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
     return workspace
 
 
@@ -304,13 +472,14 @@ def modelled_cuda_kernel(name: str = "flash-attn") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _modelled_backward_workspace(q, k) -> Iterator[None]:
+def _modelled_backward_workspace(q, k, documents: int | None = None) -> Iterator[None]:
     if _modelled_kernel is None or not is_fake(q):
         yield
         return
     batch, q_heads, seq, head_dim = q.shape
     shapes = CUDA_BACKWARD_WORKSPACE[_modelled_kernel](
-        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, torch.are_deterministic_algorithms_enabled()
+        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, torch.are_deterministic_algorithms_enabled(),
+        documents=documents,
     )
     workspace = [q.new_empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
     try:

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from upipe_compile import kernels
 from upipe_compile.attention import stage_loop_backward, stage_loop_forward
+from upipe_compile.documents import Documents
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.passes.find import SDPA_SIGNATURE
 from upipe_compile.schedule import plan_stages, shape_problems
@@ -72,10 +73,12 @@ def modelled_kernel(cuda_kernel: str | None):
 def measure_op_memory(
     group: dist.ProcessGroup, *, seq: int, q_heads: int, kv_heads: int, head_dim: int,
     heads_per_stage: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
-    prefetch: str = "forward", cuda_kernel: str | None = "flash-attn",
+    prefetch: str = "forward", cuda_kernel: str | None = "flash-attn", cu_seqlens=None,
 ) -> OpMemory:
     """Peak intermediate memory of one rank's forward and backward of the stage-loop op,
-    with the workspace of CUDA kernel ``cuda_kernel`` counted (None: the CPU kernels')."""
+    with the workspace of CUDA kernel ``cuda_kernel`` counted (None: the CPU kernels').
+    ``cu_seqlens`` (a sequence of ints over the full sequence): a packed sequence of those
+    documents (the CPU kernels then really run once per document)."""
     world = group.size()
     s_local = seq // world
     with FakeTensorMode(), modelled_kernel(cuda_kernel):
@@ -83,7 +86,8 @@ def measure_op_memory(
         k = torch.empty(batch, kv_heads, s_local, head_dim, dtype=dtype)
         v = torch.empty_like(k)
         dout = torch.empty_like(q)
-        args = (is_causal, None, heads_per_stage, group.group_name, prefetch)
+        documents = None if cu_seqlens is None else Documents.from_bounds(cu_seqlens, q.device)
+        args = (is_causal, None, heads_per_stage, group.group_name, prefetch, documents)
 
         forward = MemTracker()
         forward.track_external(q, k, v)

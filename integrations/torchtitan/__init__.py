@@ -39,8 +39,15 @@ def get_train_spec(name: str = MODEL_NAME):
     import dataclasses
     import importlib
 
+    from upipe_compile.integrations.torchtitan.documents import install_varlen_input_sharding, varlen_model_args
+
+    install_varlen_input_sharding()  # the Trainer shards varlen batches UPipe's way (documents.py)
+
     stock = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
-    return dataclasses.replace(stock, parallelize_fn=_PARALLELIZE[name], build_loss_fn=build_loss_fn_upipe)
+    return dataclasses.replace(
+        stock, parallelize_fn=_PARALLELIZE[name], build_loss_fn=build_loss_fn_upipe,
+        model_args={flavor: varlen_model_args(args) for flavor, args in stock.model_args.items()},
+    )
 
 
 def register() -> tuple[str, ...]:

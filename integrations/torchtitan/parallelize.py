@@ -37,6 +37,7 @@ from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack
 from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.documents import use_document_attention
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.options import INNER_BACKENDS
 
@@ -98,8 +99,12 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
             problems.append("MoE model flavors are not supported with backend upipe (not implemented/tested); "
                             "use a dense flavor")
         attn_type = getattr(model_args, "attn_type", "sdpa")
-        if attn_type != "sdpa":
-            problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" (e.g. flavor "8B", not "8B_flex")')
+        if attn_type not in ("sdpa", "varlen"):
+            problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" or "varlen" '
+                            '(e.g. flavor "8B" or "8B_varlen", not "8B_flex")')
+        if attn_type == "varlen" and job_config.training.local_batch_size != 1:
+            problems.append("[training] local_batch_size must be 1 with a varlen flavor (one packed row per rank; "
+                            "see documents.py)")
         heads = model_args.n_heads
         if heads % cp:
             problems.append(f"n_heads = {heads} is not divisible by the CP degree {cp}")
@@ -204,6 +209,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
 
     check_job(job_config, parallel_dims, getattr(model, "model_args", None), model)
     disable_torchtitan_cp_sharding_balance(job_config)
+    use_document_attention(model)  # varlen flavors: document masking through UPipe (documents.py)
     stack.apply_module_swaps(model, job_config)
 
     if job_config.activation_checkpoint.mode != "none":

@@ -1,0 +1,145 @@
+"""Document boundaries of a packed sequence (``cu_seqlens``), checked and read once.
+
+A packed sequence holds several documents end to end; ``cu_seqlens`` ``[n + 1]`` (int32 or
+int64) are their cumulative lengths over the *full* sequence: ``0 = c_0 < c_1 < ... < c_n
+= S``, document ``i`` being tokens ``[c_i, c_{i+1})``. Every batch row uses the same
+boundaries. After the sequence->head all-to-all every rank holds the whole sequence for
+its heads, so the kernels need only these ``n + 1`` numbers: no mask tensor ever exists.
+
+The boundaries must be identical on every rank (each rank attends over the same full
+sequence), which only a collective can tell. :func:`documents_for` checks a boundaries
+tensor once -- locally, then one tiny all-gather of a fixed-size summary -- and remembers
+the answer on that tensor object (until it is modified in place), so the many layers of
+one step that share one ``cu_seqlens`` tensor pay one host sync and one collective, not
+one per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from upipe_compile.errors import UnsupportedAttention
+
+BOUNDARY_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Checked boundaries: ``bounds`` on the host, ``cu_seqlens`` (int32, on the kernels'
+    device) for the varlen kernels that take them as a tensor."""
+
+    bounds: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.bounds[:-1], self.bounds[1:]))
+
+    @property
+    def max_length(self) -> int:
+        return max(end - start for start, end in self.spans)
+
+    @property
+    def is_single(self) -> bool:
+        """One document over the whole sequence: the dense kernels' case."""
+        return len(self.bounds) == 2
+
+    @classmethod
+    def from_bounds(cls, bounds, device) -> "Documents":
+        bounds = tuple(int(b) for b in bounds)
+        return cls(bounds, torch.tensor(bounds, dtype=torch.int32, device=device))
+
+
+def boundary_problems(cu_seqlens: torch.Tensor, seq: int) -> list[str]:
+    """Why ``cu_seqlens`` are not valid boundaries of a sequence of ``seq`` tokens (empty: valid)."""
+    if cu_seqlens.dtype not in BOUNDARY_DTYPES:
+        return [f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}"]
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        return [f"cu_seqlens must be 1-D with at least 2 entries (0 and S), got shape {tuple(cu_seqlens.shape)}"]
+    values = cu_seqlens.tolist()
+    problems = []
+    if values[0] != 0:
+        problems.append(f"cu_seqlens must start at 0, got {values[0]}")
+    if values[-1] != seq:
+        problems.append(f"cu_seqlens must end at the full sequence length {seq} (all ranks' tokens), got {values[-1]}")
+    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    if bad is not None:
+        problems.append(
+            f"cu_seqlens must be strictly increasing (no empty documents), got {values[bad - 1]} then {values[bad]} "
+            f"at index {bad}"
+        )
+    return problems
+
+
+_MODULUS = (1 << 61) - 1  # a prime: the summary's hash of the values fits an int64
+
+
+def _summary(cu_seqlens: torch.Tensor, ok: bool) -> list[int]:
+    """Fixed-size fingerprint of the boundaries: [ok, count, first, last, hash]. Equal
+    fingerprints on all ranks mean equal boundaries (up to a 2^-61 hash collision)."""
+    values = [int(x) for x in cu_seqlens.flatten().tolist()] if cu_seqlens.numel() else []
+    digest = 0
+    for x in values:
+        digest = (digest * 1_000_003 + x) % _MODULUS
+    return [int(ok), len(values), values[0] if values else -1, values[-1] if values else -1, digest]
+
+
+_checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""boundaries tensor -> (its version counter, group name, seq, Documents) when it passed."""
+
+
+def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device) -> Documents:
+    """The checked boundaries of ``cu_seqlens`` for a full sequence of ``seq`` tokens,
+    raising UnsupportedAttention on every rank at once when any rank's are invalid or they
+    differ across ranks. Every rank must call this for the same calls (as for the op itself)."""
+    cached = _checked.get(cu_seqlens)
+    key = (cu_seqlens._version, group.group_name, seq)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    problems = boundary_problems(cu_seqlens, seq)
+    mine = torch.tensor(_summary(cu_seqlens, not problems), dtype=torch.int64, device=device)
+    world = group.size()
+    if world > 1:
+        from upipe_compile.collectives import all_gather
+
+        rows = all_gather(mine, group).view(world, -1).tolist()
+    else:
+        rows = [mine.tolist()]
+    invalid = [rank for rank, row in enumerate(rows) if not row[0]]
+    if invalid:
+        detail = "; ".join(problems) if problems else "this rank's are valid"
+        raise UnsupportedAttention(
+            f"invalid packed-sequence boundaries (cu_seqlens) on rank(s) {invalid} of the context-parallel group: "
+            f"{detail}. cu_seqlens are the cumulative document lengths over the full sequence, "
+            f"e.g. [0, len_0, len_0 + len_1, ..., {seq}], int32 or int64"
+        )
+    if any(row != rows[0] for row in rows):
+        raise UnsupportedAttention(
+            "packed-sequence boundaries (cu_seqlens) differ across the context-parallel ranks "
+            f"(per rank [count, first, last]: {[row[1:4] for row in rows]}; this rank's: {_preview(cu_seqlens)}); "
+            "every rank must pass the boundaries of the same full sequence, not of its own shard"
+        )
+    documents = Documents.from_bounds(cu_seqlens.tolist(), device)
+    _checked[cu_seqlens] = (key, documents)
+    return documents
+
+
+def _preview(cu_seqlens: torch.Tensor, limit: int = 8) -> str:
+    values = cu_seqlens.flatten().tolist()
+    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} values)"
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boundaries of a packed row whose positions restart at 0 per document (what
+    transformers' ``DataCollatorWithFlattening`` produces): int32 ``[n + 1]``.
+    ``position_ids`` ``[1, S]`` or ``[S]`` over the full sequence."""
+    positions = position_ids.reshape(-1)
+    starts = torch.nonzero(positions == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    end = torch.tensor([positions.numel()], dtype=starts.dtype, device=starts.device)
+    return torch.cat([starts, end]).to(torch.int32)
