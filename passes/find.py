@@ -28,7 +28,7 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     pass
 
 
-_SIGNATURE = inspect.signature(_sdpa_signature)
+SDPA_SIGNATURE = inspect.signature(_sdpa_signature)
 
 DOCUMENT_SDPA = torch.ops.upipe.document_sdpa.default
 
@@ -77,7 +77,7 @@ def _graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
 def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
-            bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+            bound = SDPA_SIGNATURE.bind(*node.args, **node.kwargs)
             bound.apply_defaults()
             yield AttentionMatch(graph_module=gm, node=node, **bound.arguments)
         elif node.op == "call_function" and node.target is DOCUMENT_SDPA:

@@ -141,11 +141,10 @@ def test_output_group_is_kept_gathered_for_the_chunked_loss(rank_pools):
 def _reshard_policy_with_chunked_loss():
     """On a rank: parallelize the debug model with fsdp_reshard_after_forward = "always";
     (norm/output group resharded after forward?, a block resharded after forward?)."""
-    from torchtitan_jobs import use_cpu_meshes
-
+    from upipe_compile.estimate.job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan import parallelize_llama_upipe
 
-    use_cpu_meshes()
+    torchtitan_on_cpu()
     config, dims, _, model = debug_job("--upipe.loss_chunk_tokens=64", "--parallelism.fsdp_reshard_after_forward=always")
     dims.build_mesh()  # FSDP over the fsdp mesh = cp (2 ranks)
     model = parallelize_llama_upipe(model, dims, config)

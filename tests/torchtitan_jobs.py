@@ -20,15 +20,14 @@ import torch
 import torch.distributed as dist
 
 from tests_support import attention_events
+from upipe_compile.estimate.job import load_job_config, torchtitan_on_cpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG_TOML = os.path.join(HERE, "..", "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
 
 
 def load_config(toml: str, *overrides: str):
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(["--job.config_file", toml, *overrides])
+    return load_job_config(toml, list(overrides))
 
 
 # The long-context stack, all on: full AC (offload needs it), uneven MLP tiles and loss chunks
@@ -71,21 +70,6 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-
-
-def use_cpu_meshes() -> None:
-    """torchtitan resolves its device type once, at import: ``_get_available_device_type() or
-    "cuda"``, i.e. "cuda" on a CPU-only build, and ParallelDims builds its meshes on it. Point
-    the modules that read it at "cpu" (this is one of the things that block the Trainer on CPU)."""
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    import torchtitan.distributed.utils as dist_utils_module
-    import torchtitan.tools.utils as tools_utils
-
-    for module in (tools_utils, parallel_dims_module, dist_utils_module):
-        module.device_type = "cpu"
-    tools_utils.device_module = dist_utils_module.device_module = torch.cpu
-
-
 def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = (),
                       model_changes: dict | None = None, documents: bool = False):
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
@@ -101,7 +85,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
     from torchtitan.protocols.train_spec import get_train_spec
 
-    use_cpu_meshes()
+    torchtitan_on_cpu()
     torch._dynamo.reset()
     world = dist.get_world_size()
     packed = ["--model.flavor=debugmodel_varlen_attn", "--training.local_batch_size=1"] if documents else []

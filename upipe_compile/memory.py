@@ -16,13 +16,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.overrides import TorchFunctionMode
 
 from upipe_compile import kernels
 from upipe_compile.attention import stage_loop_backward, stage_loop_forward
 from upipe_compile.documents import Documents
-from upipe_compile.schedule import plan_stages
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.passes.find import SDPA_SIGNATURE
+from upipe_compile.schedule import plan_stages, shape_problems
 
 
 @contextlib.contextmanager
@@ -118,6 +122,37 @@ class StageLoopFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None, None
+
+
+class SDPAThroughStageLoops(TorchFunctionMode):
+    """While active, every ``F.scaled_dot_product_attention`` call runs as
+    :class:`StageLoopFunction` over ``group``: the eager twin of what the "upipe" backend
+    compiles SDPA into, for fake-tensor memory measurements of whole models (the whole-step
+    estimate), where the compiled custom op would run only its fake kernel. Calls the backend
+    would refuse are refused here too, with the same wording."""
+
+    def __init__(self, group: dist.ProcessGroup, heads_per_stage: int, prefetch: str = "forward"):
+        super().__init__()
+        self.group, self.heads_per_stage, self.prefetch = group, heads_per_stage, prefetch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = SDPA_SIGNATURE.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        problems = []
+        if a["attn_mask"] is not None:
+            problems.append("an attention-mask tensor is passed (attn_mask)")
+        if a["dropout_p"] != 0.0:
+            problems.append(f"attention dropout is on (dropout_p={a['dropout_p']})")
+        q, k, v = a["query"], a["key"], a["value"]
+        problems += shape_problems(q.shape, k.shape, v.shape, a["enable_gqa"], self.group.size(), self.heads_per_stage)
+        if problems:
+            raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
+        return StageLoopFunction.apply(q, k, v, a["is_causal"], a["scale"], self.heads_per_stage,
+                                       self.group.group_name, self.prefetch)
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:

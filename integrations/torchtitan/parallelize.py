@@ -20,6 +20,9 @@ stack.py) is applied here too: module swaps before AC, offload hooks after FSDP.
 
 With any other [compile] backend the stock ``parallelize_llama`` runs unchanged (and stack
 keys are refused: they would do nothing).
+
+Under ``measurement.measuring()`` (the whole-step memory estimate) nothing is compiled: each
+block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.documents import use_document_attention
+from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.options import INNER_BACKENDS
 
 log = logging.getLogger(__name__)
@@ -126,6 +130,9 @@ def disable_torchtitan_cp_sharding_balance(job_config) -> None:
 def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
     the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
+    if is_measuring():
+        route_blocks_through_stage_loops(model, job_config, parallel_dims)
+        return
     cfg = upipe_config(job_config)
     for layer_id, block in model.layers.named_children():
         if parallel_dims.cp_enabled:
@@ -137,6 +144,34 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
             compiled = torch.compile(block, backend=_inner(cfg.inner_backend), fullgraph=True)
         model.layers.register_module(layer_id, compiled)
     log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
+
+
+def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:
+    """What compile_blocks does to attention, eagerly, for fake-tensor memory measurement: every
+    block's SDPA runs as the real stage loops with the options it would be compiled with. The
+    routing sits inside the activation-checkpoint wrapper, so AC's recompute in backward is
+    routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from upipe_compile.memory import SDPAThroughStageLoops
+    from upipe_compile.options import UPipeOptions
+
+    if not parallel_dims.cp_enabled:
+        return
+    options = UPipeOptions.from_user(compile_options(job_config, parallel_dims))
+    for block in model.layers.values():
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(), options.prefetch))
+
+
+def _run_forward_under(module: nn.Module, make_mode) -> None:
+    forward = module.forward
+
+    def routed_forward(*args, **kwargs):
+        with make_mode():
+            return forward(*args, **kwargs)
+
+    module.forward = routed_forward
 
 
 def _inner(name: str):
@@ -232,6 +267,6 @@ def build_loss_fn_upipe(job_config, **kwargs):
         return build_cross_entropy_loss(job_config, **kwargs)
     _refuse(stack.stack_problems(job_config))
     loss_fn = stack.stack_loss_fn(job_config) or cross_entropy_loss
-    if "loss" in job_config.compile.components:
+    if "loss" in job_config.compile.components and not is_measuring():
         return torch.compile(loss_fn, backend=_inner(upipe_config(job_config).inner_backend))
     return loss_fn

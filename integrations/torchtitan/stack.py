@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from upipe_compile.chunked_loss import LazyOutputProjection, lazy_logits_cross_entropy
 from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.measurement import host_device
 from upipe_compile.offload import (
     BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, total_host_memory_bytes,
 )
@@ -159,7 +160,8 @@ def install_offload(model: nn.Module, job_config, parallel_dims) -> BlockInputOf
         return None
     if not _on_fake_process_group():
         check_offload_fits_host(job_config, parallel_dims, model.model_args)
-    offloader = BlockInputOffloader(list(model.layers.values()))
+    # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
+    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device())
     model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule
     return offloader
 

@@ -1,0 +1,212 @@
+"""python -m upipe_compile.estimate on torchtitan's debug model (2 ranks, CP = 2, small seq_len):
+its JSON, its parameter / gradient / optimizer / checkpoint terms against hand arithmetic,
+and its refusals. Each run is its own process (it needs its own fake default group)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_jobs import DEBUG_TOML
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+ROUNDING = GIB * 1e-6  # the JSON gives GiB to 6 decimals
+SEQ = 512
+DEBUG_ARGS = ["--config", DEBUG_TOML, "--training.seq_len", str(SEQ), "--activation_checkpoint.mode", "full"]
+
+
+def run_estimate(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "upipe_compile.estimate", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def debug_estimate():
+    result = run_estimate(*DEBUG_ARGS, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def debug_model():
+    """The debug model's parameters (on meta) and its config, from the same TOML."""
+    import torch
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import upipe_compile.integrations.torchtitan  # noqa: F401  (registers the spec, as custom_import does)
+    from torchtitan_jobs import load_config
+
+    config = load_config(DEBUG_TOML, "--training.seq_len", str(SEQ))
+    spec = get_train_spec(config.model.name)
+    args = spec.model_args[config.model.flavor]
+    args.update_from_config(config)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return config, args, [p.shape for p in model.parameters()]
+
+
+STACK = ["--upipe.offload_block_inputs", "--upipe.mlp_tile_tokens", "64", "--upipe.loss_chunk_tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def stack_estimate():
+    result = run_estimate(*DEBUG_ARGS, *STACK, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_json_schema(debug_estimate):
+    for key, kind in {"seq_len": int, "peak_device_gib": float, "budget_gib": float, "fits": bool,
+                      "host_gib_per_node": float, "breakdown": dict, "reserve_gib": float}.items():
+        assert isinstance(debug_estimate[key], kind), key
+    assert debug_estimate["seq_len"] == SEQ and debug_estimate["world_size"] == 2
+    assert debug_estimate["fits"] and debug_estimate["host_gib_per_node"] == 0.0  # no offload configured
+    b = debug_estimate["breakdown"]
+    by_kind = ("sharded_params", "sharded_grads", "optimizer_state", "fsdp_buffers", "model_buffers", "inputs",
+               "activations_and_temps")
+    assert debug_estimate["modelled"] == {}  # full AC: nothing the fake run cannot show
+    assert sum(b[k] for k in by_kind) == pytest.approx(debug_estimate["peak_device_gib"], abs=1e-5)
+    assert debug_estimate["budget_gib"] == pytest.approx(79.1 - debug_estimate["reserve_gib"])
+    assert debug_estimate["budget_gib"] == pytest.approx((79.1 - 2.5) / 1.05)  # 2.5 GiB + 5% fragmentation
+
+
+def test_parameter_and_optimizer_terms_match_hand_arithmetic(debug_estimate, debug_model):
+    config, args, shapes = debug_model
+    world = 2  # FSDP over dp_shard x cp = 1 x 2
+    # fully_shard pads dim 0 to a multiple of the world and keeps fp32 (the TOML's param dtype) shards.
+    sharded = sum(math.ceil(s[0] / world) * math.prod(s[1:]) * 4 for s in shapes)
+    b = debug_estimate["breakdown"]
+    assert b["sharded_params"] * GIB == pytest.approx(sharded, abs=ROUNDING)
+    # AdamW: exp_avg and exp_avg_sq per sharded parameter, plus a 4-byte step per parameter.
+    assert b["optimizer_state"] * GIB == pytest.approx(2 * sharded + 4 * len(shapes), abs=ROUNDING)
+    # The peak is in backward: at most every sharded gradient exists.
+    assert 0 <= b["sharded_grads"] * GIB <= sharded + ROUNDING
+    # Full AC keeps each block's input [B, S/P, dim] fp32.
+    batch, local = config.training.local_batch_size, SEQ // world
+    block_inputs = args.n_layers * batch * local * args.dim * 4
+    assert b["checkpointed_inputs_on_device"] * GIB == pytest.approx(block_inputs, abs=ROUNDING)
+    # The RoPE table: seq_len x head_dim/2 complex64.
+    assert b["model_buffers"] * GIB == pytest.approx(SEQ * (args.dim // args.n_heads // 2) * 8, abs=ROUNDING)
+
+
+def test_cuda_kernel_workspace_is_counted(debug_estimate):
+    """aten's flash backward holds more than flash-attn's (its copies of out and dout): the
+    stage loop's backward buffers show the kernel the estimate was told to model."""
+    result = run_estimate(*DEBUG_ARGS, "--json", "--cuda-kernel", "aten-flash")
+    assert result.returncode == 0, result.stderr[-3000:]
+    aten = json.loads(result.stdout)
+    assert debug_estimate["cuda_kernel"] == "flash-attn" and aten["cuda_kernel"] == "aten-flash"
+    flash_buffers = debug_estimate["block_recompute"]["stage_loop_backward_buffers"]
+    assert aten["block_recompute"]["stage_loop_backward_buffers"] > flash_buffers
+
+
+def test_the_stage_loops_ran(debug_estimate):
+    """The route put every block's attention through the real loops: their buffers show."""
+    block = debug_estimate["block_recompute"]
+    assert block["stage_loop_forward_buffers"] > 0 and block["stage_loop_backward_buffers"] > 0
+    assert block["peak_above_start"] >= max(block["attention_stage_loop"], block["mlp"])
+
+
+def test_unknown_override_names_the_key():
+    result = run_estimate(*DEBUG_ARGS, "--upipe.heads_per_stagex", "4")
+    assert result.returncode != 0
+    assert "--upipe.heads_per_stagex" in result.stderr
+
+
+def test_job_without_fsdp_is_refused_with_the_keys():
+    result = run_estimate("--config", DEBUG_TOML, "--parallelism.context_parallel_degree", "1")
+    assert result.returncode == 2
+    assert "data_parallel_shard_degree x context_parallel_degree" in result.stderr
+
+
+def test_impossible_seq_len_names_the_key():
+    result = run_estimate("--config", DEBUG_TOML, "--training.seq_len", "1001")
+    assert result.returncode == 2
+    assert "[training] seq_len = 1001" in result.stderr
+
+
+def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0):
+    """Replace each probe's step estimate by a known memory curve."""
+    from types import SimpleNamespace
+
+    from upipe_compile.estimate import search
+    from upipe_compile.estimate.gpu import budget_gib
+
+    probed = []
+
+    def probe(job_config, seq_len, gpu_gib, gpus_per_node, cuda_kernel):
+        probed.append(seq_len)
+        peak = base_gib + gib_per_token * seq_len + curve * (seq_len / 1e6) ** 2
+        return SimpleNamespace(peak_device_gib=peak, fits=peak <= budget_gib(gpu_gib), seq_len=seq_len)
+
+    monkeypatch.setattr(search, "_probe", probe)
+    return probed
+
+
+@pytest.mark.parametrize("start", [8192, 1 << 20, 5 << 20])
+@pytest.mark.parametrize("curve", [0.0, 0.4])
+def test_max_context_search_finds_the_last_fitting_grid_point(monkeypatch, start, curve):
+    from types import SimpleNamespace
+
+    from upipe_compile.estimate.search import max_context
+
+    probed = _linear_memory(monkeypatch, 12.0, 20.0 / (1 << 20), curve)  # 12 GiB + 20 GiB per 1M tokens
+    config = SimpleNamespace(training=SimpleNamespace(seq_len=start),
+                             parallelism=SimpleNamespace(context_parallel_degree=8))
+    found, result, probes = max_context(config, progress=False)
+    step = 8 * 1024
+
+    def fits(s):
+        return 12.0 + 20.0 / (1 << 20) * s + curve * (s / 1e6) ** 2 <= (79.1 - 2.5) / 1.05
+
+    assert found % step == 0 and fits(found) and not fits(found + step)
+    assert result.seq_len == found and len(probed) <= 8
+
+
+def test_max_context_refuses_when_nothing_fits(monkeypatch):
+    from types import SimpleNamespace
+
+    from upipe_compile.estimate import JobError
+    from upipe_compile.estimate.search import max_context
+
+    _linear_memory(monkeypatch, 100.0, 1e-6)
+    config = SimpleNamespace(training=SimpleNamespace(seq_len=65536),
+                             parallelism=SimpleNamespace(context_parallel_degree=8))
+    with pytest.raises(JobError, match="does not fit"):
+        max_context(config, progress=False)
+
+
+def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debug_model):
+    """Under selective op AC the compiled path saves each layer's upipe::attention outputs
+    (out and the per-stage LSE), which the eager route recomputes: the estimate adds them."""
+    from upipe_compile.estimate import _sac_saved_attention_bytes
+
+    config, args, _ = debug_model
+    world, heads_per_stage = 2, 2
+    head_dim = args.dim // args.n_heads
+    batch = config.training.local_batch_size
+    out = batch * args.n_heads * (SEQ // world) * head_dim * 4  # fp32 debug TOML
+    stages, q_per_rank = args.n_heads // heads_per_stage, heads_per_stage // world
+    lse = stages * batch * q_per_rank * SEQ * 4
+    assert _sac_saved_attention_bytes(config, args, heads_per_stage) == args.n_layers * (out + lse)
+
+
+def test_the_stack_runs_for_real(debug_estimate, stack_estimate, debug_model):
+    """With offload, tiled MLP and chunked loss: the block inputs are host memory (per rank and
+    per node, by hand arithmetic), none is left on device, and the MLP's
+    rise falls (its loop ran with per-tile buffers, not the op's fake kernel). (The debug
+    model's vocabulary, 2000, is too small for chunking the loss to save memory here.)"""
+    config, args, _ = debug_model
+    world = 2
+    block_inputs = args.n_layers * config.training.local_batch_size * (SEQ // world) * args.dim * 4
+    assert stack_estimate["host_gib_per_rank"] * GIB == pytest.approx(block_inputs, abs=ROUNDING)
+    assert stack_estimate["host_gib_per_node"] == pytest.approx(world * stack_estimate["host_gib_per_rank"], abs=1e-5)
+    assert stack_estimate["breakdown"]["checkpointed_inputs_on_device"] == 0
+    assert stack_estimate["block_recompute"]["mlp"] < debug_estimate["block_recompute"]["mlp"]
+    assert stack_estimate["phase_peaks"]["loss"] > 0  # the chunked loss ran (LazyLogits, no logits tensor)

@@ -1,0 +1,188 @@
+"""Whole-training-step memory estimate of a torchtitan job: ``python -m upipe_compile.estimate``.
+
+Builds the job as torchtitan's Trainer would (job.py), on fake CPU tensors over a fake
+process group of the job's world size, runs a real training step under a memory tracker
+(step.py) with the CUDA attention kernel's workspaces switched on
+(``upipe_compile.kernels.modelled_cuda_kernel``), and reports the per-rank device peak with a
+breakdown, the host memory of offloaded activations, and whether it fits a GPU after a
+stated reserve (gpu.py). See docs/estimate.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from upipe_compile import kernels
+from upipe_compile.estimate.gpu import GIB, budget_gib
+from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
+from upipe_compile.estimate.plain_loops import plain_stack_loops
+from upipe_compile.estimate.step import StepMemory, run_step
+
+H100_80GB_GIB = 79.1
+"""What torch reports as the total memory of an "80 GB" H100."""
+
+__all__ = ["H100_80GB_GIB", "Estimate", "JobError", "estimate", "load_job_config"]
+
+
+@dataclass
+class Estimate:
+    seq_len: int
+    cuda_kernel: str
+    """The attention kernel whose GPU workspace is counted (kernels.CUDA_BACKWARD_WORKSPACE)."""
+    world_size: int
+    cp: int
+    heads_per_stage: int
+    peak_device_gib: float
+    """Per-rank device peak of the step (measured on fake tensors + the kernels' workspaces)."""
+    reserve_gib: float
+    """``gpu_gib - budget_gib``: the fixed reserve + the fragmentation share of a budget-sized peak."""
+    gpu_gib: float
+    budget_gib: float
+    """What the peak must not exceed (gpu.budget_gib)."""
+    fits: bool
+    host_gib_per_rank: float
+    host_gib_per_node: float
+    peak_phase: str
+    breakdown: dict[str, float]
+    block_recompute: dict[str, float]
+    phase_peaks: dict[str, float]
+    """Device peak within each phase of the step: where the next saving must come from."""
+    modelled: dict[str, float]
+    """Terms added to the measured peak because the fake-tensor run cannot show them (GiB)."""
+    seconds: float
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
+             cuda_kernel: str = "flash-attn") -> Estimate:
+    """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
+    fake default process group: call it where no process group exists."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from upipe_compile.integrations.torchtitan.config import upipe_config
+    from upipe_compile.memory import fake_process_group
+
+    start = time.time()
+    world = world_size(job_config)
+    with fake_process_group(world), private_sharding_fake_mode(), kernels.modelled_cuda_kernel(cuda_kernel), \
+            plain_stack_loops():
+        # Non-fake inputs are the meta-device model and the meshes' rank tensors.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        job = build_job(job_config, fake_mode)
+        memory = run_step(job, fake_mode)
+    cp = job_config.parallelism.context_parallel_degree
+    heads_per_stage = upipe_config(job_config).heads_per_stage or cp
+    modelled = {}
+    if cp > 1 and _op_selective_ac(job_config):
+        modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(job_config, job.model_args,
+                                                                                  heads_per_stage))
+    peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
+    budget = budget_gib(gpu_gib)
+    host = memory.host_peak / GIB
+    return Estimate(
+        seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
+        peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
+        budget_gib=round(budget, 6), fits=peak <= budget,
+        host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
+        peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
+        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory),
+        phase_peaks=_phase_peaks(memory), modelled=modelled, seconds=round(time.time() - start, 1),
+    )
+
+
+def _op_selective_ac(job_config) -> bool:
+    ac = job_config.activation_checkpoint
+    return ac.mode == "selective" and ac.selective_ac_option == "op"
+
+
+def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int) -> int:
+    """Selective op AC: the compiled path saves every layer's ``upipe::attention`` outputs (the
+    op is in the save list) where the eager route recomputes them, as aten's CPU attention
+    kernels are not in torchtitan's list. Counted for all layers (they are all alive at the
+    loss, and the peak is never before it by more than a layer's worth): out
+    ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE ``[B, m, S]`` fp32."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from upipe_compile.schedule import plan_stages
+
+    cp = job_config.parallelism.context_parallel_degree
+    batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
+    q_heads, kv_heads = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
+    head_dim = model_args.dim // q_heads
+    element = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
+    schedule = plan_stages(q_heads, kv_heads, cp, heads_per_stage)
+    out = batch * q_heads * (seq // cp) * head_dim * element
+    lse = len(schedule.stages) * batch * schedule.q_per_rank * seq * 4
+    return model_args.n_layers * (out + lse)
+
+
+# FSDPMemTracker's categories, grouped as the report names them.
+_CATEGORIES = {
+    "sharded_params": ("Sharded Param",),
+    "sharded_grads": ("Sharded Grad",),
+    "optimizer_state": ("OptState",),
+    "fsdp_buffers": ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+    "model_buffers": ("Buffer",),
+    "inputs": ("Inputs",),
+    "activations_and_temps": ("Activation", "Temp"),
+}
+
+
+def _gib(x: int) -> float:
+    return round(x / GIB, 6)
+
+
+def _breakdown(memory: StepMemory) -> dict[str, float]:
+    """The device peak by kind (these sum to the peak), then two measured terms inside
+    activations: the checkpointed block inputs left on device after forward and what the
+    logits and loss add over the end of forward."""
+    snap = {str(getattr(k, "value", k)): v for k, v in memory.peak_snapshot.items()}
+    out = {name: _gib(sum(snap.get(c, 0) for c in cats)) for name, cats in _CATEGORIES.items()}
+    out["checkpointed_inputs_on_device"] = _gib(memory.checkpointed_on_device)
+    loss_peak = max((s.peak for p, s in memory.phases.items() if p[0] in ("loss", "loss backward")), default=0)
+    out["loss"] = _gib(max(0, loss_peak - (memory.after_forward - memory.logits)))
+    return out
+
+
+def _phase_peaks(memory: StepMemory) -> dict[str, float]:
+    peaks: dict[str, int] = {}
+    for phase, stats in memory.phases.items():
+        if len(phase) == 3:
+            name = f"{phase[0]} blocks"
+        elif len(phase) == 2:
+            name = f"{phase[0]} {phase[1]}"
+        else:
+            name = phase[0].replace(" backward", "")  # the loss forward and backward together
+        if name == "setup":
+            continue
+        peaks[name] = max(peaks.get(name, 0), stats.peak)
+    return {name: _gib(peak) for name, peak in peaks.items()}
+
+
+def _block_recompute(memory: StepMemory) -> dict[str, float]:
+    """The block whose backward (AC recompute + gradients) peaks highest: how far each of its
+    parts rises above the memory at the start of that block's backward, and the stage loops'
+    own buffers (forward loop in the recompute, backward loop: each above where it starts)."""
+    blocks: dict[int, dict[tuple, object]] = {}
+    for phase, stats in memory.phases.items():
+        if len(phase) == 3 and phase[0] in ("recompute", "backward"):
+            blocks.setdefault(phase[1], {})[(phase[0], phase[2])] = stats
+    if not blocks:
+        return {}
+    layer = max(blocks, key=lambda i: max(s.peak for s in blocks[i].values()))
+    parts = blocks[layer]
+    start = min(s.entry for s in parts.values())
+    result = {"layer": layer, "peak_above_start": _gib(max(s.peak for s in parts.values()) - start)}
+    names = {"stage loop": "attention_stage_loop", "attention": "attention_projections_rope", "mlp": "mlp", "rest": "rest"}
+    for part, name in names.items():
+        peaks = [s.peak for (_, p), s in parts.items() if p == part]
+        if peaks:
+            result[name] = _gib(max(peaks) - start)
+    for direction, name in (("recompute", "stage_loop_forward_buffers"), ("backward", "stage_loop_backward_buffers")):
+        loop = parts.get((direction, "stage loop"))
+        if loop is not None:
+            result[name] = _gib(loop.peak - loop.entry)
+    return result

@@ -1,0 +1,105 @@
+"""python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context]
+[--gpu-gib G] [--gpus-per-node N] [--cuda-kernel K] [--json]
+
+Every argument this command does not know is a torchtitan override (``--training.seq_len
+5242880``, ``--upipe.heads_per_stage 32``), parsed by torchtitan's own ConfigManager, which
+names any key it does not know. See docs/estimate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.kernels import CUDA_BACKWARD_WORKSPACE
+from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
+from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m upipe_compile.estimate",
+        description="Per-rank peak GPU memory of one training step of a torchtitan job, estimated on fake "
+                    "tensors. Unknown arguments are torchtitan overrides (--section.key value).",
+    )
+    parser.add_argument("--config", required=True, help="the job TOML")
+    parser.add_argument("--max-context", action="store_true",
+                        help="search the largest seq_len (a multiple of 1024 x CP degree) that fits")
+    parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB,
+                        help=f"GPU memory as torch reports it (default {H100_80GB_GIB}: an 80 GB H100)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for host memory per node")
+    parser.add_argument("--cuda-kernel", choices=sorted(CUDA_BACKWARD_WORKSPACE), default="flash-attn",
+                        help="the attention kernel whose GPU workspace is counted (default flash-attn; "
+                             "aten-flash where flash-attn is not installed)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser.parse_known_args(argv)
+
+
+def format_report(result: Estimate) -> str:
+    lines = [
+        f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}, "
+        f"U = {result.heads_per_stage} heads per stage, {result.cuda_kernel} workspaces), "
+        f"estimated in {result.seconds:.0f} s",
+        f"per-rank peak device memory  {result.peak_device_gib:8.2f} GiB   (at: {result.peak_phase})",
+        f"  reserve                    {result.reserve_gib:8.2f} GiB   "
+        f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the budget for "
+        "allocator fragmentation)",
+        f"  budget on a {result.gpu_gib} GiB GPU {result.budget_gib:8.2f} GiB   -> "
+        + ("fits" if result.fits else f"DOES NOT FIT (over by {result.peak_device_gib - result.budget_gib:.2f} GiB)"),
+        "at the peak, by kind:",
+    ]
+    b = result.breakdown
+    for key in ("sharded_params", "sharded_grads", "optimizer_state", "fsdp_buffers", "model_buffers", "inputs",
+                "activations_and_temps"):
+        lines.append(f"  {key.replace('_', ' '):26s} {b[key]:8.2f} GiB")
+    lines += [
+        "measured terms (GiB):",
+        f"  checkpointed inputs left on device after forward  {b['checkpointed_inputs_on_device']:8.2f}",
+        f"  logits + loss over the end of forward             {b['loss']:8.2f}",
+    ]
+    block = result.block_recompute
+    if block:
+        lines.append(f"  one block's backward (layer {block['layer']}: AC recompute + gradients), peak above its start "
+                     f"{block['peak_above_start']:.2f}, while in:")
+        for key in ("attention_stage_loop", "attention_projections_rope", "mlp", "rest"):
+            if key in block:
+                lines.append(f"    {key.replace('_', ' '):28s} {block[key]:8.2f}")
+        if "stage_loop_backward_buffers" in block:
+            lines.append(f"    (the stage loops' own buffers: forward (recompute) {block.get('stage_loop_forward_buffers', 0):.2f}, "
+                         f"backward {block['stage_loop_backward_buffers']:.2f})")
+    lines.append("device peak within each phase (GiB): "
+                 + ", ".join(f"{name} {peak:.2f}" for name, peak in result.phase_peaks.items()))
+    for key, value in result.modelled.items():
+        lines.append(f"modelled, added to the peak: {key.replace('_', ' ')} {value:.2f} GiB")
+    lines.append(f"host memory (offloaded activations): {result.host_gib_per_rank:.2f} GiB per rank, "
+                 f"{result.host_gib_per_node:.2f} GiB per node")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    job_config = load_job_config(args.config, overrides)
+    try:
+        if args.max_context:
+            from upipe_compile.estimate.search import max_context
+
+            found, result, probes = max_context(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
+                                                progress=not args.json, cuda_kernel=args.cuda_kernel)
+            payload = {**result.as_json(), "max_context": found, "probes": probes}
+            text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB after the reserve "
+                    f"({len(probes)} probes)\n" + format_report(result))
+        else:
+            result = estimate(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
+                              cuda_kernel=args.cuda_kernel)
+            payload, text = result.as_json(), format_report(result)
+    except (JobError, UnsupportedAttention) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(payload) if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""One training step of a built job, as torchtitan's Trainer runs it, under a memory tracker.
+
+``FSDPMemTracker`` counts every tensor the step allocates on each device, by kind (sharded /
+unsharded params and grads, FSDP all-gather buffers, optimizer state, activations, temps).
+:class:`PhaseTracker` adds where in the step each peak happens: per block and per part of a
+block (attention, its stage loop, MLP, the rest) in forward, in activation checkpointing's
+recompute and in backward; the loss; the optimizer step. Host memory (offloaded
+activations, packed to "meta" while measuring) shows up as its own device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from upipe_compile.estimate.job import Job
+from upipe_compile.estimate.plain_loops import fused_rms_norm, fused_rope
+
+DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
+HOST = torch.device("meta")  # where offloaded activations are packed while measuring
+_LAYER = re.compile(r"\.layers\.(\d+)(\.|$)")
+
+
+def _part(parents: set[str]) -> str:
+    """Which part of a block is running, from the names of the modules being run."""
+    if any(".inner_attention" in name for name in parents):
+        return "stage loop"
+    if any(".attention" in name for name in parents):
+        return "attention"
+    if any(".feed_forward" in name or ".moe" in name for name in parents):
+        return "mlp"
+    return "rest"
+
+
+@dataclass
+class PhaseStats:
+    entry: int = -1
+    """Device bytes when the phase was first seen."""
+    peak: int = 0
+
+
+class PhaseTracker(FSDPMemTracker):
+    """FSDPMemTracker that also keeps the device peak of each phase of the step."""
+
+    def __init__(self, model, optimizer):
+        super().__init__(model, optimizer)
+        self.outside_model = "setup"
+        """What runs when no model module does: set by the step (loss, clip, ...)."""
+        self.phases: dict[tuple, PhaseStats] = defaultdict(PhaseStats)
+        self.peak_phase: tuple | None = None
+        self._recomputing = False
+        self._recompute_hooks = []
+        self._checkpointed = [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
+
+    def __enter__(self):
+        # torchtitan puts the checkpoint inside each FSDP block, so FSDPMemTracker's own AC flag
+        # (set by FSDP's pre-forward in backward) never rises: watch the checkpointed modules.
+        for module in self._checkpointed:
+            self._recompute_hooks += [
+                module.register_forward_pre_hook(lambda *_: self._set_recomputing(self._mod_tracker.is_bw)),
+                module.register_forward_hook(lambda *_: self._set_recomputing(False), always_call=True),
+            ]
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        for hook in self._recompute_hooks:
+            hook.remove()
+        self._recompute_hooks = []
+        return super().__exit__(*args)
+
+    def _set_recomputing(self, value: bool) -> None:
+        self._recomputing = value
+
+    def _track_optimizer_states(self, reftype, optimizer) -> None:
+        # torchtitan's OptimizersContainer keeps the state in its per-model-part optimizers.
+        for inner in getattr(optimizer, "optimizers", [optimizer]):
+            super()._track_optimizer_states(reftype, inner)
+
+    def phase(self) -> tuple:
+        if self._in_opt:
+            return ("optimizer step",)
+        parents = self._mod_tracker.parents
+        if not self._mod_tracker.is_bw:
+            direction = "forward"
+        else:  # in backward, a block's forward again is activation checkpointing's recompute
+            direction = "recompute" if self._recomputing else "backward"
+        layers = [int(m.group(1)) for name in parents if (m := _LAYER.search(name))]
+        if layers:
+            return (direction, max(layers), _part(parents))
+        if len(parents) > 1:  # a model module outside the blocks: embedding, final norm, output
+            return (direction, "outside blocks")
+        return (self.outside_model + (" backward" if self._mod_tracker.is_bw else ""),)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        previous_peak = self._peak_mem.get(DEVICE, 0)
+        super()._update_peak_stats(peak_state)
+        snap = self._curr_mem_snap.get(DEVICE)
+        if snap is None:
+            return
+        total, phase = snap["Total"], self.phase()
+        stats = self.phases[phase]
+        if stats.entry < 0:
+            stats.entry = total
+        stats.peak = max(stats.peak, total)
+        if self._peak_mem.get(DEVICE, 0) > previous_peak:
+            self.peak_phase = phase
+
+    def device_peak_snapshot(self) -> dict[str, int]:
+        return dict(self._peak_mem_snap.get(DEVICE, {}))
+
+    def host_peak(self) -> int:
+        return self._peak_mem.get(HOST, 0)
+
+
+@dataclass
+class StepMemory:
+    """Raw measurements of one step (bytes)."""
+
+    peak_snapshot: dict[str, int]
+    peak_phase: tuple
+    phases: dict[tuple, PhaseStats]
+    host_peak: int
+    checkpointed_on_device: int
+    logits: int
+    after_forward: int
+
+
+class _SavedOnDevice:
+    """Saved-tensor hooks around the model's forward: the device bytes autograd keeps for
+    backward from inside the blocks (under activation checkpointing: the block inputs left on
+    device). Parameters and buffers are not counted; packed copies on the host are not either."""
+
+    def __init__(self, tracker: PhaseTracker, model: torch.nn.Module):
+        self.tracker = tracker
+        self.exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())
+                        if not hasattr(t, "to_local")}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t):
+        phase = self.tracker.phase()
+        if t.device == DEVICE and len(phase) == 3 and phase[0] == "forward":
+            storage = t.untyped_storage()
+            if storage._cdata not in self.exclude:
+                self.storages[storage._cdata] = storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def run_step(job: Job, fake_mode) -> StepMemory:
+    """One training step measured with the optimizer state already there, as in every step of
+    a real run but the first."""
+    with fake_mode:
+        _create_optimizer_state(job)
+        tracker = PhaseTracker(job.model, job.optimizers)
+        with fused_rms_norm(), fused_rope(), tracker:
+            measured = _train_step(job, tracker)
+    return measured
+
+
+def _create_optimizer_state(job: Job) -> None:
+    """What a first step leaves behind for memory: the optimizer state (Adam's moments), made
+    by one optimizer step on zero gradients. (A whole untracked first step would do the same
+    in twice the time.)"""
+    for param in job.model.parameters():
+        param.grad = torch.zeros_like(param)
+    job.optimizers.step()
+    job.optimizers.zero_grad()
+
+
+def _train_step(job: Job, tracker: PhaseTracker):
+    """torchtitan 0.2.2's Trainer.train_step for one microbatch, without PP."""
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+    config, dims = job.job_config, job.parallel_dims
+
+    def label(name):
+        tracker.outside_model = name
+
+    job.optimizers.zero_grad()
+    batch, seq = config.training.local_batch_size, config.training.seq_len
+    inputs = torch.randint(0, job.model_args.vocab_size, (batch, seq), device=DEVICE)
+    labels = torch.randint(0, job.model_args.vocab_size, (batch, seq), device=DEVICE)
+    global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
+    extra_kwargs = {}
+    if dims.cp_enabled:
+        inputs, labels, extra_kwargs = prepare_context_parallel_input(
+            inputs, labels, extra_kwargs, dims.get_mesh("cp"), DEVICE,
+            config.parallelism.context_parallel_load_balancer,
+        )
+    saved = _SavedOnDevice(tracker, job.model)
+    loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
+    # AMP only where FSDP does not already cast (DDP / one device), as the Trainer decides.
+    amp = dist_utils.maybe_enable_amp(dims, config.training.mixed_precision_param, DEVICE.type)
+    with dist_utils.get_train_context(loss_parallel)(), amp:
+        label("forward")
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            pred = job.model(inputs, **extra_kwargs)
+        # With [upipe] loss_chunk_tokens the model returns LazyLogits: no logits tensor exists.
+        logits = pred.numel() * pred.element_size() if isinstance(pred, torch.Tensor) else 0
+        after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
+        label("loss")
+        loss = job.loss_fn(pred, labels) / global_valid_tokens
+        del pred
+        loss.backward()
+    label("grad clip")
+    dist_utils.clip_grad_norm_(list(job.model.parameters()), config.training.max_norm, foreach=True)
+    label("optimizer step")
+    job.optimizers.step()
+    return StepMemory(
+        peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
+        host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
+        after_forward=after_forward,
+    )
