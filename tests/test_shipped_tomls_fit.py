@@ -1,0 +1,27 @@
+"""Every TOML this project ships fits an 80 GB H100 by the whole-step memory estimate, at its
+own seq_len (each estimate runs in its own process: it needs its own fake default group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOML_DIR = os.path.join(ROOT, "integrations", "torchtitan")
+SHIPPED = sorted(f for f in os.listdir(TOML_DIR) if f.endswith(".toml"))
+
+
+@pytest.mark.parametrize("toml", SHIPPED)
+def test_shipped_toml_fits_by_the_estimate(toml):
+    result = subprocess.run(
+        [sys.executable, "-m", "upipe_compile.estimate", "--config", os.path.join(TOML_DIR, toml), "--json"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    estimate = json.loads(result.stdout)
+    assert estimate["fits"], estimate
+    assert 0 < estimate["peak_device_gib"] <= estimate["budget_gib"] < 79.1, estimate
