@@ -120,11 +120,13 @@ def test_cuda_refusals_name_the_fix():
 
 
 def test_aten_cuda_markers_are_not_cached_under_fake_mode():
-    kernels._dense_markers_cache.clear()
+    from upipe_compile import device_constants
+
+    device_constants._cache.clear()
     with FakeTensorMode():
         markers = kernels._aten_cuda_dense_markers(torch.device("cpu"), torch.bfloat16)
     assert len(markers) == 4
-    assert kernels._dense_markers_cache == {}
+    assert device_constants._cache == {}
 
 
 def test_flash_backward_workspace_table():

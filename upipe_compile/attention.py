@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile import collectives, kernels
+from upipe_compile.device_constants import made_once
 from upipe_compile.documents import Documents, documents_for
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.schedule import StageSchedule, plan_stages, shape_problems
@@ -35,18 +36,9 @@ def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: 
     return plan_stages(q.shape[1], k.shape[1], world, heads_per_stage)
 
 
-_index_cache: dict[tuple, torch.Tensor] = {}
-
-
 def _index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Head indices as a tensor on ``device``, made once (a host-to-device copy per stage
-    would stall the GPU). Under FakeTensorMode each mode needs its own, so no caching."""
-    if torch._guards.detect_fake_mode() is not None:
-        return torch.tensor(heads, dtype=torch.long, device=device)
-    key = (heads, device)
-    if key not in _index_cache:
-        _index_cache[key] = torch.tensor(heads, dtype=torch.long, device=device)
-    return _index_cache[key]
+    """Head indices as a tensor on ``device``, made once."""
+    return made_once(("head index", heads, device), lambda: torch.tensor(heads, dtype=torch.long, device=device))
 
 
 def _stage_kv(buffers: dict, stage, device):

@@ -114,6 +114,15 @@ def scatter_heads_back(recv: torch.Tensor, head_index: torch.Tensor, dest: torch
         heads_first.index_copy_(0, head_index, rows)
 
 
+def values_of_every_rank(values, group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """Every rank's list of ``len(values)`` integers, by rank (one tiny all-gather and a
+    read-back to the host: a host sync, for checks made once, not per call)."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    if group.size() == 1:
+        return [mine.tolist()]
+    return all_gather(mine, group).view(group.size(), -1).tolist()
+
+
 _same_shape_checked: set[tuple[str, tuple[int, ...]]] = set()
 
 
@@ -130,10 +139,7 @@ def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup, dev
     key = (group.group_name, tuple(shape))
     if key in _same_shape_checked:
         return
-    world = group.size()
-    mine = torch.tensor(shape, dtype=torch.int64, device=device)
-    everyone = all_gather(mine, group)
-    rows = everyone.view(world, len(shape)).tolist()
+    rows = values_of_every_rank(shape, group, device)
     if any(row != rows[0] for row in rows):
         raise UnsupportedAttention(
             "UPipe needs every rank to hold an equal, contiguous shard of the sequence "

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from upipe_compile.collectives import values_of_every_rank
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -101,14 +102,7 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
     if cached is not None and cached[0] == key:
         return cached[1]
     problems = boundary_problems(cu_seqlens, seq)
-    mine = torch.tensor(_summary(cu_seqlens, not problems), dtype=torch.int64, device=device)
-    world = group.size()
-    if world > 1:
-        from upipe_compile.collectives import all_gather
-
-        rows = all_gather(mine, group).view(world, -1).tolist()
-    else:
-        rows = [mine.tolist()]
+    rows = values_of_every_rank(_summary(cu_seqlens, not problems), group, device)
     invalid = [rank for rank, row in enumerate(rows) if not row[0]]
     if invalid:
         detail = "; ".join(problems) if problems else "this rank's are valid"

@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from upipe_compile.device_constants import made_once
 from upipe_compile.errors import UnsupportedAttention
 
 _aten = torch.ops.aten
@@ -53,7 +54,7 @@ def cuda_problems(dtype: torch.dtype, head_dim: int) -> list[str]:
     if head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM:
         problems.append(
             f"head_dim={head_dim}: the CUDA flash kernels' backward needs a multiple of 8 that is at most "
-            f"{FLASH_MAX_HEAD_DIM}; pad the model's head_dim (e.g. to {min(-(-head_dim // 8) * 8, FLASH_MAX_HEAD_DIM)})"
+            f"{FLASH_MAX_HEAD_DIM}; pad the model's head_dim (e.g. to {min(_round_up(head_dim, 8), FLASH_MAX_HEAD_DIM)})"
         )
     return problems
 
@@ -190,23 +191,17 @@ class AtenCudaKernels(VarlenKernels):
         )
 
 
-_dense_markers_cache: dict[tuple, tuple] = {}
-
-
 def _aten_cuda_dense_markers(device: torch.device, dtype: torch.dtype):
     """The cumulative-length and philox tensors aten's flash forward returns for dense
     inputs without dropout; its backward wants them back, and they carry no per-call data.
-    Made once per device and dtype; never cached under FakeTensorMode (a fake tensor must
-    not outlive its mode)."""
-    key = (device, dtype)
-    if torch._guards.detect_fake_mode() is None and key in _dense_markers_cache:
-        return _dense_markers_cache[key]
-    x = torch.zeros(1, 1, 1, 8, device=device, dtype=dtype)
-    _, _, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
-    markers = (cum_q, cum_k, seed, offset)
-    if torch._guards.detect_fake_mode() is None:
-        _dense_markers_cache[key] = markers
-    return markers
+    Made once per device and dtype."""
+
+    def make():
+        x = torch.zeros(1, 1, 1, 8, device=device, dtype=dtype)
+        _, _, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+        return cum_q, cum_k, seed, offset
+
+    return made_once(("aten flash dense markers", device, dtype), make)
 
 
 class FlashAttnKernels(VarlenKernels):
@@ -403,8 +398,12 @@ H100_SMS = 132
 accumulator per split, and it splits until every SM has work."""
 
 
+def _ceil_div(x: int, y: int) -> int:
+    return -(-x // y)
+
+
 def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
+    return _ceil_div(x, multiple) * multiple
 
 
 def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
@@ -415,26 +414,18 @@ def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, 
     sequences, one varlen call per batch row) those of ``mha_varlen_bwd``, whose per-row
     buffers are padded by 128 rows per document instead of rounding the sequence up."""
     dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
-    if documents is not None:
-        rows = seq + 128 * documents
-        splits = -(-sms // (documents * q_heads)) if deterministic else 1
-        workspace = {
-            "softmax_d": ((q_heads, rows), torch.float32),
-            "dq_accum": ((splits, rows, q_heads, dim_rounded), torch.float32),
-        }
-        if kv_heads != q_heads:
-            workspace["dk_expanded"] = ((seq, q_heads, head_dim), dtype)
-            workspace["dv_expanded"] = ((seq, q_heads, head_dim), dtype)
-        return workspace
-    seq_rounded = _round_up(seq, 128)
-    splits = -(-sms // (batch * q_heads)) if deterministic else 1
+    if documents is None:
+        lead, rows, work_units = (batch,), _round_up(seq, 128), batch
+    else:
+        lead, rows, work_units = (), seq + 128 * documents, documents
+    splits = _ceil_div(sms, work_units * q_heads) if deterministic else 1
     workspace = {
-        "softmax_d": ((batch, q_heads, seq_rounded), torch.float32),
-        "dq_accum": ((splits, batch, seq_rounded, q_heads, dim_rounded), torch.float32),
+        "softmax_d": ((*lead, q_heads, rows), torch.float32),
+        "dq_accum": ((splits, *lead, rows, q_heads, dim_rounded), torch.float32),
     }
     if kv_heads != q_heads:  # GQA: per-query-head dK/dV, summed into the KV heads at the end
-        workspace["dk_expanded"] = ((batch, seq, q_heads, head_dim), dtype)
-        workspace["dv_expanded"] = ((batch, seq, q_heads, head_dim), dtype)
+        workspace["dk_expanded"] = ((*lead, seq, q_heads, head_dim), dtype)
+        workspace["dv_expanded"] = ((*lead, seq, q_heads, head_dim), dtype)
     return workspace
 
 
