@@ -1,0 +1,70 @@
+"""What the fused attention-block op knows about one block besides its tensors.
+
+The fusion pass (:mod:`upipe_compile.passes.find_block` and friends) proves an attention
+block head-separable and extracts it as a :class:`BlockRegion`; the fused op
+(:mod:`upipe_compile.block_loop`) runs it stage by stage. The two meet only here.
+
+A region is, per role r in (q, k, v):
+
+    projected_r = F.linear(x, W_r[rows of the heads], b_r[rows] or None)   # [B, s, n * D]
+    r_heads     = region.head_fn(r)(projected_r, n, *extras)                # [B, n, s, D]
+
+where ``n`` is how many heads are being computed (any n: the head count in the block's
+view/reshape arguments was replaced by ``n``), head ``h``'s rows of ``W_r`` are
+``[h * D, (h + 1) * D)``, and ``extras`` are the block's other tensor inputs the per-head ops
+read (RoPE cos/sin or freqs_cis, QK-norm weights), the same list for all three roles. Then
+
+    out_heads [B, n, s, D] (attention of those heads)
+    y += F.linear(out_heads.transpose(1, 2).reshape(B, s, n * D), W_o[:, cols of the heads])
+    y += b_o (once)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+HeadFn = Callable[..., "torch.Tensor"]  # (projected [B, s, n*D], n: int, *extras) -> [B, n, s, D]
+
+
+@dataclass(frozen=True)
+class BlockRegion:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    q_fn: HeadFn
+    k_fn: HeadFn
+    v_fn: HeadFn
+    is_causal: bool
+    scale: Optional[float]
+    source_line: str = ""
+    """The block's SDPA call in the user's source, for messages."""
+
+    def head_fn(self, role: str) -> HeadFn:
+        return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]
+
+
+# The op takes an int, not the region (custom ops take tensors and scalars only): the pass
+# registers each region it fuses once, at compile time, and the op looks it up.
+_REGIONS: dict[int, BlockRegion] = {}
+_NEXT_ID = itertools.count()
+_LOCK = threading.Lock()
+
+
+def register_region(region: BlockRegion) -> int:
+    with _LOCK:
+        region_id = next(_NEXT_ID)
+        _REGIONS[region_id] = region
+    return region_id
+
+
+def region_by_id(region_id: int) -> BlockRegion:
+    try:
+        return _REGIONS[region_id]
+    except KeyError:
+        raise RuntimeError(
+            f"fused attention block {region_id} is not registered in this process: a graph that calls "
+            "upipe::attention_block must be compiled in the process that runs it"
+        ) from None
