@@ -43,6 +43,8 @@ from benchmarks.tiny_llama import rope  # noqa: E402
 from upipe_compile.memory import (  # noqa: E402
     StageLoopFunction, fake_process_group, modelled_kernel, tracker_peak_bytes,
 )
+from upipe_compile.block_ops import upipe_attention_block  # noqa: E402
+from upipe_compile.block_region import BlockRegion  # noqa: E402
 from upipe_compile.schedule import plan_stages  # noqa: E402
 
 HEAD_DIM = 128
@@ -85,15 +87,41 @@ class AttentionLayer(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class FusedAttentionLayer(AttentionLayer):
+    """The same layer through the fused block op (``upipe_attention_block``): each stage
+    projects, rotates and attends only its own heads and adds its share of ``wo``."""
+
+    def __init__(self, preset: Preset, group, heads_per_stage: int):
+        super().__init__(preset, None)
+        self.group, self.heads_per_stage = group, heads_per_stage
+
+        def rotated(p, n, positions):
+            b, s = p.shape[:2]
+            return rope(p.view(b, s, n, HEAD_DIM).transpose(1, 2), positions, 500000.0)
+
+        def plain(p, n, positions):
+            return p.view(p.shape[0], p.shape[1], n, HEAD_DIM).transpose(1, 2)
+
+        self.region = BlockRegion(preset.q_heads, preset.kv_heads, HEAD_DIM, rotated, rotated, plain, True, None)
+
+    def forward(self, x, positions):
+        return upipe_attention_block(
+            x, self.wq.weight, None, self.wk.weight, None, self.wv.weight, None, self.wo.weight, None, [positions],
+            self.region, cp_mesh=self.group, heads_per_stage=self.heads_per_stage, eager=True,
+        )
+
+
 def upipe(heads_per_stage: int, group_name: str):
     return lambda q, k, v: StageLoopFunction.apply(q, k, v, True, None, heads_per_stage, group_name)
 
 
 def measure_layer(preset: Preset, seq: int, world: int, attention, cuda_kernel: str | None) -> float:
-    """Activation peak (bytes) of one rank's forward + backward of the layer."""
+    """Activation peak (bytes) of one rank's forward + backward of the layer;
+    ``attention``: an attention function, or ``("fused", group, U)`` for the fused block."""
     s_local = seq // world
     with FakeTensorMode(), modelled_kernel(cuda_kernel):
-        layer = AttentionLayer(preset, attention)
+        layer = FusedAttentionLayer(preset, *attention[1:]) if isinstance(attention, tuple) \
+            else AttentionLayer(preset, attention)
         x = torch.empty(1, s_local, preset.hidden, dtype=torch.bfloat16, requires_grad=True)
         positions = torch.arange(s_local).unsqueeze(0)
         tracker = MemTracker()

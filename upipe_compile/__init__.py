@@ -6,6 +6,7 @@ UPipe (untied Ulysses) context parallelism.
 
 from upipe_compile.attention import upipe_attention
 from upipe_compile.backend import apply_upipe_passes, upipe_backend
+from upipe_compile.block_ops import upipe_attention_block
 from upipe_compile.document_sdpa import document_sdpa
 from upipe_compile.documents import cu_seqlens_from_position_ids
 from upipe_compile.errors import UnsupportedAttention
@@ -22,5 +23,6 @@ __all__ = [
     "global_positions",
     "shard_sequence",
     "upipe_attention",
+    "upipe_attention_block",
     "upipe_backend",
 ]

@@ -1,8 +1,8 @@
 """What the fused attention-block op knows about one block besides its tensors.
 
-The fusion pass (:mod:`upipe_compile.passes.find_block` and friends) proves an attention
-block head-separable and extracts it as a :class:`BlockRegion`; the fused op
-(:mod:`upipe_compile.block_loop`) runs it stage by stage. The two meet only here.
+Whoever describes a block (a caller of :func:`upipe_compile.upipe_attention_block`, or a
+compiler pass that proves a graph region head-separable) hands the fused op
+(:mod:`upipe_compile.block_loop`) a :class:`BlockRegion`; the two meet only here.
 
 A region is, per role r in (q, k, v):
 
@@ -49,15 +49,18 @@ class BlockRegion:
 # The op takes an int, not the region (custom ops take tensors and scalars only): the pass
 # registers each region it fuses once, at compile time, and the op looks it up.
 _REGIONS: dict[int, BlockRegion] = {}
+_IDS: dict[BlockRegion, int] = {}
 _NEXT_ID = itertools.count()
 _LOCK = threading.Lock()
 
 
 def register_region(region: BlockRegion) -> int:
+    """The region's id (the same id for the same region, registered once)."""
     with _LOCK:
-        region_id = next(_NEXT_ID)
-        _REGIONS[region_id] = region
-    return region_id
+        if region not in _IDS:
+            _IDS[region] = region_id = next(_NEXT_ID)
+            _REGIONS[region_id] = region
+        return _IDS[region]
 
 
 def region_by_id(region_id: int) -> BlockRegion:

@@ -1,0 +1,39 @@
+"""Rank jobs for the fused attention block (module-level so spawn can pickle them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from block_support import BlockCase, make_region, make_tensors, per_position
+from upipe_compile.block_ops import attention_block_op, upipe_attention_block
+from upipe_compile.block_region import register_region
+
+
+def fused_block_case(case: BlockCase, mode: str):
+    """The fused op on this rank's shard (``mode``: "op", "eager" twin, or "compiled" with
+    aot_eager): (y shard, dx shard, weight grads, grads of the non-positional extras)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, dy, weights, extras = make_tensors(case)
+    x, dy = (t.chunk(world, dim=1)[rank].clone() for t in (x, dy))
+    extras = [e.chunk(world, dim=1)[rank].clone() if per_position(case, e) else e.requires_grad_() for e in extras]
+    weights = [None if w is None else w.requires_grad_() for w in weights]
+    x.requires_grad_()
+    region = make_region(case)
+
+    def block(x, *tensors):
+        return upipe_attention_block(x, *tensors[:8], list(tensors[8:]), region,
+                                     heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
+                                     eager=mode == "eager")
+
+    if mode == "compiled":  # the op as the fusion pass inserts it: a graph node, region by id
+        torch._dynamo.reset()
+        settings = (register_region(region), case.heads_per_stage, world, dist.group.WORLD.group_name, case.prefetch)
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def block(x, *tensors):
+            return attention_block_op(x, *tensors[:8], list(tensors[8:]), None, *settings)[0]
+    y = block(x, *weights, *extras)
+    y.backward(dy)
+    return (y.detach(), x.grad, [None if w is None else w.grad for w in weights],
+            [e.grad for e in extras if e.requires_grad])

@@ -1,0 +1,117 @@
+"""Hand-written attention blocks for the fused op's tests: the region's head fns (plain,
+RoPE, Qwen3-style QK-norm + RoPE), their tensors, and the eager full-sequence reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tests_support import DTYPES, AttentionCase
+from upipe_compile.block_region import BlockRegion
+
+
+@dataclass(frozen=True)
+class BlockCase(AttentionCase):
+    kind: str = "plain"
+    """The per-head ops: plain, rope, or qwen3 (QK-norm over head_dim, then RoPE)."""
+    biases: bool = False
+
+    @property
+    def model_dim(self) -> int:
+        return 3 * self.head_dim
+
+
+def _heads(p, n, dim):
+    return p.view(p.shape[0], p.shape[1], n, dim)
+
+
+def _rotate_half(t):
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+def _rope(t, cos, sin):  # t [B, n, s, D]; cos/sin [B, s, D]
+    return t * cos.unsqueeze(1) + _rotate_half(t) * sin.unsqueeze(1)
+
+
+def _norm(t, weight):
+    return F.rms_norm(t, (t.shape[-1],), weight, eps=1e-6)
+
+
+def make_region(case: BlockCase) -> BlockRegion:
+    dim = case.head_dim
+
+    def plain(p, n, *extras):
+        return _heads(p, n, dim).transpose(1, 2)
+
+    def rope(p, n, cos, sin, *rest):
+        return _rope(_heads(p, n, dim).transpose(1, 2), cos, sin)
+
+    def q_qwen3(p, n, cos, sin, q_norm, k_norm):
+        return _rope(_norm(_heads(p, n, dim), q_norm).transpose(1, 2), cos, sin)
+
+    def k_qwen3(p, n, cos, sin, q_norm, k_norm):
+        return _rope(_norm(_heads(p, n, dim), k_norm).transpose(1, 2), cos, sin)
+
+    q_fn, k_fn = {"plain": (plain, plain), "rope": (rope, rope), "qwen3": (q_qwen3, k_qwen3)}[case.kind]
+    return BlockRegion(case.q_heads, case.kv_heads, dim, q_fn, k_fn, plain, case.is_causal, case.scale)
+
+
+def make_tensors(case: BlockCase):
+    """Full-sequence x, upstream gradient, weights (wq, bq, wk, bk, wv, bv, wo, bo) and
+    full-sequence extras, identical in every process."""
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = DTYPES[case.dtype]
+    d, dim = case.model_dim, case.head_dim
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    x = randn(case.batch, case.seq, d)
+    dy = randn(case.batch, case.seq, d)
+    bias = (lambda n: randn(n, scale=0.1)) if case.biases else (lambda n: None)
+    weights = [randn(case.q_heads * dim, d, scale=d ** -0.5), bias(case.q_heads * dim),
+               randn(case.kv_heads * dim, d, scale=d ** -0.5), bias(case.kv_heads * dim),
+               randn(case.kv_heads * dim, d, scale=d ** -0.5), bias(case.kv_heads * dim),
+               randn(d, case.q_heads * dim, scale=(case.q_heads * dim) ** -0.5), bias(d)]
+    extras = []
+    if case.kind in ("rope", "qwen3"):
+        positions = torch.arange(case.seq, dtype=torch.float32)
+        freqs = positions[:, None] / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        angles = torch.cat((freqs, freqs), dim=-1).expand(case.batch, -1, -1)
+        extras += [angles.cos().to(dtype), angles.sin().to(dtype)]
+    if case.kind == "qwen3":
+        extras += [1 + randn(dim, scale=0.1), 1 + randn(dim, scale=0.1)]
+    return x, dy, weights, extras
+
+
+def per_position(case: BlockCase, extra: torch.Tensor) -> bool:
+    """cos/sin run along the sequence (sharded with x); norm weights do not."""
+    return extra.dim() == 3 and extra.shape[1] == case.seq
+
+
+def eager_block(x, weights, extras, region: BlockRegion):
+    wq, bq, wk, bk, wv, bv, wo, bo = weights
+    q = region.q_fn(F.linear(x, wq, bq), region.q_heads, *extras)
+    k = region.k_fn(F.linear(x, wk, bk), region.kv_heads, *extras)
+    v = region.v_fn(F.linear(x, wv, bv), region.kv_heads, *extras)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=region.is_causal, scale=region.scale, enable_gqa=True)
+    batch, _, seq, dim = o.shape
+    return F.linear(o.transpose(1, 2).reshape(batch, seq, -1), wo, bo)
+
+
+def eager_block_reference(case: BlockCase, in_case_dtype: bool = False):
+    """(y, dx, [weight grads], [extra grads]) on the full sequence, in float64 for bf16
+    cases unless ``in_case_dtype`` (then: what an eager bf16 model computes)."""
+    x, dy, weights, extras = make_tensors(case)
+    upcast = (lambda t: None if t is None else t.double()) if case.dtype == "bfloat16" and not in_case_dtype \
+        else (lambda t: t)
+    x, dy = upcast(x).requires_grad_(), upcast(dy)
+    weights = [None if w is None else upcast(w).requires_grad_() for w in weights]
+    extras = [upcast(e).requires_grad_(not per_position(case, e)) for e in extras]
+    y = eager_block(x, weights, extras, make_region(case))
+    y.backward(dy)
+    return y.detach(), x.grad, [None if w is None else w.grad for w in weights], \
+        [e.grad for e in extras if e.requires_grad]

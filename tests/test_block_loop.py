@@ -1,0 +1,97 @@
+"""The fused attention block (projections, per-head ops, attention, output projection in
+one stage loop) equals the eager block on the full, unsharded sequence: output, dx, every
+weight and bias gradient and the QK-norm weights' gradients, on real gloo ranks."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import block_jobs
+from block_support import BlockCase, eager_block_reference
+from tests_support import TOLERANCE, relative_error
+
+SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+
+
+@st.composite
+def block_cases(draw, worlds=(2, 4)):
+    world = draw(st.sampled_from(worlds))
+    kv_heads = draw(st.sampled_from([1, 2, 4, 8]))
+    q_heads = math.lcm(kv_heads, world) * draw(st.sampled_from([1, 2, 3]))
+    if q_heads > 16:
+        q_heads = math.lcm(kv_heads, world)
+    stage_choices = [u for u in range(world, q_heads + 1, world) if q_heads % u == 0]
+    return BlockCase(
+        world=world, batch=draw(st.integers(1, 2)), q_heads=q_heads, kv_heads=kv_heads,
+        seq_local=draw(st.integers(1, 6)), head_dim=draw(st.sampled_from([4, 8])),
+        heads_per_stage=draw(st.sampled_from(stage_choices)), is_causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.1, 1.5))), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        kind=draw(st.sampled_from(["plain", "rope", "qwen3"])), biases=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)), prefetch=draw(st.sampled_from(["none", "forward", "both"])),
+    )
+
+
+def _error(actual, expected, scale=None):
+    """Relative error; against ``scale`` (a norm) where the expected value is near zero by
+    design (the key bias: softmax ignores what it adds to every score of a query)."""
+    if scale is not None:
+        return ((actual.to(expected.dtype) - expected).norm() / scale).item()
+    return relative_error(actual.to(expected.dtype), expected)
+
+
+def _close(name, actual, expected, case, scale=None, eager=None):
+    """Within the dtype's tolerance, or (bf16) within twice the eager bf16 block's own
+    error against the float64 reference: as accurate as the model run without upipe."""
+    error = _error(actual, expected, scale)
+    bound = TOLERANCE[case.dtype]
+    if eager is not None:
+        bound = max(bound, 2 * _error(eager, expected, scale))
+    assert error < bound, f"{name}: relative error {error:.3e} (bound {bound:.3e}) for {case}"
+
+
+def _check(shards, case):
+    y, dx, weight_grads, extra_grads = eager_block_reference(case)
+    low = eager_block_reference(case, in_case_dtype=True) if case.dtype == "bfloat16" else None
+    eager = (lambda i, j=None: None) if low is None else \
+        (lambda i, j=None: (low[i] if j is None else low[i][j]).double())
+    _close("y", torch.cat([s[0] for s in shards], dim=1), y, case, eager=eager(0))
+    _close("dx", torch.cat([s[1] for s in shards], dim=1), dx, case, eager=eager(1))
+    names = ["wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo"]
+    for i, (name, expected) in enumerate(zip(names, weight_grads)):
+        if expected is None:
+            assert all(s[2][i] is None for s in shards)
+            continue
+        # each rank's gradient covers its shard of the sequence: they sum to the full one
+        scale = weight_grads[1].double().norm() if name == "bk" else None
+        _close(f"d{name}", sum(s[2][i].double() for s in shards), expected.double(), case, scale, eager(2, i))
+    for i, expected in enumerate(extra_grads):
+        _close(f"d(norm weight {i})", sum(s[3][i].double() for s in shards), expected.double(), case,
+               eager=eager(3, i))
+
+
+@settings(max_examples=int(os.environ.get("UPIPE_BLOCK_EXAMPLES", "40")), **SETTINGS)
+@given(case=block_cases(), mode=st.sampled_from(["op", "eager"]))
+# GQA with stages straddling KV heads (fp32 dK/dV accumulation), KV replicated (Hkv < P),
+# MQA at U > P, Qwen3-style norm + RoPE with biases.
+@example(case=BlockCase(2, 1, 12, 3, 3, 8, 6, True, None, "bfloat16", seed=1, prefetch="both", kind="qwen3", biases=True),
+         mode="op")
+@example(case=BlockCase(4, 1, 8, 2, 2, 8, 4, True, None, "float32", seed=2, kind="rope"), mode="op")
+@example(case=BlockCase(4, 2, 8, 1, 3, 4, 8, False, 0.5, "float32", seed=3, prefetch="none", kind="qwen3", biases=True),
+         mode="eager")
+def test_fused_block_matches_eager(rank_pools, case, mode):
+    _check(rank_pools(case.world).run(block_jobs.fused_block_case, case, mode), case)
+
+
+@pytest.mark.parametrize("case", [
+    BlockCase(2, 1, 8, 2, 4, 8, 2, True, None, "float32", seed=5, kind="qwen3", biases=True),
+    BlockCase(2, 2, 4, 4, 3, 8, 4, False, None, "float32", seed=6, kind="rope"),
+], ids=str)
+def test_fused_block_compiles(rank_pools, case):
+    """Through torch.compile (aot_eager): the fake kernels and the autograd registration."""
+    _check(rank_pools(case.world).run(block_jobs.fused_block_case, case, "compiled"), case)

@@ -1,0 +1,294 @@
+"""The fused attention block's stage loops: projections, per-head ops, attention and the
+output projection, one stage of heads at a time.
+
+The plain op (:mod:`upipe_compile.attention`) takes the local q, k, v of all heads, so every
+rank still holds them (and their gradients) for the whole layer. Here each stage projects
+only its own heads from the block input ``x`` (weight rows of those heads), runs the
+block's per-head ops on them (:class:`upipe_compile.block_region.BlockRegion`), exchanges and
+attends exactly as the plain loop does, and adds its heads' share of the output projection
+into the block output:
+
+    per stage s (heads h_s; K/V heads when s opens a KV group):
+        q_s = q_fn(x @ Wq[h_s]ᵀ (+ bq[h_s]))        local sequence, U heads
+        all-to-all seq -> heads, attention, all-to-all heads -> seq
+        y  += o_s @ Wo[:, h_s]ᵀ                      (+ bo once)
+
+What backward needs is x, the weights and extras (the op's inputs), the local attention
+output ``o`` of all heads (the kernel's backward reads it, and dWo is ``dyᵀ o``; keeping it
+avoids recomputing attention) and one log-sum-exp per stage. Backward recomputes each
+stage's projections and per-head ops and takes their gradients with ``torch.func.vjp``
+(which records its own graph even inside a custom op's kernel, where autograd is off);
+the projections' gradients are matrix products written into place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from upipe_compile import collectives, kernels
+from upipe_compile.attention import _accumulate_stage_dkv, _index, _InputPipeline, _stage_kv
+from upipe_compile.block_region import BlockRegion
+from upipe_compile.documents import Documents
+from upipe_compile.schedule import StageSchedule, plan_stages
+
+
+@dataclass
+class BlockWeights:
+    """The block's tensors: q/k/v projections ``[H * D, d]`` (biases ``[H * D]`` or None),
+    output projection ``[d_out, Hq * D]`` (bias or None), and the per-head ops' extras."""
+
+    wq: torch.Tensor
+    bq: Optional[torch.Tensor]
+    wk: torch.Tensor
+    bk: Optional[torch.Tensor]
+    wv: torch.Tensor
+    bv: Optional[torch.Tensor]
+    wo: torch.Tensor
+    bo: Optional[torch.Tensor]
+    extras: list
+
+    def projection(self, role: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return {"q": (self.wq, self.bq), "k": (self.wk, self.bk), "v": (self.wv, self.bv)}[role]
+
+
+def block_schedule(region: BlockRegion, world: int, heads_per_stage: int) -> StageSchedule:
+    return plan_stages(region.q_heads, region.kv_heads, world, heads_per_stage)
+
+
+def _rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Weight rows of ``heads`` (in that order): head h owns rows [h*D, (h+1)*D)."""
+    return (heads[:, None] * head_dim + torch.arange(head_dim, device=heads.device)).reshape(-1)
+
+
+def _project(x, weight, bias, extras, head_fn, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The heads ``heads`` of one role on the local sequence, ``[B, n, s, D]``."""
+    rows = _rows(heads, head_dim)
+    projected = F.linear(x, weight.index_select(0, rows), None if bias is None else bias.index_select(0, rows))
+    return head_fn(projected, len(heads), *extras)
+
+
+def _send_layout(heads_first: torch.Tensor, world: int) -> torch.Tensor:
+    """``[B, n, s, D]`` (heads in schedule order) as the all-to-all send buffer ``[P, n/P, B, s, D]``."""
+    send = heads_first.transpose(0, 1).contiguous()
+    return send.view(world, -1, *send.shape[1:])
+
+
+def _heads_first(recv: torch.Tensor) -> torch.Tensor:
+    """A received ``[P, m, B, s, D]`` (rows in schedule order) as ``[B, P*m, s, D]``."""
+    world, m = recv.shape[:2]
+    return recv.reshape(world * m, *recv.shape[2:]).transpose(0, 1)
+
+
+class _Sent:
+    """A started sequence -> head all-to-all of a ready send buffer (the plain loop's
+    ``_Incoming`` packs the send buffer from local heads; here the stage computed them)."""
+
+    def __init__(self, send: torch.Tensor, group_name: str, buffers: dict, role: str):
+        self.send, self.buffers, self.role = send, buffers, role
+        self.recv = collectives.start_all_to_all(send, group_name)
+
+    def finish(self) -> None:
+        recv = collectives.wait(self.recv)
+        self.send = self.recv = None
+        self.buffers[self.role] = collectives.assemble_sequence(recv, self.buffers.get(self.role))
+
+
+def _output_columns(wo: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return wo.index_select(1, _rows(heads, head_dim))
+
+
+def _flat_heads(heads_first: torch.Tensor) -> torch.Tensor:
+    """``[B, n, s, D]`` as the output projection's input ``[B, s, n * D]``."""
+    batch, n, s, d = heads_first.shape
+    return heads_first.transpose(1, 2).reshape(batch, s, n * d)
+
+
+def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage: int, group_name: str,
+                  prefetch: str = "forward", documents: Optional[Documents] = None):
+    """``(y, o, lse)``: the block output ``[B, s, d_out]``, the local attention output of all
+    heads ``[B, Hq, s, D]`` and the per-stage log-sum-exp (both kept for backward)."""
+    world = collectives.group_from_name(group_name).size()
+    schedule = block_schedule(region, world, heads_per_stage)
+    batch, s_local, _ = x.shape
+    dim, device = region.head_dim, x.device
+
+    o = x.new_empty((batch, region.q_heads, s_local, dim))
+    lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    y = x.new_zeros((batch, s_local, weights.wo.shape[0]))
+    buffers = {}
+
+    def start(index):
+        stage = schedule.stages[index]
+        if schedule.opens_kv_group(index):
+            kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+            for role in ("k", "v"):
+                local = _project(x, *weights.projection(role), weights.extras, region.head_fn(role), kv_heads, dim)
+                yield _Sent(_send_layout(local, world), group_name, buffers, role)
+        local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, _index(stage.q_heads, device), dim)
+        yield _Sent(_send_layout(local, world), group_name, buffers, "q")
+
+    inputs = _InputPipeline(start, len(schedule.stages), prefetch in ("forward", "both"))
+    for index, stage in enumerate(schedule.stages):
+        inputs.before_kernel(index)
+        k_stage, v_stage = _stage_kv(buffers, stage, device)
+        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
+                                               documents)
+        del k_stage, v_stage
+        lse[index].copy_(lse_stage)
+        del lse_stage
+        inputs.after_kernel(index)
+        q_heads = _index(stage.q_heads, device)
+        recv = collectives.all_to_all(collectives.split_sequence(out_stage, world), group_name)
+        del out_stage
+        collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
+        # y += o_s @ Wo[:, heads]ᵀ, in place: no y-sized temporary per stage
+        y.view(-1, y.shape[-1]).addmm_(_flat_heads(_heads_first(recv)).flatten(0, 1),
+                                       _output_columns(weights.wo, q_heads, dim).t())
+        del recv
+    if weights.bo is not None:
+        y.add_(weights.bo)
+    return y, o, lse
+
+
+class _Recomputed:
+    """One role's heads recomputed from x: the local tensor, and (through ``torch.func.vjp``
+    of the per-head ops) the way back from its gradient to the projection's output, whose
+    gradients for x and the weight rows are two matrix products written into place."""
+
+    def __init__(self, x, weight, bias, extras, head_fn, heads: torch.Tensor, head_dim: int):
+        self.rows = _rows(heads, head_dim)
+        self.has_bias = bias is not None
+        self.x, self.w_rows = x, weight.index_select(0, self.rows)
+        projected = F.linear(x, self.w_rows, None if bias is None else bias.index_select(0, self.rows))
+        self.differentiable = [_differentiable(e) for e in extras]
+        n = len(heads)
+
+        def per_head_ops(projected_, *diff_extras):
+            diff = iter(diff_extras)
+            return head_fn(projected_, n, *[next(diff) if d else e for e, d in zip(extras, self.differentiable)])
+
+        self.local, self._vjp = torch.func.vjp(
+            per_head_ops, projected, *[e for e, d in zip(extras, self.differentiable) if d])
+
+    def add_gradients(self, grad_local, grads: "_Gradients", role: str) -> None:
+        dprojected, *dextras = self._vjp(grad_local.to(self.local.dtype))
+        self._vjp = None
+        flat = dprojected.flatten(0, 1)
+        # dx += dP @ W_rows, in place: no x-sized temporary per stage
+        grads.dx.view(-1, grads.dx.shape[-1]).addmm_(flat.to(grads.dx.dtype), self.w_rows)
+        grads.dw[role].index_add_(0, self.rows, flat.t().mm(self.x.flatten(0, 1).to(flat.dtype)).to(grads.dw[role].dtype))
+        if self.has_bias:
+            grads.db[role].index_add_(0, self.rows, flat.sum(0).to(grads.db[role].dtype))
+        diff = iter(dextras)
+        for total, differentiable in zip(grads.dextras, self.differentiable):
+            grad = next(diff) if differentiable else None
+            if total is not None and grad is not None:
+                total.add_(grad)
+
+
+class _Gradients:
+    """The block's gradients, accumulated stage by stage."""
+
+    def __init__(self, x, weights: BlockWeights):
+        self.dx = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        self.dw = {role: torch.zeros_like(w) for role, w in (("q", weights.wq), ("k", weights.wk), ("v", weights.wv))}
+        self.db = {role: None if b is None else torch.zeros_like(b)
+                   for role, b in (("q", weights.bq), ("k", weights.bk), ("v", weights.bv))}
+        # extras shared by all heads (QK-norm weights) sum over every stage: in fp32
+        self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype)) if _differentiable(e) else None
+                        for e in weights.extras]
+        self.dwo = torch.zeros_like(weights.wo)
+
+    def add(self, role: str, recomputed: _Recomputed, grad_local) -> None:
+        recomputed.add_gradients(grad_local, self, role)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, heads_per_stage: int,
+                   group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None):
+    """Gradients ``(dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, [dextras])`` (None where
+    the input was None or not differentiable)."""
+    world = collectives.group_from_name(group_name).size()
+    schedule = block_schedule(region, world, heads_per_stage)
+    batch, s_local, _ = x.shape
+    dim, device, seq = region.head_dim, x.device, s_local * world
+    # Extras enter vjp as primals; non-differentiable ones (integer positions) are closed over.
+    grads = _Gradients(x, weights)
+    dy = dy.contiguous()
+
+    dkv_full = None
+    if not schedule.stage_uses_whole_group:
+        low_precision = x.dtype in (torch.float16, torch.bfloat16)
+        accumulate_dtype = torch.float32 if low_precision and schedule.stages_per_group > 1 else x.dtype
+        dkv_full = x.new_empty((2, batch, schedule.kv_per_rank, seq, dim), dtype=accumulate_dtype)
+
+    recomputed = {}
+    buffers = {}
+
+    def recompute(role, heads):
+        weight, bias = weights.projection(role)
+        return _Recomputed(x, weight, bias, weights.extras, region.head_fn(role), heads, dim)
+
+    def start(index):
+        stage = schedule.stages[index]
+        if schedule.opens_kv_group(index):
+            kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+            for role in ("k", "v"):  # kept until the group closes (a prefetch may open the next one)
+                recomputed[role, stage.kv_group] = recompute(role, kv_heads)
+                yield _Sent(_send_layout(recomputed[role, stage.kv_group].local.detach(), world), group_name, buffers,
+                            role)
+        q_heads = _index(stage.q_heads, device)
+        recomputed["q", index] = recompute("q", q_heads)
+        yield _Sent(_send_layout(recomputed["q", index].local.detach(), world), group_name, buffers, "q")
+        yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
+        dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, dim).t())  # [B, s, U * D]
+        dout_local = dout_local.view(batch, s_local, -1, dim).transpose(1, 2)
+        yield _Sent(_send_layout(dout_local, world), group_name, buffers, "dout")
+
+    inputs = _InputPipeline(start, len(schedule.stages), prefetch == "both")
+    for index, stage in enumerate(schedule.stages):
+        q_heads = _index(stage.q_heads, device)
+        # dWo for this stage's columns, from the local attention output it sends.
+        o_heads = _flat_heads(o.index_select(1, q_heads))
+        dwo_cols = dy.flatten(0, 1).t().mm(o_heads.flatten(0, 1).to(dy.dtype))
+        grads.dwo.view(grads.dwo.shape[0], -1, dim).index_add_(
+            1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, dim).to(grads.dwo.dtype))
+        del o_heads, dwo_cols
+
+        if schedule.opens_kv_group(index) and dkv_full is not None:
+            dkv_full.zero_()
+        inputs.before_kernel(index)
+        k_stage, v_stage = _stage_kv(buffers, stage, device)
+        dq_stage, dk_stage, dv_stage = kernels.backward(
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], region.is_causal,
+            region.scale, documents)
+        del k_stage, v_stage
+        if dkv_full is not None:
+            _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, device)
+            dk_stage, dv_stage = dkv_full[0], dkv_full[1]
+        inputs.after_kernel(index)
+        recv = collectives.all_to_all(collectives.split_sequence(dq_stage, world), group_name)
+        del dq_stage
+        grads.add("q", recomputed.pop(("q", index)), _heads_first(recv))
+        del recv
+        if schedule.closes_kv_group(index):
+            for role, grad in (("k", dk_stage), ("v", dv_stage)):
+                recv = collectives.all_to_all(collectives.split_sequence(grad.to(x.dtype), world), group_name)
+                grads.add(role, recomputed.pop((role, stage.kv_group)), _heads_first(recv))
+                del recv
+        del dk_stage, dv_stage
+
+    dbo = None if weights.bo is None else dy.sum(dim=(0, 1)).to(weights.bo.dtype)
+    return (grads.dx, grads.dw["q"], grads.db["q"], grads.dw["k"], grads.db["k"], grads.dw["v"], grads.db["v"],
+            grads.dwo, dbo, [None if g is None else g.to(e.dtype) for g, e in zip(grads.dextras, weights.extras)])

@@ -1,0 +1,204 @@
+"""The fused attention block as a compiler-opaque op, and its eager twin.
+
+``upipe::attention_block`` runs :func:`upipe_compile.block_loop.block_forward`; its autograd
+saves x, the weights, the extras, the local attention output and the per-stage LSE, and its
+backward op runs :func:`~upipe_compile.block_loop.block_backward`. What is saved and how
+backward replays it is defined once (:func:`_save`, :func:`_replay`) and shared by the
+custom op and :class:`BlockFunction`, the autograd.Function that memory measurements run
+under FakeTensorMode (where the custom op would run only its fake kernel).
+
+The region (head fns, head counts) is not a tensor, so the op takes its registry id
+(:func:`upipe_compile.block_region.register_region`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from upipe_compile import collectives
+from upipe_compile.attention import _OP_TAGS, _check_world
+from upipe_compile.block_loop import BlockWeights, block_backward, block_forward, block_schedule
+from upipe_compile.block_region import BlockRegion, region_by_id, register_region
+from upipe_compile.documents import documents_for
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.schedule import shape_problems
+
+
+def _documents(cu_seqlens, x, group_name):
+    if cu_seqlens is None:
+        return None
+    group = collectives.group_from_name(group_name)
+    return documents_for(cu_seqlens, x.shape[1] * group.size(), group, x.device)
+
+
+@torch.library.custom_op("upipe::attention_block", mutates_args=(), tags=_OP_TAGS)
+def attention_block_op(
+    x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
+    bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], cu_seqlens: Optional[Tensor],
+    region_id: int, heads_per_stage: int, world_size: int, group_name: str, prefetch: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_world(world_size, group_name)
+    weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
+    return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
+                         _documents(cu_seqlens, x, group_name))
+
+
+@attention_block_op.register_fake
+def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, heads_per_stage,
+                          world_size, group_name, prefetch):
+    region = region_by_id(region_id)
+    schedule = block_schedule(region, world_size, heads_per_stage)
+    batch, s_local, _ = x.shape
+    y = x.new_empty((batch, s_local, wo.shape[0]))
+    o = x.new_empty((batch, region.q_heads, s_local, region.head_dim))
+    lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
+    return y, o, lse
+
+
+def _gradient_list(grads, weights: BlockWeights) -> list[Tensor]:
+    """Backward's gradients as the flat list a custom op can return: dx, dwq, dwk, dwv,
+    dwo, then the bias gradients of the biases that exist, then one per extra (an empty
+    tensor for extras that take no gradient)."""
+    dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = grads
+    biases = [g for g, b in ((dbq, weights.bq), (dbk, weights.bk), (dbv, weights.bv), (dbo, weights.bo)) if b is not None]
+    extras = [g if g is not None else e.new_empty(0) for g, e in zip(dextras, weights.extras)]
+    return [dx, dwq, dwk, dwv, dwo] + biases + extras
+
+
+def _from_gradient_list(flat: list, weights: BlockWeights) -> tuple:
+    """Inverse of :func:`_gradient_list`, in the op's input order (x, wq, bq, ..., bo, extras)."""
+    dx, dwq, dwk, dwv, dwo, *rest = flat
+    rest = list(rest)
+    dbq, dbk, dbv, dbo = (rest.pop(0) if b is not None else None for b in (weights.bq, weights.bk, weights.bv, weights.bo))
+    dextras = [g if _takes_grad(e) else None for g, e in zip(rest, weights.extras)]
+    return dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras
+
+
+def _takes_grad(t) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+@torch.library.custom_op("upipe::attention_block_backward", mutates_args=(), tags=_OP_TAGS)
+def attention_block_backward_op(
+    dy: Tensor, x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
+    bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], o: Tensor, lse: Tensor,
+    cu_seqlens: Optional[Tensor], region_id: int, heads_per_stage: int, world_size: int, group_name: str,
+    prefetch: str,
+) -> list[Tensor]:
+    _check_world(world_size, group_name)
+    weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
+    grads = block_backward(dy, x, weights, o, lse, region_by_id(region_id), heads_per_stage, group_name, prefetch,
+                           _documents(cu_seqlens, x, group_name))
+    return _gradient_list(grads, weights)
+
+
+@attention_block_backward_op.register_fake
+def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras, o, lse, cu_seqlens, region_id,
+                                   heads_per_stage, world_size, group_name, prefetch):
+    weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
+    like = lambda t: None if t is None else torch.empty_like(t)  # noqa: E731
+    dextras = [torch.empty_like(e) if _takes_grad(e) else None for e in extras]
+    grads = (like(x), like(wq), like(bq), like(wk), like(bk), like(wv), like(bv), like(wo), like(bo), dextras)
+    return _gradient_list(grads, weights)
+
+
+# --- what autograd saves and how backward replays it (shared by the op and its twin) ----
+_TENSOR_INPUTS = 9  # x, wq, bq, wk, bk, wv, bv, wo, bo
+
+
+def _save(ctx, tensors: tuple, extras: list, o, lse, settings: tuple, cu_seqlens) -> None:
+    """``tensors``: (x, wq, bq, wk, bk, wv, bv, wo, bo); ``settings``: (region_id,
+    heads_per_stage, world_size, group_name, prefetch)."""
+    ctx.save_for_backward(*tensors, o, lse, cu_seqlens, *extras)
+    ctx.settings = settings
+
+
+def _saved(ctx):
+    saved = ctx.saved_tensors
+    tensors, (o, lse, cu_seqlens), extras = saved[:_TENSOR_INPUTS], saved[_TENSOR_INPUTS:_TENSOR_INPUTS + 3], \
+        list(saved[_TENSOR_INPUTS + 3:])
+    return tensors, extras, o, lse, cu_seqlens
+
+
+def _replay(ctx, dy, run_backward) -> tuple:
+    """Gradients in the op's input order; ``run_backward(dy, tensors, extras, o, lse,
+    settings, cu_seqlens)`` returns them as :func:`block_backward` does."""
+    tensors, extras, o, lse, cu_seqlens = _saved(ctx)
+    return run_backward(dy, tensors, extras, o, lse, ctx.settings, cu_seqlens)
+
+
+def _backward_through_op(dy, tensors, extras, o, lse, settings, cu_seqlens):
+    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, cu_seqlens, *settings)
+    return _from_gradient_list(flat, BlockWeights(*tensors[1:], extras))
+
+
+def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens):
+    region_id, heads_per_stage, world_size, group_name, prefetch = settings
+    x = tensors[0]
+    return block_backward(dy, x, BlockWeights(*tensors[1:], extras), o, lse, region_by_id(region_id),
+                          heads_per_stage, group_name, prefetch, _documents(cu_seqlens, x, group_name))
+
+
+def _setup_context(ctx, inputs, output):
+    x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings = inputs
+    _, o, lse = output
+    _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, tuple(settings), cu_seqlens)
+
+
+def _op_backward(ctx, dy, _do, _dlse):
+    dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_through_op)
+    return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras, None) + (None,) * len(ctx.settings)
+
+
+attention_block_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class BlockFunction(torch.autograd.Function):
+    """The op's forward and backward run eagerly (for fake-tensor memory measurements),
+    saving and replaying exactly as the op does."""
+
+    @staticmethod
+    def forward(ctx, x, wq, bq, wk, bk, wv, bv, wo, bo, settings, cu_seqlens, *extras):
+        region_id, heads_per_stage, world_size, group_name, prefetch = settings
+        weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
+        y, o, lse = block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
+                                  _documents(cu_seqlens, x, group_name))
+        _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, cu_seqlens)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_eagerly)
+        return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, None, None, *dextras)
+
+
+def block_problems(region: BlockRegion, x: Tensor, world: int, heads_per_stage: int) -> list[str]:
+    batch, s_local = x.shape[0], x.shape[1]
+    q_shape = (batch, region.q_heads, s_local, region.head_dim)
+    k_shape = (batch, region.kv_heads, s_local, region.head_dim)
+    return shape_problems(q_shape, k_shape, k_shape, True, world, heads_per_stage)
+
+
+def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: BlockRegion, *, cp_mesh=None,
+                          heads_per_stage: Optional[int] = None, prefetch: str = "forward",
+                          cu_seqlens: Optional[Tensor] = None, eager: bool = False) -> Tensor:
+    """A whole attention block on this rank's sequence shard ``x [B, S/P, d]``: for each
+    role, ``region.head_fn(role)(x @ W_roleᵀ + b_role, n, *extras)``, attention over the
+    full sequence, and the output projection ``wo``/``bo`` (see
+    :mod:`upipe_compile.block_region`). ``eager=True`` runs the loops as an
+    autograd.Function instead of the custom op (for fake-tensor memory measurements)."""
+    group = collectives.resolve_group(cp_mesh)
+    world = group.size()
+    heads_per_stage = world if heads_per_stage is None else heads_per_stage
+    problems = block_problems(region, x, world, heads_per_stage)
+    if problems:
+        raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
+    region_id = register_region(region)
+    settings = (region_id, heads_per_stage, world, group.group_name, prefetch)
+    if eager:
+        return BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, settings, cu_seqlens, *extras)
+    y, _, _ = attention_block_op(x, wq, bq, wk, bk, wv, bv, wo, bo, list(extras), cu_seqlens, *settings)
+    return y
