@@ -67,12 +67,22 @@ def _check(shards, case):
         if expected is None:
             assert all(s[2][i] is None for s in shards)
             continue
-        # each rank's gradient covers its shard of the sequence: they sum to the full one
-        scale = weight_grads[1].double().norm() if name == "bk" else None
-        _close(f"d{name}", sum(s[2][i].double() for s in shards), expected.double(), case, scale, eager(2, i))
+        # each rank's gradient covers its shard of the sequence: they sum to the full one.
+        # Each share is rounded on its own; where the shares cancel (a token or two per rank,
+        # replicated KV heads) the error is relative to the shares, not to their sum.
+        shares = [s[2][i].double() for s in shards]
+        scale = _share_scale(shares, expected)
+        if name == "bk":  # near zero by design: softmax ignores what it adds to a query's every score
+            scale = max(scale, weight_grads[1].double().norm())
+        _close(f"d{name}", sum(shares), expected.double(), case, scale, eager(2, i))
     for i, expected in enumerate(extra_grads):
-        _close(f"d(norm weight {i})", sum(s[3][i].double() for s in shards), expected.double(), case,
-               eager=eager(3, i))
+        shares = [s[3][i].double() for s in shards]
+        _close(f"d(norm weight {i})", sum(shares), expected.double(), case, _share_scale(shares, expected),
+               eager(3, i))
+
+
+def _share_scale(shares, expected):
+    return max(expected.double().norm(), sum(share.norm() for share in shares))
 
 
 @settings(max_examples=int(os.environ.get("UPIPE_BLOCK_EXAMPLES", "40")), **SETTINGS)
@@ -82,6 +92,14 @@ def _check(shards, case):
 @example(case=BlockCase(2, 1, 12, 3, 3, 8, 6, True, None, "bfloat16", seed=1, prefetch="both", kind="qwen3", biases=True),
          mode="op")
 @example(case=BlockCase(4, 1, 8, 2, 2, 8, 4, True, None, "float32", seed=2, kind="rope"), mode="op")
+# MQA replicated over P = 2: the two ranks' K-norm weight (bf16) and dWk (fp32, a token per
+# rank, non-causal; dbk too) shares nearly cancel
+@example(case=BlockCase(2, 1, 2, 1, 1, 8, 2, False, 1.5, "float32", seed=108, prefetch="none", kind="plain",
+                        biases=True), mode="op")
+@example(case=BlockCase(2, 1, 2, 1, 1, 8, 2, False, 1.5, "float32", seed=364, prefetch="none", kind="plain",
+                        biases=True), mode="op")
+@example(case=BlockCase(2, 1, 6, 1, 2, 8, 6, True, 0.763671875, "bfloat16", seed=2, prefetch="none", kind="qwen3",
+                        biases=True), mode="op")
 @example(case=BlockCase(4, 2, 8, 1, 3, 4, 8, False, 0.5, "float32", seed=3, prefetch="none", kind="qwen3", biases=True),
          mode="eager")
 def test_fused_block_matches_eager(rank_pools, case, mode):

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from upipe_compile import collectives, kernels
-from upipe_compile.attention import _accumulate_stage_dkv, _index, _InputPipeline, _stage_kv
+from upipe_compile.attention import _index, _InputPipeline, _stage_kv
 from upipe_compile.block_region import BlockRegion
 from upipe_compile.documents import Documents
 from upipe_compile.schedule import StageSchedule, plan_stages
@@ -155,9 +155,10 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
 
 
 class _Recomputed:
-    """One role's heads recomputed from x: the local tensor, and (through ``torch.func.vjp``
-    of the per-head ops) the way back from its gradient to the projection's output, whose
-    gradients for x and the weight rows are two matrix products written into place."""
+    """One role's heads recomputed from x for their gradients (after the stage's kernel, so
+    nothing of them is held while it runs): through ``torch.func.vjp`` of the per-head ops,
+    the way back from the local gradient to the projection's output, whose gradients for x
+    and the weight rows are two matrix products written into place."""
 
     def __init__(self, x, weight, bias, extras, head_fn, heads: torch.Tensor, head_dim: int):
         self.rows = _rows(heads, head_dim)
@@ -171,13 +172,16 @@ class _Recomputed:
             diff = iter(diff_extras)
             return head_fn(projected_, n, *[next(diff) if d else e for e, d in zip(extras, self.differentiable)])
 
-        self.local, self._vjp = torch.func.vjp(
+        local, self._vjp = torch.func.vjp(
             per_head_ops, projected, *[e for e, d in zip(extras, self.differentiable) if d])
+        self.dtype = local.dtype
+        del local, projected
 
     def add_gradients(self, grad_local, grads: "_Gradients", role: str) -> None:
-        dprojected, *dextras = self._vjp(grad_local.to(self.local.dtype))
+        dprojected, *dextras = self._vjp(grad_local.to(self.dtype))
         self._vjp = None
         flat = dprojected.flatten(0, 1)
+        del dprojected
         # dx += dP @ W_rows, in place: no x-sized temporary per stage
         grads.dx.view(-1, grads.dx.shape[-1]).addmm_(flat.to(grads.dx.dtype), self.w_rows)
         grads.dw[role].index_add_(0, self.rows, flat.t().mm(self.x.flatten(0, 1).to(flat.dtype)).to(grads.dw[role].dtype))
@@ -218,23 +222,27 @@ def _differentiable(t) -> bool:
 def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, heads_per_stage: int,
                    group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None):
     """Gradients ``(dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, [dextras])`` (None where
-    the input was None or not differentiable)."""
+    the input was None or not differentiable).
+
+    Memory: what a stage sends is projected without a graph and dropped once sent; the
+    stage's heads are projected again for their gradients after its kernel (projections
+    cost little next to attention over the full sequence). Each stage's dK/dV go home and
+    into the projections' gradients right away (the per-head ops' vjp is linear in the
+    cotangent, so per-stage contributions sum to the group's), so no KV group's dK/dV is
+    accumulated over the full sequence, and the stage buffers are released before the
+    gradients are formed."""
     world = collectives.group_from_name(group_name).size()
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
-    dim, device, seq = region.head_dim, x.device, s_local * world
+    dim, device = region.head_dim, x.device
     # Extras enter vjp as primals; non-differentiable ones (integer positions) are closed over.
     grads = _Gradients(x, weights)
     dy = dy.contiguous()
-
-    dkv_full = None
-    if not schedule.stage_uses_whole_group:
-        low_precision = x.dtype in (torch.float16, torch.bfloat16)
-        accumulate_dtype = torch.float32 if low_precision and schedule.stages_per_group > 1 else x.dtype
-        dkv_full = x.new_empty((2, batch, schedule.kv_per_rank, seq, dim), dtype=accumulate_dtype)
-
-    recomputed = {}
     buffers = {}
+
+    def local_heads(role, heads):
+        with torch.no_grad():
+            return _project(x, *weights.projection(role), weights.extras, region.head_fn(role), heads, dim)
 
     def recompute(role, heads):
         weight, bias = weights.projection(role)
@@ -244,17 +252,18 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         stage = schedule.stages[index]
         if schedule.opens_kv_group(index):
             kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
-            for role in ("k", "v"):  # kept until the group closes (a prefetch may open the next one)
-                recomputed[role, stage.kv_group] = recompute(role, kv_heads)
-                yield _Sent(_send_layout(recomputed[role, stage.kv_group].local.detach(), world), group_name, buffers,
-                            role)
+            for role in ("k", "v"):
+                yield _Sent(_send_layout(local_heads(role, kv_heads), world), group_name, buffers, role)
         q_heads = _index(stage.q_heads, device)
-        recomputed["q", index] = recompute("q", q_heads)
-        yield _Sent(_send_layout(recomputed["q", index].local.detach(), world), group_name, buffers, "q")
+        yield _Sent(_send_layout(local_heads("q", q_heads), world), group_name, buffers, "q")
         yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
         dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, dim).t())  # [B, s, U * D]
-        dout_local = dout_local.view(batch, s_local, -1, dim).transpose(1, 2)
-        yield _Sent(_send_layout(dout_local, world), group_name, buffers, "dout")
+        yield _Sent(_send_layout(dout_local.view(batch, s_local, -1, dim).transpose(1, 2), world), group_name,
+                    buffers, "dout")
+
+    def home(grad):
+        """A stage's gradient over the full sequence ``[B, n, S, D]`` back on the local sequence."""
+        return _heads_first(collectives.all_to_all(collectives.split_sequence(grad, world), group_name))
 
     inputs = _InputPipeline(start, len(schedule.stages), prefetch == "both")
     for index, stage in enumerate(schedule.stages):
@@ -266,29 +275,47 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
             1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, dim).to(grads.dwo.dtype))
         del o_heads, dwo_cols
 
-        if schedule.opens_kv_group(index) and dkv_full is not None:
-            dkv_full.zero_()
         inputs.before_kernel(index)
         k_stage, v_stage = _stage_kv(buffers, stage, device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
             buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], region.is_causal,
             region.scale, documents)
         del k_stage, v_stage
-        if dkv_full is not None:
-            _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, device)
-            dk_stage, dv_stage = dkv_full[0], dkv_full[1]
         inputs.after_kernel(index)
-        recv = collectives.all_to_all(collectives.split_sequence(dq_stage, world), group_name)
+        for role in ("q", "out", "dout"):  # refilled by the next stage (prefetched ones have landed)
+            if inputs.landed != index + 1:
+                buffers.pop(role, None)
+        if schedule.closes_kv_group(index) and inputs.landed != index + 1:
+            buffers.pop("k", None), buffers.pop("v", None)
+        # each gradient goes home and through its recomputed heads before the next is touched
+        dq_home = home(dq_stage)
         del dq_stage
-        grads.add("q", recomputed.pop(("q", index)), _heads_first(recv))
-        del recv
-        if schedule.closes_kv_group(index):
-            for role, grad in (("k", dk_stage), ("v", dv_stage)):
-                recv = collectives.all_to_all(collectives.split_sequence(grad.to(x.dtype), world), group_name)
-                grads.add(role, recomputed.pop((role, stage.kv_group)), _heads_first(recv))
-                del recv
-        del dk_stage, dv_stage
+        grads.add("q", recompute("q", q_heads), dq_home)
+        del dq_home
+        kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+        dk_home = home(_group_layout(dk_stage, stage, schedule.kv_per_rank, device))
+        del dk_stage
+        grads.add("k", recompute("k", kv_heads), dk_home)
+        del dk_home
+        dv_home = home(_group_layout(dv_stage, stage, schedule.kv_per_rank, device))
+        del dv_stage
+        grads.add("v", recompute("v", kv_heads), dv_home)
+        del dv_home
 
     dbo = None if weights.bo is None else dy.sum(dim=(0, 1)).to(weights.bo.dtype)
     return (grads.dx, grads.dw["q"], grads.db["q"], grads.dw["k"], grads.db["k"], grads.dw["v"], grads.db["v"],
             grads.dwo, dbo, [None if g is None else g.to(e.dtype) for g, e in zip(grads.dextras, weights.extras)])
+
+
+def _group_layout(grad: torch.Tensor, stage, kv_per_rank: int, device) -> torch.Tensor:
+    """A stage's dK (or dV) ``[B, m, S, D]`` for its KV slots, in the group's per-rank layout
+    ``[B, kv_per_rank, S, D]`` (slots the stage did not read get zeros; repeated slots sum)."""
+    if stage.kv_slot_range == (0, kv_per_rank) and grad.shape[1] == kv_per_rank:
+        return grad
+    full = grad.new_zeros((grad.shape[0], kv_per_rank, *grad.shape[2:]))
+    span = stage.kv_slot_range
+    if span is not None:
+        full[:, span[0]:span[1]] += grad
+    else:
+        full.index_add_(1, _index(stage.kv_slots, device), grad)
+    return full
