@@ -1,7 +1,7 @@
 """The fused attention block's stage loops: projections, per-head ops, attention and the
 output projection, one stage of heads at a time.
 
-The plain op (:mod:`upipe_compile.attention`) takes the local q, k, v of all heads, so every
+The plain op (:mod:`upipe_compile.stage_loop`) takes the local q, k, v of all heads, so every
 rank still holds them (and their gradients) for the whole layer. Here each stage projects
 only its own heads from the block input ``x`` (weight rows of those heads), runs the
 block's per-head ops on them (:class:`upipe_compile.block_region.BlockRegion`), exchanges and
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from upipe_compile import collectives, kernels
-from upipe_compile.attention import _accumulate_stage_dkv, _index, _InputPipeline, _stage_kv
+from upipe_compile.stage_loop import InputPipeline, accumulate_stage_dkv, head_index, stage_kv
 from upipe_compile.block_region import BlockRegion
 from upipe_compile.documents import Documents
 from upipe_compile.schedule import StageSchedule, plan_stages
@@ -85,7 +85,7 @@ def _heads_first(recv: torch.Tensor) -> torch.Tensor:
 
 class _Sent:
     """A started sequence -> head all-to-all of a ready send buffer (the plain loop's
-    ``_Incoming`` packs the send buffer from local heads; here the stage computed them)."""
+    ``Incoming`` packs the send buffer from local heads; here the stage computed them)."""
 
     def __init__(self, send: torch.Tensor, group_name: str, buffers: dict, role: str):
         self.send, self.buffers, self.role = send, buffers, role
@@ -124,24 +124,24 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     def start(index):
         stage = schedule.stages[index]
         if schedule.opens_kv_group(index):
-            kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+            kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):
                 local = _project(x, *weights.projection(role), weights.extras, region.head_fn(role), kv_heads, dim)
                 yield _Sent(_send_layout(local, world), group_name, buffers, role)
-        local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, _index(stage.q_heads, device), dim)
+        local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, head_index(stage.q_heads, device), dim)
         yield _Sent(_send_layout(local, world), group_name, buffers, "q")
 
-    inputs = _InputPipeline(start, len(schedule.stages), prefetch in ("forward", "both"))
+    inputs = InputPipeline(start, len(schedule.stages), prefetch in ("forward", "both"))
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
-        k_stage, v_stage = _stage_kv(buffers, stage, device)
+        k_stage, v_stage = stage_kv(buffers, stage, device)
         out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
                                                documents)
         del k_stage, v_stage
         lse[index].copy_(lse_stage)
         del lse_stage
         inputs.after_kernel(index)
-        q_heads = _index(stage.q_heads, device)
+        q_heads = head_index(stage.q_heads, device)
         recv = collectives.all_to_all(collectives.split_sequence(out_stage, world), group_name)
         del out_stage
         collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
@@ -243,12 +243,12 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     def start(index):
         stage = schedule.stages[index]
         if schedule.opens_kv_group(index):
-            kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+            kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):  # kept until the group closes (a prefetch may open the next one)
                 recomputed[role, stage.kv_group] = recompute(role, kv_heads)
                 yield _Sent(_send_layout(recomputed[role, stage.kv_group].local.detach(), world), group_name, buffers,
                             role)
-        q_heads = _index(stage.q_heads, device)
+        q_heads = head_index(stage.q_heads, device)
         recomputed["q", index] = recompute("q", q_heads)
         yield _Sent(_send_layout(recomputed["q", index].local.detach(), world), group_name, buffers, "q")
         yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
@@ -256,9 +256,9 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         dout_local = dout_local.view(batch, s_local, -1, dim).transpose(1, 2)
         yield _Sent(_send_layout(dout_local, world), group_name, buffers, "dout")
 
-    inputs = _InputPipeline(start, len(schedule.stages), prefetch == "both")
+    inputs = InputPipeline(start, len(schedule.stages), prefetch == "both")
     for index, stage in enumerate(schedule.stages):
-        q_heads = _index(stage.q_heads, device)
+        q_heads = head_index(stage.q_heads, device)
         # dWo for this stage's columns, from the local attention output it sends.
         o_heads = _flat_heads(o.index_select(1, q_heads))
         dwo_cols = dy.flatten(0, 1).t().mm(o_heads.flatten(0, 1).to(dy.dtype))
@@ -269,13 +269,13 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         if schedule.opens_kv_group(index) and dkv_full is not None:
             dkv_full.zero_()
         inputs.before_kernel(index)
-        k_stage, v_stage = _stage_kv(buffers, stage, device)
+        k_stage, v_stage = stage_kv(buffers, stage, device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
             buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], region.is_causal,
             region.scale, documents)
         del k_stage, v_stage
         if dkv_full is not None:
-            _accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, device)
+            accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, device)
             dk_stage, dv_stage = dkv_full[0], dkv_full[1]
         inputs.after_kernel(index)
         recv = collectives.all_to_all(collectives.split_sequence(dq_stage, world), group_name)
