@@ -45,6 +45,7 @@ from upipe_compile.memory import (  # noqa: E402
 )
 from upipe_compile.block_ops import upipe_attention_block  # noqa: E402
 from upipe_compile.block_region import BlockRegion  # noqa: E402
+from upipe_compile.options import StageLoopSettings  # noqa: E402
 from upipe_compile.schedule import plan_stages  # noqa: E402
 
 HEAD_DIM = 128
@@ -111,8 +112,9 @@ class FusedAttentionLayer(AttentionLayer):
         )
 
 
-def upipe(heads_per_stage: int, group_name: str):
-    return lambda q, k, v: StageLoopFunction.apply(q, k, v, True, None, heads_per_stage, group_name)
+def upipe(heads_per_stage: int, group):
+    settings = StageLoopSettings(True, None, heads_per_stage, group.size(), group.group_name)
+    return lambda q, k, v: StageLoopFunction.apply(q, k, v, settings)
 
 
 def measure_layer(preset: Preset, seq: int, world: int, attention, cuda_kernel: str | None) -> float:
@@ -182,7 +184,7 @@ def run(worlds, seqs, presets, cuda_kernel, progress=True):
                 for seq in seqs:
                     base = None
                     for method, u in methods.items():
-                        peak = measure_layer(preset, seq, world, upipe(u, group.group_name), cuda_kernel)
+                        peak = measure_layer(preset, seq, world, upipe(u, group), cuda_kernel)
                         base = base or peak
                         expected = expected_units(preset, world, u) / expected_units(preset, world, preset.q_heads)
                         rows.append({

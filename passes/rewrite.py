@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import operator
 
-from upipe_compile.attention import attention_op
+from upipe_compile.ops import attention_op, op_arguments
+from upipe_compile.options import StageLoopSettings
 from upipe_compile.passes.find import AttentionMatch
 
 UPIPE_ATTENTION = attention_op._opoverload
@@ -16,12 +17,10 @@ def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: i
     The caller lints and recompiles each touched graph module once."""
     graph, node = match.graph_module.graph, match.node
     scale = None if match.scale is None else float(match.scale)
+    settings = StageLoopSettings(match.is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
     with graph.inserting_before(node):
-        op = graph.call_function(
-            UPIPE_ATTENTION,
-            (match.query, match.key, match.value, match.is_causal, scale, heads_per_stage, world_size, group_name,
-             prefetch) + (() if match.cu_seqlens is None else (match.cu_seqlens,)),
-        )
+        op = graph.call_function(UPIPE_ATTENTION, op_arguments(match.query, match.key, match.value, settings,
+                                                               match.cu_seqlens))
         # SDPA returns the output; document_sdpa returns (out, lse) like the op, and its
         # users take item 0 (its lse is for its own backward only).
         out = op if match.cu_seqlens is not None else graph.call_function(operator.getitem, (op, 0))

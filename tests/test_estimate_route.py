@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import upipe_compile.attention as attention_module
 import upipe_compile.memory as memory_module
+import upipe_compile.ops as ops_module
 from tests_support import AttentionCase, TinyAttention, make_block_inputs
 from upipe_compile import UnsupportedAttention, collectives, kernels
 from upipe_compile.memory import SDPAThroughStageLoops, fake_process_group
@@ -58,8 +58,9 @@ def recording(monkeypatch, calls: list):
     wrap(kernels, "backward", "kernel backward")
     wrap(collectives, "start_all_to_all", "all-to-all (prefetchable)")
     wrap(collectives, "all_to_all", "all-to-all")
-    # The compiled op and the route's autograd.Function call the same loops, each by its own name.
-    for owner in (attention_module, memory_module):
+    # The compiled op and the route's autograd.Function call the same loops, looked up where each
+    # calls them (the route's forward in memory, every backward through ops.replay_backward).
+    for owner in (ops_module, memory_module):
         wrap(owner, "stage_loop_forward", "stage loop forward")
         wrap(owner, "stage_loop_backward", "stage loop backward")
     yield

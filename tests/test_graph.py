@@ -574,15 +574,16 @@ def test_prefetch_overlaps_the_next_stage_with_the_kernel(world, prefetch, q_hea
     """Each stage's kernel runs while the next stage's inputs are in flight in the loops that
     prefetch (K and V too where the next stage opens a KV group), and with nothing in
     flight in those that do not; the last stage has nothing to prefetch."""
-    from upipe_compile.attention import stage_loop_backward, stage_loop_forward
+    from upipe_compile.options import StageLoopSettings
+    from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward
 
-    args = (True, None, WORLD, world.group_name, prefetch)
+    settings = StageLoopSettings(True, None, WORLD, WORLD, world.group_name, prefetch)
     log = CollectivesInFlight()
     with FakeTensorMode():
         q, k = torch.empty(1, q_heads, 16, 8), torch.empty(1, kv_heads, 16, 8)
         with log:
-            out, lse = stage_loop_forward(q, k, k, *args)
-            stage_loop_backward(out, q, k, k, out, lse, *args)
+            out, lse = stage_loop_forward(q, k, k, settings)
+            stage_loop_backward(out, q, k, k, out, lse, settings)
         assert not log.started  # every collective was waited
     stages = q_heads // WORLD
     g = q_heads // kv_heads

@@ -4,7 +4,7 @@ UPipe (untied Ulysses) context parallelism.
     model = torch.compile(model, backend="upipe", options={"cp_mesh": mesh, "heads_per_stage": U})
 """
 
-from upipe_compile.attention import upipe_attention
+from upipe_compile.api import upipe_attention
 from upipe_compile.backend import apply_upipe_passes, upipe_backend
 from upipe_compile.block_ops import upipe_attention_block
 from upipe_compile.document_sdpa import document_sdpa

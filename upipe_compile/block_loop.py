@@ -1,7 +1,7 @@
 """The fused attention block's stage loops: projections, per-head ops, attention and the
 output projection, one stage of heads at a time.
 
-The plain op (:mod:`upipe_compile.attention`) takes the local q, k, v of all heads, so every
+The plain op (:mod:`upipe_compile.stage_loop`) takes the local q, k, v of all heads, so every
 rank still holds them (and their gradients) for the whole layer. Here each stage projects
 only its own heads from the block input ``x`` (weight rows of those heads), runs the
 block's per-head ops on them (:class:`upipe_compile.block_region.BlockRegion`), exchanges and
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from upipe_compile import collectives, kernels
-from upipe_compile.attention import _index, _InputPipeline, _stage_kv
+from upipe_compile.stage_loop import InputPipeline, head_index, stage_kv
 from upipe_compile.block_region import BlockRegion
 from upipe_compile.documents import Documents
 from upipe_compile.schedule import StageSchedule, plan_stages
@@ -85,7 +85,7 @@ def _heads_first(recv: torch.Tensor) -> torch.Tensor:
 
 class _Sent:
     """A started sequence -> head all-to-all of a ready send buffer (the plain loop's
-    ``_Incoming`` packs the send buffer from local heads; here the stage computed them)."""
+    ``Incoming`` packs the send buffer from local heads; here the stage computed them)."""
 
     def __init__(self, send: torch.Tensor, group_name: str, buffers: dict, role: str):
         self.send, self.buffers, self.role = send, buffers, role
@@ -124,24 +124,24 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     def start(index):
         stage = schedule.stages[index]
         if schedule.opens_kv_group(index):
-            kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+            kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):
                 local = _project(x, *weights.projection(role), weights.extras, region.head_fn(role), kv_heads, dim)
                 yield _Sent(_send_layout(local, world), group_name, buffers, role)
-        local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, _index(stage.q_heads, device), dim)
+        local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, head_index(stage.q_heads, device), dim)
         yield _Sent(_send_layout(local, world), group_name, buffers, "q")
 
-    inputs = _InputPipeline(start, len(schedule.stages), prefetch in ("forward", "both"))
+    inputs = InputPipeline(start, len(schedule.stages), prefetch in ("forward", "both"))
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
-        k_stage, v_stage = _stage_kv(buffers, stage, device)
+        k_stage, v_stage = stage_kv(buffers, stage, device)
         out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
                                                documents)
         del k_stage, v_stage
         lse[index].copy_(lse_stage)
         del lse_stage
         inputs.after_kernel(index)
-        q_heads = _index(stage.q_heads, device)
+        q_heads = head_index(stage.q_heads, device)
         recv = collectives.all_to_all(collectives.split_sequence(out_stage, world), group_name)
         del out_stage
         collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
@@ -251,10 +251,10 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     def start(index):
         stage = schedule.stages[index]
         if schedule.opens_kv_group(index):
-            kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+            kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):
                 yield _Sent(_send_layout(local_heads(role, kv_heads), world), group_name, buffers, role)
-        q_heads = _index(stage.q_heads, device)
+        q_heads = head_index(stage.q_heads, device)
         yield _Sent(_send_layout(local_heads("q", q_heads), world), group_name, buffers, "q")
         yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
         dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, dim).t())  # [B, s, U * D]
@@ -265,9 +265,9 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         """A stage's gradient over the full sequence ``[B, n, S, D]`` back on the local sequence."""
         return _heads_first(collectives.all_to_all(collectives.split_sequence(grad, world), group_name))
 
-    inputs = _InputPipeline(start, len(schedule.stages), prefetch == "both")
+    inputs = InputPipeline(start, len(schedule.stages), prefetch == "both")
     for index, stage in enumerate(schedule.stages):
-        q_heads = _index(stage.q_heads, device)
+        q_heads = head_index(stage.q_heads, device)
         # dWo for this stage's columns, from the local attention output it sends.
         o_heads = _flat_heads(o.index_select(1, q_heads))
         dwo_cols = dy.flatten(0, 1).t().mm(o_heads.flatten(0, 1).to(dy.dtype))
@@ -276,7 +276,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         del o_heads, dwo_cols
 
         inputs.before_kernel(index)
-        k_stage, v_stage = _stage_kv(buffers, stage, device)
+        k_stage, v_stage = stage_kv(buffers, stage, device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
             buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], region.is_causal,
             region.scale, documents)
@@ -292,7 +292,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         del dq_stage
         grads.add("q", recompute("q", q_heads), dq_home)
         del dq_home
-        kv_heads = _index(schedule.kv_groups[stage.kv_group], device)
+        kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
         dk_home = home(_group_layout(dk_stage, stage, schedule.kv_per_rank, device))
         del dk_stage
         grads.add("k", recompute("k", kv_heads), dk_home)
@@ -317,5 +317,5 @@ def _group_layout(grad: torch.Tensor, stage, kv_per_rank: int, device) -> torch.
     if span is not None:
         full[:, span[0]:span[1]] += grad
     else:
-        full.index_add_(1, _index(stage.kv_slots, device), grad)
+        full.index_add_(1, head_index(stage.kv_slots, device), grad)
     return full

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from upipe_compile import collectives
-from upipe_compile.attention import _OP_TAGS, _check_world
+from upipe_compile.ops import OP_TAGS, check_world
 from upipe_compile.block_loop import BlockWeights, block_backward, block_forward, block_schedule
 from upipe_compile.block_region import BlockRegion, region_by_id, register_region
 from upipe_compile.documents import documents_for
@@ -34,13 +34,13 @@ def _documents(cu_seqlens, x, group_name):
     return documents_for(cu_seqlens, x.shape[1] * group.size(), group, x.device)
 
 
-@torch.library.custom_op("upipe::attention_block", mutates_args=(), tags=_OP_TAGS)
+@torch.library.custom_op("upipe::attention_block", mutates_args=(), tags=OP_TAGS)
 def attention_block_op(
     x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], cu_seqlens: Optional[Tensor],
     region_id: int, heads_per_stage: int, world_size: int, group_name: str, prefetch: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _check_world(world_size, group_name)
+    check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
                          _documents(cu_seqlens, x, group_name))
@@ -81,14 +81,14 @@ def _takes_grad(t) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-@torch.library.custom_op("upipe::attention_block_backward", mutates_args=(), tags=_OP_TAGS)
+@torch.library.custom_op("upipe::attention_block_backward", mutates_args=(), tags=OP_TAGS)
 def attention_block_backward_op(
     dy: Tensor, x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], o: Tensor, lse: Tensor,
     cu_seqlens: Optional[Tensor], region_id: int, heads_per_stage: int, world_size: int, group_name: str,
     prefetch: str,
 ) -> list[Tensor]:
-    _check_world(world_size, group_name)
+    check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     grads = block_backward(dy, x, weights, o, lse, region_by_id(region_id), heads_per_stage, group_name, prefetch,
                            _documents(cu_seqlens, x, group_name))

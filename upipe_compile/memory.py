@@ -22,11 +22,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.overrides import TorchFunctionMode
 
 from upipe_compile import kernels
-from upipe_compile.attention import stage_loop_backward, stage_loop_forward
 from upipe_compile.documents import Documents
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.ops import op_arguments, replay_backward, save_for_backward
+from upipe_compile.options import StageLoopSettings
 from upipe_compile.passes.find import SDPA_SIGNATURE
 from upipe_compile.schedule import plan_stages, shape_problems
+from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward
 
 
 @contextlib.contextmanager
@@ -87,19 +89,19 @@ def measure_op_memory(
         v = torch.empty_like(k)
         dout = torch.empty_like(q)
         documents = None if cu_seqlens is None else Documents.from_bounds(cu_seqlens, q.device)
-        args = (is_causal, None, heads_per_stage, group.group_name, prefetch, documents)
+        settings = StageLoopSettings(is_causal, None, heads_per_stage, world, group.group_name, prefetch)
 
         forward = MemTracker()
         forward.track_external(q, k, v)
         with forward:
-            out, lse = stage_loop_forward(q, k, v, *args)
+            out, lse = stage_loop_forward(q, k, v, settings, documents)
             forward_peak = tracker_peak_bytes(forward)
         forward_bytes = forward_peak - _nbytes(q, k, v, out, lse)
 
         backward = MemTracker()
         backward.track_external(q, k, v, out, lse, dout)
         with backward:
-            dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *args)
+            dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, settings, documents)
             backward_peak = tracker_peak_bytes(backward)
         backward_bytes = backward_peak - _nbytes(q, k, v, out, lse, dout, dq, dk, dv)
     return OpMemory(forward_bytes, backward_bytes)
@@ -108,20 +110,19 @@ def measure_op_memory(
 class StageLoopFunction(torch.autograd.Function):
     """The op's forward and backward loops as an autograd.Function, for measuring whole
     layers on fake tensors: the registered custom op would run only its fake kernel there.
-    Saves exactly what the custom op saves (q, k, v, out, lse)."""
+    Saves and replays exactly as the custom op does (:func:`upipe_compile.ops.save_for_backward`,
+    :func:`~upipe_compile.ops.replay_backward`). One sequence per batch row (no boundaries)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch="forward"):
-        out, lse = stage_loop_forward(q, k, v, is_causal, scale, heads_per_stage, group_name, prefetch)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (is_causal, scale, heads_per_stage, group_name, prefetch)
+    def forward(ctx, q, k, v, settings: StageLoopSettings):
+        out, lse = stage_loop_forward(q, k, v, settings)
+        save_for_backward(ctx, op_arguments(q, k, v, settings), (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = replay_backward(ctx, dout, eager=True)
+        return dq, dk, dv, None
 
 
 class SDPAThroughStageLoops(TorchFunctionMode):
@@ -151,8 +152,9 @@ class SDPAThroughStageLoops(TorchFunctionMode):
         problems += shape_problems(q.shape, k.shape, v.shape, a["enable_gqa"], self.group.size(), self.heads_per_stage)
         if problems:
             raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
-        return StageLoopFunction.apply(q, k, v, a["is_causal"], a["scale"], self.heads_per_stage,
-                                       self.group.group_name, self.prefetch)
+        settings = StageLoopSettings(a["is_causal"], a["scale"], self.heads_per_stage, self.group.size(),
+                                     self.group.group_name, self.prefetch)
+        return StageLoopFunction.apply(q, k, v, settings)
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:

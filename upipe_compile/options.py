@@ -1,18 +1,59 @@
-"""The backend's options, validated once when torch.compile calls the backend."""
+"""Option values and the records that carry them: the backend's options (validated once
+when torch.compile calls the backend) and the stage-loop op's settings (one record, so the
+op's scalar arguments are spelled out in one place)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import astuple, dataclass, fields
+from typing import Any, Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from upipe_compile.attention import check_prefetch
 from upipe_compile.collectives import resolve_group
 from upipe_compile.errors import UnsupportedAttention
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+PREFETCH_MODES = ("none", "forward", "both")
+"""Which loops start the next stage's input all-to-alls before this stage's kernel runs:
+``forward`` (the default) adds no peak memory for GQA models, whose backward loop holds
+more (MHA, where every stage also prefetches K and V: one head-unit more); ``both`` also
+overlaps backward, at the cost of the next stage's q/out/dout (and K/V at a KV-group
+boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
+
+
+def check_prefetch(prefetch) -> None:
+    if prefetch not in PREFETCH_MODES:
+        raise UnsupportedAttention(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
+
+
+@dataclass(frozen=True)
+class StageLoopSettings:
+    """The settings of one stage-loop attention call (``upipe::attention``). The custom op
+    takes them as scalar arguments (torch.library needs those), in this order:
+    :meth:`op_args` gives them, :meth:`from_op_args` builds the record back. Not validated
+    here: :func:`upipe_compile.upipe_attention` and :class:`UPipeOptions` check them."""
+
+    is_causal: bool
+    scale: Optional[float]
+    heads_per_stage: int
+    """U: query heads per stage across all ranks."""
+    world_size: int
+    """P, the context-parallel size the call was made (or compiled) for."""
+    group_name: str
+    """The process group of the context-parallel ranks."""
+    prefetch: str = "forward"
+    """One of :data:`PREFETCH_MODES`."""
+
+    def op_args(self) -> tuple:
+        """The op's scalar arguments, in its schema's order."""
+        return astuple(self)
+
+    @classmethod
+    def from_op_args(cls, is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int,
+                     group_name: str, prefetch: str = "forward") -> "StageLoopSettings":
+        return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
 
 
 @dataclass(frozen=True)

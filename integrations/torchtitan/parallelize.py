@@ -32,7 +32,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from upipe_compile.attention import PREFETCH_MODES
+from upipe_compile.options import PREFETCH_MODES
 from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack

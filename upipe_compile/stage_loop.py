@@ -1,0 +1,227 @@
+"""The UPipe stage loops: SDPA semantics on sequence-sharded q, k, v, one stage of heads at
+a time. Plain functions of tensors and a :class:`~upipe_compile.options.StageLoopSettings`
+(no torch.library, no FX), so the custom ops (:mod:`upipe_compile.ops`), the eager
+memory measurements and the fused block's loops (:mod:`upipe_compile.block_loop`, which
+reuses the exchange helpers here) all run the same code.
+
+Forward, per stage (see :mod:`upipe_compile.schedule` for which heads): all-to-all this
+stage's query heads sequence->head (KV only when the stage starts a new KV group), run
+attention over the full sequence for ``m`` heads per rank, all-to-all the output
+head->sequence straight into the preallocated local output. One full-sequence buffer per
+role lives from stage to stage (with one head and batch 1 the received tensor is that
+buffer, no copy), so intermediate memory is O(U) heads, not O(H). By default the next
+stage's input all-to-alls run during this stage's forward kernel (``prefetch``).
+
+Backward owns its memory: autograd saves only the local q, k, v, out and each stage's
+log-sum-exp; backward redoes each stage's all-to-alls, runs the kernel's backward, and sends
+dq (per stage) and dk/dv (per KV group) back to their sequence shards.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from upipe_compile import collectives, kernels
+from upipe_compile.device_constants import made_once
+from upipe_compile.documents import Documents
+from upipe_compile.options import StageLoopSettings
+from upipe_compile.schedule import Stage, StageSchedule, plan_stages
+
+
+def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
+    return plan_stages(q.shape[1], k.shape[1], world, heads_per_stage)
+
+
+def head_index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Head indices as a tensor on ``device``, made once."""
+    return made_once(("head index", heads, device), lambda: torch.tensor(heads, dtype=torch.long, device=device))
+
+
+def stage_kv(buffers: dict, stage: Stage, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v for this stage's query heads in the layout the kernel takes: a slice when the
+    slots already form plain GQA groups, else a gather (one copy of m heads)."""
+    k_full, v_full = buffers["k"], buffers["v"]
+    span = stage.kv_slot_range
+    if span is not None:
+        return k_full[:, span[0]:span[1]], v_full[:, span[0]:span[1]]
+    slots = head_index(stage.kv_slots, device)
+    return k_full.index_select(1, slots), v_full.index_select(1, slots)
+
+
+def accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, stage: Stage,
+                         device: torch.device) -> None:
+    """Add a stage's dK, dV (its KV slots) into the KV group's accumulators ``dkv_full``
+    ``[2, B, kv heads per rank, S, D]``."""
+    span = stage.kv_slot_range
+    if span is not None:
+        dkv_full[0][:, span[0]:span[1]] += dk
+        dkv_full[1][:, span[0]:span[1]] += dv
+    else:
+        slots = head_index(stage.kv_slots, device)
+        dkv_full[0].index_add_(1, slots, dk.to(dkv_full.dtype))
+        dkv_full[1].index_add_(1, slots, dv.to(dkv_full.dtype))
+
+
+class Incoming:
+    """A started sequence -> head all-to-all of one tensor: this rank's heads over the full
+    sequence, which :meth:`finish` makes the stage buffer ``buffers[role]`` (reusing the
+    previous one where the chunks need laying out). The send buffer is held until then, as
+    the collective may still be reading it."""
+
+    def __init__(self, x: torch.Tensor, heads: torch.Tensor, world: int, group_name: str, buffers: dict, role: str):
+        self.send = collectives.pack_heads(x, heads, world)
+        self.recv = collectives.start_all_to_all(self.send, group_name)
+        self.buffers, self.role = buffers, role
+
+    def finish(self) -> None:
+        recv = collectives.wait(self.recv)
+        self.send = self.recv = None
+        self.buffers[self.role] = collectives.assemble_sequence(recv, self.buffers.get(self.role))
+
+
+def full_sequence_to_heads(full: torch.Tensor, heads: torch.Tensor, world: int, group_name: str, dest: torch.Tensor,
+                           accumulate: bool) -> None:
+    """Head -> sequence all-to-all: send ``full``'s sequence chunks home, into ``dest``'s heads."""
+    recv = collectives.all_to_all(collectives.split_sequence(full, world), group_name)
+    collectives.scatter_heads_back(recv, heads, dest, accumulate)
+
+
+def stage_inputs(schedule: StageSchedule, index: int, local_q_side: dict, local_kv: dict, buffers: dict, world: int,
+                 group_name: str) -> Iterator[Incoming]:
+    """The all-to-alls stage ``index`` needs: K and V (``local_kv``) when it opens a KV
+    group, then each of ``local_q_side`` (q; in backward also out, dout), each into the
+    stage buffer of its role. A generator, each started as it is taken: one at a time (each
+    finished before the next starts) holds one tensor's send/receive pair at once;
+    ``list()`` starts them all."""
+    stage = schedule.stages[index]
+    if schedule.opens_kv_group(index):
+        kv_index = head_index(schedule.kv_groups[stage.kv_group], local_kv["k"].device)
+        for role, local in local_kv.items():
+            yield Incoming(local, kv_index, world, group_name, buffers, role)
+    q_index = head_index(stage.q_heads, local_q_side["q"].device)
+    for role, local in local_q_side.items():
+        yield Incoming(local, q_index, world, group_name, buffers, role)
+
+
+class InputPipeline:
+    """Hands each stage its inputs. With ``prefetch``, the next stage's all-to-alls start
+    right before this stage's kernel and land in the stage buffers right after it, so they
+    run while it does; without, each stage's run just before it. Either way every rank
+    starts and waits the same collectives in the same order. ``start(index)`` gives stage
+    ``index``'s exchanges (objects with ``finish()``), each started as it is taken."""
+
+    def __init__(self, start: Callable[[int], Iterator], stages: int, prefetch: bool):
+        self.start, self.stages, self.prefetch = start, stages, prefetch
+        self.in_flight, self.landed = [], -1
+
+    def before_kernel(self, index: int) -> None:
+        """Stage ``index``'s inputs are in the stage buffers when this returns."""
+        if self.landed != index:
+            for exchange in self.start(index):
+                exchange.finish()
+        if self.prefetch and index + 1 < self.stages:
+            self.in_flight = list(self.start(index + 1))
+
+    def after_kernel(self, index: int) -> None:
+        """The kernel is done with the buffers: land what was prefetched for the next stage
+        (before this stage's output goes home, so the two never hold memory at once)."""
+        for exchange in self.in_flight:
+            exchange.finish()
+        if self.in_flight:
+            self.in_flight, self.landed = [], index + 1
+
+
+def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: StageLoopSettings,
+                       documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward loop: ``(out, lse)``, lse ``[stages, B, U/P, S]`` (called by the custom op;
+    also directly by memory measurements, which run it under FakeTensorMode where the op
+    itself would only run its fake kernel). ``documents``: packed-sequence boundaries over
+    the full sequence (None: one sequence)."""
+    is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
+    group = collectives.group_from_name(group_name)
+    world = group.size()
+    if not is_fake(q):
+        collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group, q.device)
+    schedule = schedule_for(q, k, world, settings.heads_per_stage)
+    batch, _, s_local, _ = q.shape
+
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    buffers = {}  # role -> the stage's tensor over the full sequence, reused stage to stage
+
+    inputs = InputPipeline(
+        lambda index: stage_inputs(schedule, index, {"q": q}, {"k": k, "v": v}, buffers, world, group_name),
+        len(schedule.stages), settings.prefetch in ("forward", "both"),
+    )
+    for index, stage in enumerate(schedule.stages):
+        inputs.before_kernel(index)
+        k_stage, v_stage = stage_kv(buffers, stage, q.device)
+        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale, documents)
+        del k_stage, v_stage
+        lse[index].copy_(lse_stage)
+        del lse_stage
+        inputs.after_kernel(index)
+        full_sequence_to_heads(out_stage, head_index(stage.q_heads, q.device), world, group_name, out, accumulate=False)
+        del out_stage
+    return out, lse
+
+
+def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, settings: StageLoopSettings,
+                        documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward loop: ``(dq, dk, dv)`` from what the forward saved (q, k, v, out, lse)."""
+    is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
+    group = collectives.group_from_name(group_name)
+    world = group.size()
+    schedule = schedule_for(q, k, world, settings.heads_per_stage)
+    batch, _, s_local, dim = q.shape
+    seq = s_local * world
+    kv_per_rank = schedule.kv_per_rank
+
+    dq = q.new_empty(q.shape)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    # One buffer per role: the stage's q / out / dout over the full sequence, the group's
+    # k / v and their gradient accumulators. dK/dV sum over the group's stages:
+    # in fp32 when there is more than one, as a kernel sums a GQA group's heads internally.
+    # A group of one stage that uses all its KV slots (MHA, Ulysses) needs no accumulator:
+    # the kernel's dK/dV are the group's, sent home as they are.
+    buffers = {}
+    dkv_full = None
+    if not schedule.stage_uses_whole_group:
+        low_precision = q.dtype in (torch.float16, torch.bfloat16)
+        accumulate_dtype = torch.float32 if low_precision and schedule.stages_per_group > 1 else q.dtype
+        dkv_full = q.new_empty((2, batch, kv_per_rank, seq, dim), dtype=accumulate_dtype)
+
+    def flush_group(group_index: int, group_dk: torch.Tensor, group_dv: torch.Tensor) -> None:
+        kv_index = head_index(schedule.kv_groups[group_index], q.device)
+        for grad, dest in ((group_dk, dk), (group_dv, dv)):
+            full_sequence_to_heads(grad.to(q.dtype), kv_index, world, group_name, dest, accumulate=True)
+
+    inputs = InputPipeline(
+        lambda index: stage_inputs(schedule, index, {"q": q, "out": out, "dout": dout}, {"k": k, "v": v}, buffers,
+                                   world, group_name),
+        len(schedule.stages), settings.prefetch == "both",
+    )
+    for index, stage in enumerate(schedule.stages):
+        if schedule.opens_kv_group(index) and dkv_full is not None:
+            dkv_full.zero_()
+        inputs.before_kernel(index)
+        k_stage, v_stage = stage_kv(buffers, stage, q.device)
+        dq_stage, dk_stage, dv_stage = kernels.backward(
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale, documents
+        )
+        del k_stage, v_stage
+        if dkv_full is not None:
+            accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
+            dk_stage, dv_stage = dkv_full[0], dkv_full[1]
+        inputs.after_kernel(index)
+        full_sequence_to_heads(dq_stage, head_index(stage.q_heads, q.device), world, group_name, dq, accumulate=False)
+        del dq_stage
+        if schedule.closes_kv_group(index):
+            flush_group(stage.kv_group, dk_stage, dv_stage)
+        del dk_stage, dv_stage
+    return dq, dk, dv
