@@ -169,12 +169,15 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
     """sdpa out -> [identity reshape] -> transpose(1, 2) -> [contiguous] -> reshape/view
     (B, s, Hq * D) -> [contiguous] -> linear(Wo, bo?)."""
     node = match.node
+    dead = []
     if match.cu_seqlens is not None:  # document_sdpa returns (out, lse); users take item 0
-        users = list(node.users)
+        # (an unused ``lse`` item may remain, e.g. in checkpoint bodies: it goes with the block)
+        dead = [u for u in node.users if u.target is operator.getitem and u.args[1] != 0 and not u.users]
+        users = [u for u in node.users if u not in dead]
         if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
             raise NotSeparable(node, "its (out, lse) result is used other than by taking out")
         node = users[0]
-    out_nodes = [node] if node is not match.node else []
+    out_nodes = dead + ([node] if node is not match.node else [])
     state = "bhsd"
     while True:
         users = list(node.users)

@@ -61,9 +61,9 @@ def example(node) -> Optional[torch.Tensor]:
 
 def shape_of(node) -> Optional[tuple]:
     value = example(node)
-    if isinstance(value, torch.Tensor):
-        return tuple(int(d) for d in value.shape)
-    return None
+    if isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape):
+        return tuple(value.shape)
+    return None  # unknown, or symbolic (dynamic shapes): not proven, the block is not fused
 
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)
