@@ -30,9 +30,7 @@ import torch
 import torch.fx as fx
 
 from upipe_compile.passes.find import AttentionMatch, source_line
-from upipe_compile.passes.head_separable import (
-    LINEAR_TARGETS, Chain, NotSeparable, example, prove_chain, shape_of,
-)
+from upipe_compile.passes.head_separable import LINEAR_TARGETS, NotSeparable, prove_chain, shape_of
 
 ROLES = ("q", "k", "v")
 
@@ -40,7 +38,8 @@ ROLES = ("q", "k", "v")
 @dataclass
 class Projection:
     """Where one role's ``projected`` comes from: ``linear`` itself (``rows`` None) or the
-    rows ``[a, b)`` of a fused projection, read by ``slice_node``."""
+    rows ``[a, b)`` of a fused projection, read through ``slice_nodes`` (a getitem or
+    narrow; or split/chunk then getitem)."""
 
     linear: fx.Node
     weight: fx.Node
@@ -99,10 +98,11 @@ class NotFusable:
 
 
 def _linear_args(node: fx.Node):
-    args = list(node.args) + [None] * 3
-    return args[0] if args[0] is not None else node.kwargs.get("input"), \
-        node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"), \
-        node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    """(input, weight, bias) of a linear call, positional or keyword."""
+    def arg(i, name):
+        return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+
+    return arg(0, "input"), arg(1, "weight"), arg(2, "bias")
 
 
 def is_linear(node) -> bool:

@@ -1,4 +1,6 @@
-"""The torch.compile backend "upipe": find -> validate -> rewrite, then the inner backend."""
+"""The torch.compile backend "upipe": find -> validate -> rewrite (the whole attention block
+where it is head-separable and ``fuse_projections`` is on, else SDPA alone), then the inner
+backend."""
 
 from __future__ import annotations
 
@@ -8,16 +10,19 @@ import torch.fx as fx
 
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
-from upipe_compile.passes import find_attention, rewrite_attention, unsupported_reasons
-from upipe_compile.passes.find_block import BlockMatch, find_block
-from upipe_compile.passes.rewrite_block import rewrite_block
+from upipe_compile.passes import (
+    BlockMatch, find_attention, find_block, rewrite_attention, rewrite_block, unsupported_reasons,
+)
 
 log = logging.getLogger(__name__)
 
 
 def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphModule:
     """Rewrite every SDPA call in ``gm`` (nested bodies included) into the stage-loop op, or
-    raise UnsupportedAttention naming each call that cannot be rewritten and why.
+    raise UnsupportedAttention naming each call that cannot be rewritten and why. With
+    ``options.fuse_projections`` each block whose projections, per-head ops and output
+    projection are proven head-separable becomes one ``upipe::attention_block`` instead (one
+    log line per block says whether it was fused, or which node blocked it and why).
     With one context-parallel rank the graph is left as it is."""
     group = options.group
     world = group.size()
