@@ -1,7 +1,11 @@
-"""Graph passes of the upipe backend: find -> validate -> rewrite (pure FX code)."""
+"""Graph passes of the upipe backend (pure FX code): find -> validate -> rewrite (SDPA alone),
+and find_block -> head_separable -> rewrite_block (the whole attention block)."""
 
 from upipe_compile.passes.find import AttentionMatch, find_attention
+from upipe_compile.passes.find_block import BlockMatch, NotFusable, find_block
 from upipe_compile.passes.rewrite import rewrite_attention
+from upipe_compile.passes.rewrite_block import rewrite_block
 from upipe_compile.passes.validate import unsupported_reasons
 
-__all__ = ["AttentionMatch", "find_attention", "rewrite_attention", "unsupported_reasons"]
+__all__ = ["AttentionMatch", "BlockMatch", "NotFusable", "find_attention", "find_block", "rewrite_attention",
+           "rewrite_block", "unsupported_reasons"]

@@ -49,6 +49,8 @@ class LlamaCase:
     batch: int = 2
     seq_local: int = 16
     seed: int = 0
+    fuse: bool = True
+    """UPipeOptions.fuse_projections: the whole block as upipe::attention_block, or only SDPA."""
 
     @property
     def seq(self) -> int:
@@ -117,7 +119,8 @@ def compiled_llama_case(case: LlamaCase):
     assert positions[0, 0].item() == rank * case.seq_local
     compiled = torch.compile(
         model, backend="upipe",
-        options={"heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"},
+        options={"heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager",
+                 "fuse_projections": case.fuse},
     )
 
     def step():

@@ -114,7 +114,9 @@ def test_route_allocates_what_the_compiled_op_allocates(group, monkeypatch, case
     x = x[:, : case.seq_local]  # this rank's shard
     dout = dout[:, : case.seq_local]
     eager = TinyAttention(case)
-    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"}
+    # the route models the plain op (upipe::attention), not the fused block
+    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager",
+               "fuse_projections": False}
     compiled = torch.compile(eager, backend="upipe", options=options, fullgraph=True)
     run_block(compiled, eager.parameters(), x, dout, monkeypatch)  # compile outside the recording
 

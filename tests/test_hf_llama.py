@@ -30,18 +30,22 @@ CASES = [
     LlamaCase(world=2, kv_heads=2, heads_per_stage=4),  # U = 2P
     LlamaCase(world=4, kv_heads=2, heads_per_stage=4),  # KV heads replicated to P
     LlamaCase(world=4, kv_heads=4, heads_per_stage=8),  # U = Hq: plain Ulysses
+    LlamaCase(world=2, kv_heads=2, heads_per_stage=2, fuse=False),  # SDPA only (upipe::attention)
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c.world}-kv{c.kv_heads}-U{c.heads_per_stage}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c.world}-kv{c.kv_heads}-U{c.heads_per_stage}"
+                         + ("" if c.fuse else "-unfused"))
 def test_llama_matches_full_sequence_eager(rank_pools, case):
     ranks = rank_pools(case.world).run(compiled_llama_case, case)
     ref_logits, ref_grads = eager_reference(case)
 
-    # The rewrite happened: each layer's attention ran as the upipe op, forward and
-    # backward, on every rank, and no SDPA kernel ran outside it.
+    # The rewrite happened: each layer's attention ran as the upipe op (the whole block
+    # fused, or SDPA alone), forward and backward, on every rank, and no SDPA kernel ran
+    # outside it.
+    op = "upipe::attention_block" if case.fuse else "upipe::attention"
     for rank, (_, _, counts) in enumerate(ranks):
-        assert counts == {"upipe::attention": case.layers, "upipe::attention_backward": case.layers}, (rank, counts)
+        assert counts == {op: case.layers, f"{op}_backward": case.layers}, (rank, counts)
 
     logits = torch.cat([r[0] for r in ranks], dim=1)  # rank r holds tokens [r*S/P, (r+1)*S/P)
     assert logits.shape == ref_logits.shape == (case.batch, case.seq, case.vocab)
@@ -138,7 +142,8 @@ def test_packed_batch_matches_each_document_alone(rank_pools, attention_mask):
     for name, grad in ref_grads.items():
         assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name
     for _, _, counts in ranks:
-        assert counts == {"upipe::attention": case.layers, "upipe::attention_backward": case.layers}, counts
+        assert counts == {"upipe::attention_block": case.layers, "upipe::attention_block_backward": case.layers}, \
+            counts
 
 
 def test_packed_batch_boundaries_come_from_the_full_sequence():

@@ -92,12 +92,14 @@ def test_debug_model_cp2_matches_cp1(rank_pools):
         seq_local = result["positions"].shape[1]
         expected = torch.arange(rank * seq_local, (rank + 1) * seq_local, dtype=torch.int32)
         assert torch.equal(result["positions"], expected.expand_as(result["positions"])), rank
-        # Every layer's attention ran as the upipe op (forward, plus AC recomputation, and
-        # backward), and no SDPA kernel ran outside it: torchtitan's ring attention is off.
+        # Every layer's attention block ran as the fused upipe op (forward, plus AC
+        # recomputation, and backward), and no SDPA kernel ran outside it: torchtitan's ring
+        # attention is off.
         counts = result["counts"]
         assert counts.get("plain sdpa outside upipe", 0) == 0, counts
-        assert counts["upipe::attention_backward"] == layers, counts
-        assert counts["upipe::attention"] >= layers, counts
+        assert counts["upipe::attention_block_backward"] == layers, counts
+        assert counts["upipe::attention_block"] >= layers, counts
+        assert "upipe::attention" not in counts, counts
         # The loss is summed over torchtitan's "loss" mesh (dp x cp): identical on all ranks.
         assert result["losses"] == cp2[0]["losses"]
 
@@ -152,7 +154,7 @@ def test_debug_model_with_stack_cp2_matches_cp1(rank_pools):
         assert result["offloaded"] == [(layers, layers * block_input_bytes)] * STEPS
     for result in cp2:
         assert result["counts"].get("plain sdpa outside upipe", 0) == 0, result["counts"]
-        assert result["counts"]["upipe::attention_backward"] == layers
+        assert result["counts"]["upipe::attention_block_backward"] == layers
         assert result["losses"] == cp2[0]["losses"]
 
     for step, (a, b) in enumerate(zip(cp2[0]["losses"], cp1["losses"])):
@@ -194,7 +196,7 @@ def test_qwen3_debug_model_with_stack_cp2_matches_cp1(rank_pools):
     for result in cp2:
         assert result["pred_type"] == "LazyLogits"
         assert result["counts"].get("plain sdpa outside upipe", 0) == 0, result["counts"]
-        assert result["counts"]["upipe::attention_backward"] == 2
+        assert result["counts"]["upipe::attention_block_backward"] == 2
         assert result["counts"]["upipe::tiled_swiglu_backward"] == 2
         assert result["offloaded"][-1][0] == 2
         for a, b in zip(result["losses"], cp1["losses"]):
@@ -214,7 +216,8 @@ def test_debug_model_with_documents_cp2_matches_cp1(rank_pools):
     for result in cp2:
         counts = result["counts"]
         assert counts.get("plain sdpa outside upipe", 0) == 0, counts
-        assert counts["upipe::attention_backward"] == cp1["n_layers"], counts
+        assert counts["upipe::attention_block_backward"] == cp1["n_layers"], counts
+        assert "upipe::attention" not in counts, counts  # every block fused, checkpointed ones too
     for step, (a, b) in enumerate(zip(cp2[0]["losses"], cp1["losses"])):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
     for name, ref in cp1["grads"].items():

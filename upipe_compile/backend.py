@@ -1,4 +1,6 @@
-"""The torch.compile backend "upipe": find -> validate -> rewrite, then the inner backend."""
+"""The torch.compile backend "upipe": find -> validate -> rewrite (the whole attention block
+where it is head-separable and ``fuse_projections`` is on, else SDPA alone), then the inner
+backend."""
 
 from __future__ import annotations
 
@@ -8,14 +10,19 @@ import torch.fx as fx
 
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
-from upipe_compile.passes import find_attention, rewrite_attention, unsupported_reasons
+from upipe_compile.passes import (
+    BlockMatch, find_attention, find_block, rewrite_attention, rewrite_block, unsupported_reasons,
+)
 
 log = logging.getLogger(__name__)
 
 
 def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphModule:
     """Rewrite every SDPA call in ``gm`` (nested bodies included) into the stage-loop op, or
-    raise UnsupportedAttention naming each call that cannot be rewritten and why.
+    raise UnsupportedAttention naming each call that cannot be rewritten and why. With
+    ``options.fuse_projections`` each block whose projections, per-head ops and output
+    projection are proven head-separable becomes one ``upipe::attention_block`` instead (one
+    log line per block says whether it was fused, or which node blocked it and why).
     With one context-parallel rank the graph is left as it is."""
     group = options.group
     world = group.size()
@@ -33,12 +40,23 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
             f"upipe cannot run {len(problems)} attention call(s) with context parallelism over P={world} ranks:\n"
             + "".join(problems)
         )
+    fused = 0
     for match in matches:
+        block = find_block(match) if options.fuse_projections else None
+        if isinstance(block, BlockMatch):
+            rewrite_block(block, heads_per_stage, world, group.group_name, options.prefetch)
+            fused += 1
+            log.info("upipe: fused attention block at %s (%d q / %d kv heads of %d)", match.source_line,
+                     block.q_heads, block.kv_heads, block.head_dim)
+            continue
+        if block is not None:
+            log.info("upipe: attention block at %s not fused: %s", match.source_line, block.reason)
         rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch)
     for module in {id(m.graph_module): m.graph_module for m in matches}.values():
         module.graph.lint()
         module.recompile()
-    log.info("upipe: rewrote %d attention call(s), P=%d, heads_per_stage=%d", len(matches), world, heads_per_stage)
+    log.info("upipe: rewrote %d attention call(s) (%d fused blocks), P=%d, heads_per_stage=%d", len(matches), fused,
+             world, heads_per_stage)
     return gm
 
 

@@ -69,6 +69,10 @@ class UPipeOptions:
     """Start the next stage's all-to-alls while this stage's attention runs: "forward"
     (no extra peak memory for GQA; MHA +1 full-sequence head), "both" (backward too; about
     U = 2P's memory) or "none"."""
+    fuse_projections: bool = True
+    """Fuse each whole attention block (q/k/v projections, their per-head ops, attention and
+    the output projection) into one stage loop (``upipe::attention_block``) where the block is
+    head-separable; other SDPA calls get the plain attention op."""
 
     @classmethod
     def from_user(cls, options: dict[str, Any] | "UPipeOptions" | None) -> "UPipeOptions":

@@ -37,6 +37,11 @@ class UPipe:
     """Start the next stage's all-to-alls during this stage's attention: "forward" (no extra
     peak memory for GQA models), "both" (backward too; about U = 2P's memory) or "none"."""
 
+    fuse_projections: bool = True
+    """Fuse each block's q/k/v projections, per-head ops (RoPE, QK-norm), attention and output
+    projection into one stage loop (upipe::attention_block), so no rank holds the q, k, v of
+    all heads; blocks that are not head-separable keep the plain attention op."""
+
     # --- the long-context stack: each piece opt-in ---
     offload_block_inputs: bool = False
     """Move each TransformerBlock's checkpointed input to pinned host memory after the block's

@@ -53,7 +53,8 @@ def upipe_enabled(job_config) -> bool:
 def compile_options(job_config, parallel_dims) -> dict:
     """The options each block is compiled with (``cp_mesh`` is torchtitan's CP mesh)."""
     cfg = upipe_config(job_config)
-    options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch}
+    options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch,
+               "fuse_projections": cfg.fuse_projections}
     if cfg.heads_per_stage:
         options["heads_per_stage"] = cfg.heads_per_stage
     return options

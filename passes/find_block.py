@@ -1,0 +1,285 @@
+"""Find the whole attention block around each SDPA call: projections, per-head chains,
+output projection, in the style of torch/_inductor/fx_passes/micro_pipeline_tp.py (a
+dataclass per match that owns its nodes).
+
+Before (one block, any graph module, nested checkpoint bodies included):
+
+    q_lin = linear(x, Wq, bq?)        # or qkv = linear(x, Wqkv); q_lin = qkv[..., :a]; ...
+    k_lin = linear(x, Wk, bk?)
+    v_lin = linear(x, Wv, bv?)
+    q = <head-separable chain>(q_lin, *extras)      # [B, Hq, s, D]
+    k = <head-separable chain>(k_lin, *extras)      # [B, Hkv, s, D]
+    v = <head-separable chain>(v_lin, *extras)
+    o = sdpa(q, k, v, is_causal=..., scale=...)
+    o2 = o.transpose(1, 2)[.contiguous()].reshape(B, s, Hq * D)[.contiguous()]
+    y = linear(o2, Wo, bo?)
+
+What this pass returns for it: a :class:`BlockMatch` (the nodes above, the three proven
+chains and their shared extras), or the reason the block cannot be fused, naming the node
+that blocked it. :mod:`upipe_compile.passes.rewrite_block` turns a match into one
+``upipe::attention_block`` call.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.fx as fx
+
+from upipe_compile.passes.find import AttentionMatch, source_line
+from upipe_compile.passes.head_separable import LINEAR_TARGETS, NotSeparable, prove_chain, shape_of
+
+ROLES = ("q", "k", "v")
+
+
+@dataclass
+class Projection:
+    """Where one role's ``projected`` comes from: ``linear`` itself (``rows`` None) or the
+    rows ``[a, b)`` of a fused projection, read through ``slice_nodes`` (a getitem or
+    narrow; or split/chunk then getitem)."""
+
+    linear: fx.Node
+    weight: fx.Node
+    bias: Optional[fx.Node]
+    rows: Optional[tuple[int, int]] = None
+    slice_nodes: list = field(default_factory=list)
+
+    @property
+    def value(self) -> fx.Node:
+        """The node whose value is ``projected``."""
+        return self.slice_nodes[-1] if self.slice_nodes else self.linear
+
+
+@dataclass
+class BlockMatch:
+    """One fusable attention block, owning its nodes."""
+
+    attention: AttentionMatch
+    x: fx.Node
+    projections: dict  # role -> Projection
+    chains: dict  # role -> Chain
+    extras: list  # tensor nodes the chains read from outside, graph order (shared by q, k, v)
+    out_nodes: list  # sdpa output -> ... -> o_proj input
+    out_linear: fx.Node
+    wo: fx.Node
+    bo: Optional[fx.Node]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.attention.graph_module
+
+    @property
+    def source_line(self) -> str:
+        return self.attention.source_line
+
+    def nodes(self) -> set:
+        """Every node the fused op replaces (projections, chains, SDPA, output side, o_proj)."""
+        nodes = {self.attention.node, self.out_linear, *self.out_nodes}
+        for role in ROLES:
+            p = self.projections[role]
+            nodes |= {p.linear, *p.slice_nodes, *self.chains[role].nodes}
+        return nodes
+
+
+@dataclass
+class NotFusable:
+    attention: AttentionMatch
+    node: fx.Node
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def _linear_args(node: fx.Node):
+    """(input, weight, bias) of a linear call, positional or keyword."""
+    def arg(i, name):
+        return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+
+    return arg(0, "input"), arg(1, "weight"), arg(2, "bias")
+
+
+def is_linear(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS
+
+
+_SLICE_METHODS = {"narrow", "split", "chunk", "tensor_split", "split_with_sizes"}
+_SLICE_FUNCTIONS = {torch.narrow, torch.split, torch.chunk, torch.tensor_split}
+
+
+def _is_slicing_of(node: fx.Node, source: fx.Node) -> bool:
+    if node.op == "call_method" and node.target in _SLICE_METHODS | {"__getitem__"}:
+        return node.args[0] is source
+    if node.op == "call_function" and (node.target in _SLICE_FUNCTIONS or node.target is operator.getitem):
+        return node.args[0] is source
+    return False
+
+
+def _find_projection(sdpa_input: fx.Node) -> Projection:
+    """The projection an SDPA input is computed from: the latest linear among its ancestors
+    (earlier ones are upstream of x), read whole or through one slicing of a fused qkv."""
+    ancestors = _ancestors_of(sdpa_input)
+    order = {n: i for i, n in enumerate(sdpa_input.graph.nodes)}
+    linears = [n for n in ancestors if is_linear(n)]
+    if not linears:
+        raise NotSeparable(sdpa_input, "no linear projection found upstream of this SDPA input")
+    linear = max(linears, key=order.__getitem__)
+    users = [u for u in linear.users if u in ancestors]
+    if len(users) == 1 and _is_slicing_of(users[0], linear):
+        user = users[0]
+        if user.target is operator.getitem or user.target in ("narrow", torch.narrow):
+            return _fused(linear, [user])  # qkv[..., a:b], qkv.narrow(-1, a, n)
+        items = [g for g in user.users if g in ancestors]
+        if len(items) == 1 and items[0].target is operator.getitem:  # qkv.split(...)[i], qkv.chunk(3, -1)[i]
+            return _fused(linear, [user, items[0]])
+        raise NotSeparable(user, "slices a fused projection in a way the fusion does not cover")
+    _, w, b = _linear_args(linear)
+    return Projection(linear, w, b)
+
+
+def _fused(linear: fx.Node, slices: list) -> Projection:
+    """Rows of ``linear``'s weight that ``slices`` (applied in order) read, found by running
+    them on the row indices."""
+    _, w, b = _linear_args(linear)
+    shape = shape_of(linear)
+    rows = torch.arange(shape[-1]).expand(*shape).contiguous()
+    value = rows
+    for s in slices:
+        args = [value if a is (s.args[0]) else a for a in s.args]
+        if s.op == "call_method":
+            value = getattr(value, s.target)(*args[1:], **s.kwargs)
+        else:
+            value = s.target(*args, **s.kwargs)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape[:-1]) != tuple(shape[:-1]):
+        raise NotSeparable(slices[-1], "slices a fused projection along a dim other than its last")
+    taken = value.reshape(-1, value.shape[-1])[0]
+    a, b_ = int(taken[0]), int(taken[-1]) + 1
+    if not torch.equal(taken, torch.arange(a, b_)):
+        raise NotSeparable(slices[-1], "reads non-contiguous rows of a fused projection")
+    return Projection(linear, w, b, (a, b_), list(slices))
+
+
+def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
+    """sdpa out -> [identity reshape] -> transpose(1, 2) -> [contiguous] -> reshape/view
+    (B, s, Hq * D) -> [contiguous] -> linear(Wo, bo?)."""
+    node = match.node
+    dead = []
+    if match.cu_seqlens is not None:  # document_sdpa returns (out, lse); users take item 0
+        # (an unused ``lse`` item may remain, e.g. in checkpoint bodies: it goes with the block)
+        dead = [u for u in node.users if u.target is operator.getitem and u.args[1] != 0 and not u.users]
+        users = [u for u in node.users if u not in dead]
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+            raise NotSeparable(node, "its (out, lse) result is used other than by taking out")
+        node = users[0]
+    out_nodes = dead + ([node] if node is not match.node else [])
+    state = "bhsd"
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            raise NotSeparable(node, f"the attention output is used by {len(users)} nodes, not only by the output "
+                                     "projection's reshape")
+        user = users[0]
+        if is_linear(user):
+            x, wo, bo = _linear_args(user)
+            if x is not node or state != "merged":
+                raise NotSeparable(user, "the output projection does not read [B, s, heads * head_dim] of the "
+                                         "attention output")
+            if wo is node or bo is node:
+                raise NotSeparable(user, "the output projection's weight depends on attention")
+            return out_nodes, user, wo, bo
+        in_shape, out_shape = shape_of(node), shape_of(user)
+        method = user.target if user.op == "call_method" else None
+        if method == "contiguous" or (method in ("view", "reshape") and in_shape == out_shape):
+            pass
+        elif method == "transpose" or (user.op == "call_function" and user.target is torch.transpose):
+            dims = sorted(d % len(in_shape) for d in user.args[1:3])
+            if state != "bhsd" or dims != [1, 2]:
+                raise NotSeparable(user, "the attention output is transposed other than (1, 2)")
+            state = "bshd"
+        elif method in ("view", "reshape") or (user.op == "call_function" and user.target is torch.reshape):
+            if state != "bshd" or out_shape != (in_shape[0], in_shape[1], q_heads * head_dim):
+                raise NotSeparable(user, f"the attention output is reshaped {in_shape} -> {out_shape}, not to "
+                                         "[B, s, heads * head_dim] after transpose(1, 2)")
+            state = "merged"
+        else:
+            raise NotSeparable(user, "an op between attention and the output projection that the fusion does not "
+                                     "cover")
+        out_nodes.append(user)
+        node = user
+
+
+def find_block(match: AttentionMatch) -> Union[BlockMatch, NotFusable]:
+    """The fusable block around ``match``, or why there is none (naming the node)."""
+    try:
+        return _find_block(match)
+    except NotSeparable as e:
+        return NotFusable(match, e.node, str(e))
+
+
+def _find_block(match: AttentionMatch) -> BlockMatch:
+    shapes = [shape_of(n) for n in (match.query, match.key, match.value)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        raise NotSeparable(match.node, "q, k, v are not 4-D tensors of known shape")
+    q_heads, kv_heads, head_dim = shapes[0][1], shapes[1][1], shapes[0][3]
+    if shapes[2][1] != kv_heads or shapes[1][3] != head_dim or shapes[2][3] != head_dim:
+        raise NotSeparable(match.node, f"q, k, v shapes {shapes} are not [B, H, s, D] with one head_dim")
+    inputs = dict(zip(ROLES, (match.query, match.key, match.value)))
+    heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
+    projections = {role: _find_projection(inputs[role]) for role in ROLES}
+    xs = {_linear_args(p.linear)[0] for p in projections.values()}
+    if len(xs) != 1:
+        raise NotSeparable(match.node, "q, k and v are not projected from one common input x")
+    x = xs.pop()
+    for role, p in projections.items():
+        if any(n is p.linear or (n is not None and p.linear in _ancestors_of(n)) for n in (p.weight, p.bias)):
+            raise NotSeparable(p.linear, "the projection's weight depends on its own output")
+        if p.rows is not None:
+            a, b = p.rows
+            if (b - a) != heads[role] * head_dim or a % head_dim:
+                raise NotSeparable(p.value, f"reads rows [{a}, {b}) of a fused projection: not {heads[role]} whole "
+                                            f"heads of {head_dim}")
+    chains = {role: prove_chain(projections[role].value, inputs[role], heads[role], head_dim) for role in ROLES}
+    extras: list[fx.Node] = []
+    for role in ROLES:
+        for e in chains[role].externals:
+            if e not in extras and e is not x:
+                extras.append(e)
+    order = {n: i for i, n in enumerate(match.graph_module.graph.nodes)}
+    extras.sort(key=order.__getitem__)
+    if any(e is x for role in ROLES for e in chains[role].externals):
+        raise NotSeparable(chains["q"].output, "a per-head chain reads the block input x itself")
+    out_nodes, out_linear, wo, bo = _output_side(match, q_heads, head_dim)
+    block = BlockMatch(match, x, projections, chains, extras, out_nodes, out_linear, wo, bo, q_heads, kv_heads,
+                       head_dim)
+    _check_closed(block)
+    return block
+
+
+def _ancestors_of(node: fx.Node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _check_closed(block: BlockMatch) -> None:
+    """Every value the fused op replaces is used only inside the block (else the full
+    projections would still be computed next to it)."""
+    nodes = block.nodes()
+    for node in nodes:
+        if node is block.out_linear:
+            continue
+        for user in node.users:
+            if user not in nodes:
+                raise NotSeparable(node, f"its value is also used outside the attention block (by {user.name} at "
+                                         f"{source_line(user)})")

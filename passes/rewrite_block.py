@@ -1,0 +1,89 @@
+"""Replace a proven attention block (:class:`~upipe_compile.passes.find_block.BlockMatch`) by
+one ``upipe::attention_block`` call.
+
+Before:
+
+    q_lin = linear(x, Wq, bq); k_lin = ...; v_lin = ...      # or qkv = linear(x, Wqkv) + slices
+    q = chain_q(q_lin, cos, sin); k = chain_k(k_lin, cos, sin); v = chain_v(v_lin)
+    o = sdpa(q, k, v, is_causal=True, scale=...)
+    y = linear(o.transpose(1, 2).reshape(B, s, Hq * D), Wo, bo)
+    ... users of y ...
+
+After:
+
+    wq = Wqkv[0:a]; wk = Wqkv[a:b]; wv = Wqkv[b:c]           # fused projections only
+    block = upipe.attention_block(x, wq, bq, wk, bk, wv, bv, Wo, bo, [cos, sin], cu_seqlens,
+                                  region_id, heads_per_stage, world_size, group_name, prefetch)
+    y = block[0]
+    ... users of y ...
+
+``region_id`` names the registered :class:`~upipe_compile.block_region.BlockRegion`, whose
+head fns are the chains extracted as ``(projected, n, *extras) -> [B, n, s, D]``
+(:func:`~upipe_compile.passes.head_separable.extract_head_fn`). The replaced nodes are erased.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from upipe_compile.block_region import BlockRegion, register_region
+from upipe_compile.passes.find_block import ROLES, BlockMatch
+from upipe_compile.passes.head_separable import extract_head_fn
+
+_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def attention_block_target():
+    return torch.ops.upipe.attention_block.default
+
+
+def block_region(block: BlockMatch) -> BlockRegion:
+    fns = {role: extract_head_fn(block.chains[role], block.extras, block.graph_module, f"{role}_head_fn")
+           for role in ROLES}
+    match = block.attention
+    scale = None if match.scale is None else float(match.scale)
+    return BlockRegion(block.q_heads, block.kv_heads, block.head_dim, fns["q"], fns["k"], fns["v"],
+                       bool(match.is_causal), scale, match.source_line)
+
+
+def rewrite_block(block: BlockMatch, heads_per_stage: int, world_size: int, group_name: str, prefetch: str) -> int:
+    """Insert ``upipe::attention_block`` before the output projection, hand the projection's
+    users item 0, erase the block's nodes. Returns the region id. The caller lints and
+    recompiles each touched graph module once."""
+    region_id = register_region(block_region(block))
+    graph = block.graph_module.graph
+    anchor = block.out_linear
+    with graph.inserting_before(anchor):
+        tensors = []
+        for role in ROLES:
+            p = block.projections[role]
+            if p.rows is None:
+                tensors += [p.weight, p.bias]
+                continue
+            rows = slice(*p.rows)
+            w = graph.call_function(operator.getitem, (p.weight, rows))
+            b = None if p.bias is None else graph.call_function(operator.getitem, (p.bias, rows))
+            for n in (w, b):
+                if n is not None:
+                    n.meta.update({k: v for k, v in p.linear.meta.items() if k in _META_KEYS})
+            tensors += [w, b]
+        op = graph.call_function(
+            attention_block_target(),
+            (block.x, *tensors, block.wo, block.bo, list(block.extras), block.attention.cu_seqlens, region_id,
+             heads_per_stage, world_size, group_name, prefetch),
+        )
+        y = graph.call_function(operator.getitem, (op, 0))
+    op.meta.update({k: v for k, v in block.attention.node.meta.items() if k in _META_KEYS})
+    y.meta.update(anchor.meta)
+    anchor.replace_all_uses_with(y)
+    _erase_dead(graph, block.nodes())
+    return region_id
+
+
+def _erase_dead(graph: fx.Graph, nodes: set) -> None:
+    for node in reversed(list(graph.nodes)):
+        if node in nodes and not node.users:
+            graph.erase_node(node)
