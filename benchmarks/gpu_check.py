@@ -47,10 +47,8 @@ from upipe_compile import collectives, kernels  # noqa: E402
 from upipe_compile.documents import Documents  # noqa: E402
 from upipe_compile.memory import fake_process_group, measure_op_memory  # noqa: E402
 
-try:  # the module may be renamed
-    from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward  # noqa: E402
-except ImportError:
-    from upipe_compile.attention import stage_loop_backward, stage_loop_forward  # noqa: E402
+from upipe_compile.options import StageLoopSettings  # noqa: E402
+from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward  # noqa: E402
 
 GiB = 2**30
 TOLERANCE = kernel_check.TOLERANCE
@@ -132,13 +130,13 @@ def section_stage_loop(device, quick, world, seqs, reps):
             collectives._same_shape_checked.add((group.group_name, (1, q_heads, kv_heads, s_local, dim)))
             times = {}
             for u in sorted({world, q_heads}):
-                args = (True, None, u, group.group_name, "forward", None)
+                settings = StageLoopSettings(True, None, u, world, group.group_name, "forward")
                 fwd_times, bwd_times = [], []
                 for _ in range(reps):
                     with Peak(device) as fwd:
-                        out, lse = stage_loop_forward(q, k, v, *args)
+                        out, lse = stage_loop_forward(q, k, v, settings)
                     with Peak(device) as bwd:
-                        dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, *args)
+                        dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, settings)
                     fwd_times.append(fwd.seconds)
                     bwd_times.append(bwd.seconds)
                     measured_fwd = None if fwd.extra is None else fwd.extra - nbytes(out, lse)
