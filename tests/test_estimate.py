@@ -95,22 +95,44 @@ def test_parameter_and_optimizer_terms_match_hand_arithmetic(debug_estimate, deb
     assert b["model_buffers"] * GIB == pytest.approx(SEQ * (args.dim // args.n_heads // 2) * 8, abs=ROUNDING)
 
 
-def test_cuda_kernel_workspace_is_counted(debug_estimate):
+UNFUSED = ["--upipe.no-fuse_projections"]
+
+
+@pytest.fixture(scope="module")
+def unfused_estimate():
+    result = run_estimate(*DEBUG_ARGS, *UNFUSED, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_cuda_kernel_workspace_is_counted(unfused_estimate):
     """aten's flash backward holds more than flash-attn's (its copies of out and dout): the
     stage loop's backward buffers show the kernel the estimate was told to model."""
-    result = run_estimate(*DEBUG_ARGS, "--json", "--cuda-kernel", "aten-flash")
+    result = run_estimate(*DEBUG_ARGS, *UNFUSED, "--json", "--cuda-kernel", "aten-flash")
     assert result.returncode == 0, result.stderr[-3000:]
     aten = json.loads(result.stdout)
-    assert debug_estimate["cuda_kernel"] == "flash-attn" and aten["cuda_kernel"] == "aten-flash"
-    flash_buffers = debug_estimate["block_recompute"]["stage_loop_backward_buffers"]
+    assert unfused_estimate["cuda_kernel"] == "flash-attn" and aten["cuda_kernel"] == "aten-flash"
+    flash_buffers = unfused_estimate["block_recompute"]["stage_loop_backward_buffers"]
     assert aten["block_recompute"]["stage_loop_backward_buffers"] > flash_buffers
 
 
-def test_the_stage_loops_ran(debug_estimate):
-    """The route put every block's attention through the real loops: their buffers show."""
-    block = debug_estimate["block_recompute"]
+def test_the_stage_loops_ran(unfused_estimate, debug_model):
+    """With fuse_projections off, the route put every block's attention through the real
+    plain-op loops: their buffers show."""
+    _, args, _ = debug_model
+    assert unfused_estimate["attention_calls"] == {"stage-loop op": 2 * args.n_layers}  # forward + AC recompute
+    block = unfused_estimate["block_recompute"]
     assert block["stage_loop_forward_buffers"] > 0 and block["stage_loop_backward_buffers"] > 0
     assert block["peak_above_start"] >= max(block["attention_stage_loop"], block["mlp"])
+
+
+def test_the_fused_blocks_ran(debug_estimate, unfused_estimate, debug_model):
+    """By default (fuse_projections on) every block's attention ran as the fused block's eager
+    twin, forward and AC recompute, and its backward holds less than the plain op's."""
+    _, args, _ = debug_model
+    assert debug_estimate["attention_calls"] == {"fused block": 2 * args.n_layers}
+    fused, plain = debug_estimate["block_recompute"], unfused_estimate["block_recompute"]
+    assert 0 < fused["attention"] < plain["attention_stage_loop"]
 
 
 def test_unknown_override_names_the_key():
@@ -184,7 +206,8 @@ def test_max_context_refuses_when_nothing_fits(monkeypatch):
 
 def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debug_model):
     """Under selective op AC the compiled path saves each layer's upipe::attention outputs
-    (out and the per-stage LSE), which the eager route recomputes: the estimate adds them."""
+    (out and the per-stage LSE; a fused block's output too), which the eager route
+    recomputes: the estimate adds them."""
     from upipe_compile.estimate import _sac_saved_attention_bytes
 
     config, args, _ = debug_model
@@ -194,7 +217,10 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
     out = batch * args.n_heads * (SEQ // world) * head_dim * 4  # fp32 debug TOML
     stages, q_per_rank = args.n_heads // heads_per_stage, heads_per_stage // world
     lse = stages * batch * q_per_rank * SEQ * 4
-    assert _sac_saved_attention_bytes(config, args, heads_per_stage) == args.n_layers * (out + lse)
+    assert _sac_saved_attention_bytes(config, args, heads_per_stage, fused=False) == args.n_layers * (out + lse)
+    block_output = batch * (SEQ // world) * args.dim * 4  # the fused block's y is saved too
+    assert _sac_saved_attention_bytes(config, args, heads_per_stage, fused=True) == args.n_layers * (
+        out + lse + block_output)
 
 
 def test_the_stack_runs_for_real(debug_estimate, stack_estimate, debug_model):

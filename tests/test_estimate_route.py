@@ -9,6 +9,7 @@ autograd keeps the same bytes for backward over the whole block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from contextlib import contextmanager
 
@@ -16,10 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import upipe_compile.block_ops as block_ops_module
 import upipe_compile.memory as memory_module
 import upipe_compile.ops as ops_module
 from tests_support import AttentionCase, TinyAttention, make_block_inputs
 from upipe_compile import UnsupportedAttention, collectives, kernels
+from upipe_compile.eager_twins import eager_twin_backend
 from upipe_compile.memory import SDPAThroughStageLoops, fake_process_group
 
 WORLD = 2
@@ -33,8 +36,14 @@ def group():
 
 
 def _describe(x):
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype, tuple(x.stride()))
+    if isinstance(x, torch.Tensor):  # a size-1 dim's stride says nothing about the layout
+        return (tuple(x.shape), x.dtype, tuple(st if n > 1 else None for n, st in zip(x.shape, x.stride())))
+    if dataclasses.is_dataclass(x):  # BlockWeights, BlockRegion: field by field
+        return (type(x).__name__, tuple(_describe(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, (list, tuple)):
+        return tuple(_describe(item) for item in x)
+    if callable(x):  # a region's head fn: each compile extracts its own
+        return type(x).__name__
     return x
 
 
@@ -63,6 +72,9 @@ def recording(monkeypatch, calls: list):
     for owner in (ops_module, memory_module):
         wrap(owner, "stage_loop_forward", "stage loop forward")
         wrap(owner, "stage_loop_backward", "stage loop backward")
+    # The fused block: the op and its eager twin both call these from block_ops.
+    wrap(block_ops_module, "block_forward", "block loop forward")
+    wrap(block_ops_module, "block_backward", "block loop backward")
     yield
 
 
@@ -129,6 +141,33 @@ def test_route_allocates_what_the_compiled_op_allocates(group, monkeypatch, case
     assert labels.count("kernel backward") == case.q_heads // case.heads_per_stage  # one per stage
     assert routed_calls == compiled_calls  # same loops, same buffers, same saved q/k/v/out/lse
     assert routed_saved == compiled_saved > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=["upipe-gqa", "ulysses-mha"])
+def test_fused_route_allocates_what_the_compiled_fused_op_allocates(group, monkeypatch, case):
+    """The estimate compiles attention modules with eager_twin_backend (same passes, the fused
+    op swapped for BlockFunction): same block loops, kernels, send buffers and saved bytes as
+    the ``upipe::attention_block`` op that backend "upipe" compiles."""
+    torch._dynamo.reset()
+    x, dout = make_block_inputs(case)
+    # this rank's shard; contiguous, as the gradient reaching a compiled graph always is
+    x, dout = x[:, : case.seq_local].contiguous(), dout[:, : case.seq_local].contiguous()
+    eager = TinyAttention(case)
+    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"}
+    compiled = torch.compile(eager, backend="upipe", options=options, fullgraph=True)
+    twin = torch.compile(eager, backend=eager_twin_backend, options=options, fullgraph=True)
+    for module in (compiled, twin):
+        run_block(module, eager.parameters(), x, dout, monkeypatch)  # compile outside the recording
+
+    compiled_calls, compiled_saved = run_block(compiled, eager.parameters(), x, dout, monkeypatch)
+    twin_calls, twin_saved = run_block(twin, eager.parameters(), x, dout, monkeypatch)
+
+    labels = [label for label, _ in compiled_calls]
+    assert labels.count("block loop forward") == labels.count("block loop backward") == 1
+    assert "stage loop forward" not in labels  # fused: no plain op left
+    assert labels.count("kernel backward") == case.q_heads // case.heads_per_stage
+    assert twin_calls == compiled_calls
+    assert twin_saved == compiled_saved > 0
 
 
 def test_route_refuses_what_the_backend_refuses(group):

@@ -12,6 +12,7 @@ UPipe's stage loop is meant to shrink from O(H) to O(U).
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,11 @@ def measure_op_memory(
     return OpMemory(forward_bytes, backward_bytes)
 
 
+eager_calls: Counter = Counter()
+"""Forward calls of the ops' eager twins in measurements ("stage-loop op", "fused block"),
+recompute included: what a whole-model measurement actually ran."""
+
+
 class StageLoopFunction(torch.autograd.Function):
     """The op's forward and backward loops as an autograd.Function, for measuring whole
     layers on fake tensors: the registered custom op would run only its fake kernel there.
@@ -115,6 +121,7 @@ class StageLoopFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, settings: StageLoopSettings):
+        eager_calls["stage-loop op"] += 1
         out, lse = stage_loop_forward(q, k, v, settings)
         save_for_backward(ctx, op_arguments(q, k, v, settings), (out, lse))
         return out

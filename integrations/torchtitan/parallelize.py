@@ -154,6 +154,7 @@ def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims
     routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    from upipe_compile.eager_twins import eager_twin_backend
     from upipe_compile.memory import SDPAThroughStageLoops
     from upipe_compile.options import UPipeOptions
 
@@ -162,7 +163,15 @@ def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims
     options = UPipeOptions.from_user(compile_options(job_config, parallel_dims))
     for block in model.layers.values():
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-        _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(), options.prefetch))
+        if options.fuse_projections:
+            # The fusion pass needs the graph: the attention module is compiled (same passes and
+            # options as training), its ops swapped for their eager twins (eager_twins.py).
+            inner.attention.forward = torch.compile(inner.attention.forward, backend=eager_twin_backend,
+                                                    options=compile_options(job_config, parallel_dims),
+                                                    fullgraph=True, dynamic=False)
+        else:
+            _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(),
+                                                                    options.prefetch))
 
 
 def _run_forward_under(module: nn.Module, make_mode) -> None:
@@ -214,7 +223,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
     stack.apply_module_swaps(model, job_config)
 
     if job_config.activation_checkpoint.mode != "none":
-        save_list = set(sac_save_list) | {torch.ops.upipe.attention.default}
+        save_list = set(sac_save_list) | {torch.ops.upipe.attention.default, torch.ops.upipe.attention_block.default}
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=True,
                  op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from upipe_compile import kernels
+from upipe_compile.memory import eager_calls
 from upipe_compile.estimate.gpu import GIB, budget_gib
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
 from upipe_compile.estimate.plain_loops import plain_stack_loops
@@ -50,6 +51,10 @@ class Estimate:
     """Device peak within each phase of the step: where the next saving must come from."""
     modelled: dict[str, float]
     """Terms added to the measured peak because the fake-tensor run cannot show them (GiB)."""
+    attention_calls: dict[str, int]
+    """How the step's attention ran, as forward calls of each op's eager twin (AC's
+    recompute included): "fused block" (``upipe::attention_block``), "stage-loop op"
+    (``upipe::attention``: ``fuse_projections = false`` or a block the pass did not fuse)."""
     seconds: float
 
     def as_json(self) -> dict:
@@ -67,6 +72,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
 
     start = time.time()
     world = world_size(job_config)
+    eager_calls.clear()
     with fake_process_group(world), private_sharding_fake_mode(), kernels.modelled_cuda_kernel(cuda_kernel), \
             plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
@@ -75,10 +81,11 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         memory = run_step(job, fake_mode)
     cp = job_config.parallelism.context_parallel_degree
     heads_per_stage = upipe_config(job_config).heads_per_stage or cp
+    calls = dict(eager_calls)
     modelled = {}
     if cp > 1 and _op_selective_ac(job_config):
-        modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(job_config, job.model_args,
-                                                                                  heads_per_stage))
+        modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(
+            job_config, job.model_args, heads_per_stage, fused="fused block" in calls))
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB
@@ -89,7 +96,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
         breakdown=_breakdown(memory), block_recompute=_block_recompute(memory),
-        phase_peaks=_phase_peaks(memory), modelled=modelled, seconds=round(time.time() - start, 1),
+        phase_peaks=_phase_peaks(memory), modelled=modelled, attention_calls=calls, seconds=round(time.time() - start, 1),
     )
 
 
@@ -98,12 +105,13 @@ def _op_selective_ac(job_config) -> bool:
     return ac.mode == "selective" and ac.selective_ac_option == "op"
 
 
-def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int) -> int:
-    """Selective op AC: the compiled path saves every layer's ``upipe::attention`` outputs (the
-    op is in the save list) where the eager route recomputes them, as aten's CPU attention
-    kernels are not in torchtitan's list. Counted for all layers (they are all alive at the
-    loss, and the peak is never before it by more than a layer's worth): out
-    ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE ``[B, m, S]`` fp32."""
+def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, fused: bool) -> int:
+    """Selective op AC: the compiled path saves every layer's ``upipe::attention`` (or
+    ``upipe::attention_block``) outputs (the ops are in the save list) where the eager route
+    recomputes them, as aten's CPU attention kernels are not in torchtitan's list. Counted for
+    all layers (they are all alive at the loss, and the peak is never before it by more than a
+    layer's worth): out ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE
+    ``[B, m, S]`` fp32; a fused block's output ``[B, S/P, dim]`` too."""
     from torchtitan.config import TORCH_DTYPE_MAP
 
     from upipe_compile.schedule import plan_stages
@@ -116,7 +124,8 @@ def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int) -> 
     schedule = plan_stages(q_heads, kv_heads, cp, heads_per_stage)
     out = batch * q_heads * (seq // cp) * head_dim * element
     lse = len(schedule.stages) * batch * schedule.q_per_rank * seq * 4
-    return model_args.n_layers * (out + lse)
+    block_output = batch * (seq // cp) * model_args.dim * element if fused else 0
+    return model_args.n_layers * (out + lse + block_output)
 
 
 # FSDPMemTracker's categories, grouped as the report names them.
@@ -176,7 +185,8 @@ def _block_recompute(memory: StepMemory) -> dict[str, float]:
     parts = blocks[layer]
     start = min(s.entry for s in parts.values())
     result = {"layer": layer, "peak_above_start": _gib(max(s.peak for s in parts.values()) - start)}
-    names = {"stage loop": "attention_stage_loop", "attention": "attention_projections_rope", "mlp": "mlp", "rest": "rest"}
+    # A fused block runs projections, RoPE and stage loop in one op: all "attention".
+    names = {"stage loop": "attention_stage_loop", "attention": "attention", "mlp": "mlp", "rest": "rest"}
     for part, name in names.items():
         peaks = [s.peak for (_, p), s in parts.items() if p == part]
         if peaks:

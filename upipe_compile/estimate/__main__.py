@@ -42,6 +42,8 @@ def format_report(result: Estimate) -> str:
         f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}, "
         f"U = {result.heads_per_stage} heads per stage, {result.cuda_kernel} workspaces), "
         f"estimated in {result.seconds:.0f} s",
+        "attention ran as: " + (", ".join(f"{kind} x{n}" for kind, n in result.attention_calls.items())
+                                  or "plain SDPA (CP = 1)") + " (forward calls, recompute included)",
         f"per-rank peak device memory  {result.peak_device_gib:8.2f} GiB   (at: {result.peak_phase})",
         f"  reserve                    {result.reserve_gib:8.2f} GiB   "
         f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the budget for "
@@ -63,7 +65,7 @@ def format_report(result: Estimate) -> str:
     if block:
         lines.append(f"  one block's backward (layer {block['layer']}: AC recompute + gradients), peak above its start "
                      f"{block['peak_above_start']:.2f}, while in:")
-        for key in ("attention_stage_loop", "attention_projections_rope", "mlp", "rest"):
+        for key in ("attention_stage_loop", "attention", "mlp", "rest"):
             if key in block:
                 lines.append(f"    {key.replace('_', ' '):28s} {block[key]:8.2f}")
         if "stage_loop_backward_buffers" in block:

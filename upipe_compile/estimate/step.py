@@ -57,6 +57,13 @@ class PhaseTracker(FSDPMemTracker):
         self._recompute_hooks = []
         self._checkpointed = [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Off while torch.compile traces (the fusion route compiles attention modules during
+        # the step, see eager_twins.py), on while the compiled code runs: the step is counted,
+        # the compiler's own fake tensors are not.
+        return True
+
     def __enter__(self):
         # torchtitan puts the checkpoint inside each FSDP block, so FSDPMemTracker's own AC flag
         # (set by FSDP's pre-forward in backward) never rises: watch the checkpointed modules.
