@@ -169,3 +169,24 @@ def test_qwen3_spec_is_registered_and_moe_flavors_refused():
     check_job(config, dims, spec.model_args["32B"])  # 64 q / 8 kv heads, dense: accepted
     with pytest.raises(UnsupportedAttention, match="MoE model flavors are not supported"):
         check_job(config, dims, spec.model_args["30B-A3B"])
+
+
+def test_a_real_buffer_handed_to_every_block_is_held_once_in_the_param_dtype():
+    """FSDP casts each block's floating inputs to bf16 and AC keeps them until backward: an
+    fp32 buffer passed to every block (Qwen3's rope_cache) would live once per layer. The
+    root pre-forward hook casts it once; complex buffers (Llama3's freqs_cis) stay."""
+    from upipe_compile.integrations.torchtitan.parallelize import _root_buffers_in_param_dtype
+
+    model = torch.nn.Module()
+    model.register_buffer("rope_cache", torch.randn(16, 8), persistent=False)
+    model.register_buffer("freqs_cis", torch.randn(16, 4, dtype=torch.complex64), persistent=False)
+    model.forward = lambda x: x
+    reference = model.rope_cache.clone()
+    _root_buffers_in_param_dtype(model, torch.bfloat16)
+    model(torch.zeros(1))
+    assert model.rope_cache.dtype == torch.bfloat16 and model.freqs_cis.dtype == torch.complex64
+    assert torch.equal(model.rope_cache, reference.to(torch.bfloat16))
+    cast_once = model.rope_cache
+    model(torch.zeros(1))
+    assert model.rope_cache is cast_once  # once, not per step
+    assert "rope_cache" not in model.state_dict()

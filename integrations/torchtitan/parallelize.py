@@ -240,6 +240,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
             reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
         )
         _sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))
+        _root_buffers_in_param_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
         stack.keep_output_weight_for_loss(model, job_config)
     elif parallel_dims.dp_replicate_enabled:
         mesh = parallel_dims.get_mesh("dp_replicate")
@@ -248,6 +249,27 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
         apply_ddp(model, mesh, enable_compile=True)
     stack.install_offload(model, job_config, parallel_dims)
     return model
+
+
+def _root_buffers_in_param_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:
+    """FSDP casts each block's floating-point inputs to the param dtype, and activation
+    checkpointing keeps every block's inputs until its backward. A real fp32 buffer the model
+    hands to every block (Qwen3's ``rope_cache`` [max_seq_len, 2 * head_dim]) thus lives
+    once per layer in bf16: 64 GiB per rank for Qwen3-32B at 2M tokens. Casting the buffer
+    itself once, before the first forward (init_weights makes it after parallelize), makes
+    FSDP's cast a no-op: the same bf16 values reach every block (Qwen3's RoPE casts cos and
+    sin to the activations' dtype anyway), held once. Complex buffers (Llama3's
+    ``freqs_cis``) are not cast by FSDP and are left alone."""
+    if param_dtype == torch.float32:
+        return
+
+    def cast_once(module, args, kwargs):
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != param_dtype:
+                setattr(module, name, buffer.to(param_dtype))
+        return None
+
+    model.register_forward_pre_hook(cast_once, with_kwargs=True)
 
 
 def _sum_reductions_on_gloo(model: nn.Module, dp_mesh) -> None:

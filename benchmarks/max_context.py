@@ -1,0 +1,179 @@
+"""Max context on 80 GB H100s by the whole-step estimate: per method, with the whole
+long-context stack and with each piece removed in turn.
+
+    python benchmarks/max_context.py [--jobs 2] [--only llama3_8b] [--report-only]
+
+Each row is one ``python -m upipe_compile.estimate --config <TOML> ... --max-context --json``
+(a search over seq_len, see docs/estimate.md), run in its own process and kept as JSON under
+``benchmarks/results/max_context/`` (an existing JSON is reused: delete it to rerun). Then it
+writes ``benchmarks/results/max_context.md`` (the table, with each row's command) and
+``benchmarks/results/max_context.png`` (per-rank peak device memory against seq_len, the
+probes of each search, with the budget and the 80 GB lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RUNS = os.path.join(RESULTS, "max_context")
+TOMLS = os.path.join(ROOT, "integrations", "torchtitan")
+
+
+@dataclass(frozen=True)
+class Model:
+    key: str
+    name: str
+    toml: str
+    q_heads: int
+    cp: int
+
+
+MODELS = {
+    "llama3_8b": Model("llama3_8b", "Llama3-8B, 8 ranks", "llama3_8b_upipe_5m.toml", 32, 8),
+    "qwen3_32b": Model("qwen3_32b", "Qwen3-32B, 16 ranks", "qwen3_32b_upipe.toml", 64, 16),
+}
+# Each piece of the stack, and the override that removes it from the shipped TOML (which has all on).
+VARIANTS = {
+    "whole stack": [],
+    "no block-input offload": ["--upipe.no-offload_block_inputs"],
+    "no tiled MLP": ["--upipe.mlp_tile_tokens", "0"],
+    "no chunked loss": ["--upipe.loss_chunk_tokens", "0"],
+    "no fused block": ["--upipe.no-fuse_projections"],
+}
+
+
+def methods(model: Model) -> dict[str, int]:
+    return {"Ulysses": model.q_heads, "UPipe U = P": model.cp, "UPipe U = 2P": 2 * model.cp}
+
+
+def rows(only: list[str] | None, whole_stack_only: bool = False) -> list[tuple[Model, str, int, str]]:
+    """(model, method, U, variant): the whole stack for every method, each piece removed for
+    Ulysses and U = P (U = 2P sits between them)."""
+    out = []
+    for model in MODELS.values():
+        if only and model.key not in only:
+            continue
+        for method, u in methods(model).items():
+            for variant in VARIANTS:
+                if variant == "whole stack" or (method != "UPipe U = 2P" and not whole_stack_only):
+                    out.append((model, method, u, variant))
+    return out
+
+
+def command(model: Model, u: int, variant: str) -> list[str]:
+    return ["python", "-m", "upipe_compile.estimate", "--config", f"integrations/torchtitan/{model.toml}",
+            "--upipe.heads_per_stage", str(u), *VARIANTS[variant], "--max-context", "--json"]
+
+
+def run_path(model: Model, u: int, variant: str) -> str:
+    return os.path.join(RUNS, f"{model.key}_u{u}_{variant.replace(' ', '_').replace('-', '_')}.json")
+
+
+def run(model: Model, u: int, variant: str) -> dict:
+    path = run_path(model, u, variant)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    cmd = [sys.executable, *command(model, u, variant)[1:]]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout)
+    os.makedirs(RUNS, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def table(results) -> list[dict]:
+    out = []
+    for (model, method, u, variant), r in results:
+        out.append({
+            "model": model.name, "method": f"{method} ({u})", "stack": variant,
+            "max seq_len": f"{r['max_context']:,}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
+            "peak in": r["peak_phase"], "host GiB per node": f"{r['host_gib_per_node']:.0f}",
+            "probes": len(r["probes"]),
+        })
+    return out
+
+
+def plot(results, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({m.key for (m, *_), _ in results})
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], models):
+        for (model, method, u, variant), r in results:
+            if model.key != key or variant != "whole stack":
+                continue
+            probes = sorted(r["probes"])
+            ax.plot([s / 2**20 for s, _ in probes], [p for _, p in probes], marker="o", label=f"{method} (U={u})")
+            ax.set_title(f"{model.name}, whole stack")
+            budget, gpu = r["budget_gib"], r["gpu_gib"]
+        ax.axhline(gpu, color="k", linestyle="--", linewidth=1, label=f"80 GB H100 ({gpu} GiB to torch)")
+        ax.axhline(budget, color="r", linestyle=":", linewidth=1, label=f"budget after reserve ({budget:.2f} GiB)")
+        ax.set_xlabel("seq_len (Mi tokens)")
+        ax.set_ylabel("per-rank peak device memory (GiB)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_report(results) -> str:
+    lines = [
+        "# Max context on 80 GB H100s (whole-step estimate)", "",
+        "`python benchmarks/max_context.py` runs, per row, the estimate's max-context search on the",
+        "shipped TOML with the row's overrides (the command column), on fake tensors over a fake",
+        "process group (2-core CPU, torch 2.13 CPU). Every shipped TOML has the whole stack on",
+        "(block-input offload, tiled MLP at 16K tokens, chunked loss at 4K tokens, fused attention",
+        "blocks, full AC); each other row removes one piece. Measured by the fake-tensor run: every",
+        "allocation of the step (FSDP, AC, offload, the stage loops, tiled MLP and loss). Modelled,",
+        "not measured: flash-attn's backward workspace (counted from its documented buffers),",
+        "RMSNorm and RoPE as fused GPU kernels, and the reserve (2.5 GiB CUDA context / NCCL /",
+        "workspaces + 5 % fragmentation) that sets the 72.95 GiB budget on a 79.1 GiB H100.", "",
+        tabulate(table(results), headers="keys", tablefmt="github"), "",
+        "Commands (from the repository root):", "", "```",
+    ]
+    for (model, method, u, variant), _ in results:
+        lines.append(" ".join(command(model, u, variant)))
+    lines += ["```", "", "![peak memory against seq_len](max_context.png)", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=2, help="searches run at once (each uses about one core)")
+    parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="only these models")
+    parser.add_argument("--whole-stack-only", action="store_true", help="skip the rows that remove a piece")
+    parser.add_argument("--report-only", action="store_true", help="only rows whose JSON exists; run nothing")
+    args = parser.parse_args(argv)
+    todo = rows(args.only, args.whole_stack_only)
+    if args.report_only:
+        todo = [row for row in todo if os.path.exists(run_path(row[0], row[2], row[3]))]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        found = list(pool.map(lambda row: run(row[0], row[2], row[3]), todo))
+    results = list(zip(todo, found))
+    report = write_report(results)
+    with open(os.path.join(RESULTS, "max_context.md"), "w") as f:
+        f.write(report)
+    plot(results, os.path.join(RESULTS, "max_context.png"))
+    print(tabulate(table(results), headers="keys", tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
