@@ -47,7 +47,7 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` and `upipe_compil
 import torch  # noqa: E402
 
 from benchmarks import throughput_report  # noqa: E402
-from benchmarks.throughput_methods import DTYPES, METHODS  # noqa: E402
+from benchmarks.throughput_methods import DTYPES, METHODS, NAMES, select_methods  # noqa: E402
 from benchmarks.throughput_run import rank_job  # noqa: E402
 from benchmarks.tiny_llama import LlamaConfig  # noqa: E402
 from upipe_compile.launch import run_on_ranks  # noqa: E402
@@ -130,7 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="smoke run: the quick model (hidden 256, 16 q / 4 KV heads of 16), aot_eager, "
                              "256 tokens, 2 repeats (explicit flags still win)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--methods", nargs="+", choices=NAMES, default=None,
+                        help=f"only these methods ({NAMES[0]!r}, the reference, always runs)")
     args = parser.parse_args(argv)
+    select_methods(args.methods)
 
     args.seqs = args.seqs or ([256] if args.quick else [2048, 4096, 8192])
     args.repeats = args.repeats or (2 if args.quick else 5)

@@ -256,8 +256,9 @@ class Method:
     profiled: bool = True  # included in the per-step profile
 
 
-def upipe(name: str, heads_per_stage: Callable[[int, int], int], prefetch: str) -> Method:
-    """upipe_compile with U = heads_per_stage(Hq, P) and a prefetch mode."""
+def upipe(name: str, heads_per_stage: Callable[[int, int], int], prefetch: str, fuse: bool = True) -> Method:
+    """upipe_compile with U = heads_per_stage(Hq, P), a prefetch mode, and (block case) the
+    attention block fused into the stage loop or not (``fuse_projections``)."""
 
     def op(r, inputs, u):
         attend = lambda q, k, v: upipe_compile.upipe_attention(  # noqa: E731
@@ -267,7 +268,8 @@ def upipe(name: str, heads_per_stage: Callable[[int, int], int], prefetch: str) 
     def block(r, inputs, u):
         model = load_block(r, Block(r.cfg), inputs)
         compiled = torch.compile(model, backend="upipe", dynamic=False, options={
-            "cp_mesh": r.mesh, "heads_per_stage": u, "prefetch": prefetch, "inner_backend": r.args.inner_backend})
+            "cp_mesh": r.mesh, "heads_per_stage": u, "prefetch": prefetch, "inner_backend": r.args.inner_backend,
+            "fuse_projections": fuse})
         return block_step(r, model, compiled, inputs)
 
     return Method(name, heads_per_stage, op, block, ours=True)
@@ -284,6 +286,7 @@ def _deepspeed_block(r, inputs, u):
 
 
 ULYSSES, UPIPE_P, DEEPSPEED, RING = "Ulysses (ours)", "UPipe U=P", "DeepSpeed Ulysses", "torch ring CP"
+UPIPE_P_UNFUSED = "UPipe U=P, unfused"
 ALL_HEADS = lambda q_heads, world: q_heads  # noqa: E731
 
 # In table order. Ulysses is the reference every other method is checked against.
@@ -293,11 +296,18 @@ METHODS = [
     upipe("UPipe U=P, no prefetch", lambda q_heads, world: world, "none"),
     upipe("UPipe U=P, prefetch both", lambda q_heads, world: world, "both"),
     upipe("UPipe U=2P", lambda q_heads, world: 2 * world, "forward"),
+    upipe(UPIPE_P_UNFUSED, lambda q_heads, world: world, "forward", fuse=False),  # block: SDPA alone rewritten
     Method(DEEPSPEED, ALL_HEADS, _deepspeed_op, _deepspeed_block),
     Method(RING, ALL_HEADS, lambda r, inputs, u: ring_op_step(r, inputs),
            lambda r, inputs, u: ring_block_step(r, inputs), profiled=False),
 ]
 NAMES = [m.name for m in METHODS]
+
+
+def select_methods(names: Optional[list[str]]) -> None:
+    """Keep only ``names`` (and the reference, Ulysses) in METHODS, in table order."""
+    if names:
+        METHODS[:] = [m for m in METHODS if m.name in names or m.name == ULYSSES]
 
 
 def probe_ring(r: Rank) -> Optional[str]:

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.throughput_methods import (
-    DEEPSPEED, METHODS, ULYSSES, Rank, block_inputs, first_line, load_block, op_inputs, unavailable_reasons,
+    DEEPSPEED, METHODS, ULYSSES, Rank, block_inputs, first_line, load_block, op_inputs, select_methods,
+    unavailable_reasons,
 )
 from benchmarks.tiny_llama import Block
 from upipe_compile.launch import report
@@ -92,7 +93,7 @@ def measure_cell(r: Rank, case: str, seq: int, steps: dict) -> list[dict]:
         rows[name].update({"median ms": 1e3 * median, "min ms": 1e3 * best, "tokens/s": seq / median,
                            "max rel. err": errors[name]})
     base = rows[ULYSSES]["median ms"]
-    peer = rows[DEEPSPEED].get("median ms")
+    peer = rows.get(DEEPSPEED, {}).get("median ms")  # absent when --methods leaves it out
     for name in runnable:
         rows[name]["vs Ulysses"] = base / rows[name]["median ms"]
         if peer is not None:
@@ -213,6 +214,7 @@ def measure_compile_time(r: Rank, seq: int) -> list[dict]:
 
 # --- a rank -------------------------------------------------------------------------------
 def rank_job(args, cfg, with_compile_time: bool) -> dict:
+    select_methods(args.methods)  # a spawned rank imports the full list again
     """Everything one P measures, on every rank; every rank returns the same tables."""
     device = torch.device("cpu" if args.device == "cpu" else f"cuda:{dist.get_rank()}")
     r = Rank(device, args, cfg)
