@@ -190,17 +190,34 @@ def per_document_reference(case: LlamaCase, lengths: tuple[int, ...]):
     return torch.cat(logits, dim=1), _grads(model)
 
 
-def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask: bool = False):
-    """This rank's shard of one packed row through the compiled model with boundaries from
-    packed_batch: (local logits, param grads, attention op counts of the second step)."""
+def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask: bool = False,
+                      via: str = "packed_batch"):
+    """This rank's shard of one packed row through the compiled model, with boundaries from
+    packed_batch, or (``via="position_ids"``) only this rank's shard of the restarting
+    position_ids, as flash_attention_2 users feed packed rows: (local logits, param grads,
+    attention op counts of the second step, how often the second step derived documents
+    from positions)."""
+    import upipe_compile.documents as documents_module
     from upipe_compile.integrations.transformers import packed_batch
 
     torch._dynamo.reset()
     model = build_model(case, CAUSAL_SDPA)
     ids, positions, dout = packed_inputs(case, lengths)
     extra = {"attention_mask": torch.ones_like(ids)} if attention_mask else {}
-    inputs = packed_batch(ids, positions, **extra)
+    if via == "packed_batch":
+        inputs = packed_batch(ids, positions, **extra)
+    else:
+        inputs = {name: upipe_compile.shard_sequence(t, dim=1)
+                  for name, t in dict(input_ids=ids, position_ids=positions, **extra).items()}
     dout = upipe_compile.shard_sequence(dout, dim=1)
+    derived = []
+    original = documents_module.documents_from_positions
+
+    def counted(*args, **kwargs):
+        derived.append(1)
+        return original(*args, **kwargs)
+
+    documents_module.documents_from_positions = counted
     compiled = torch.compile(
         model, backend="upipe", options={"heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"},
     )
@@ -212,6 +229,23 @@ def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask:
 
     step()
     model.zero_grad(set_to_none=True)
+    derived.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         logits = step()
-    return logits, _grads(model), dict(attention_events(prof))
+    documents_module.documents_from_positions = original
+    return logits, _grads(model), dict(attention_events(prof)), len(derived)
+
+
+def bad_positions_case():
+    """Rank 1 passes float positions to the documents lookup: the error message each rank raises."""
+    from upipe_compile.documents import documents_from_positions
+
+    rank = dist.get_rank()
+    positions = torch.arange(8).unsqueeze(0) + 8 * rank
+    if rank == 1:
+        positions = positions.float()
+    try:
+        documents_from_positions(positions, 16, dist.group.WORLD, torch.device("cpu"))
+    except upipe_compile.UnsupportedAttention as e:
+        return str(e)
+    raise AssertionError("float position_ids were accepted")

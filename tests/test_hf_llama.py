@@ -141,9 +141,32 @@ def test_packed_batch_matches_each_document_alone(rank_pools, attention_mask):
     assert relative_error(torch.cat([r[0] for r in ranks], dim=1), ref_logits) < TOLERANCE
     for name, grad in ref_grads.items():
         assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name
-    for _, _, counts in ranks:
+    for _, _, counts, derived in ranks:
         assert counts == {"upipe::attention_block": case.layers, "upipe::attention_block_backward": case.layers}, \
             counts
+        assert derived == 0  # packed_batch's boundaries: no positions to read
+
+
+@pytest.mark.parametrize("world,lengths", [(2, (5, 1, 16, 10)), (2, (32,)), (4, (7, 1, 1, 30, 9, 16))],
+                         ids=["P2-docs", "P2-one-doc", "P4-docs"])
+def test_restarting_position_ids_alone_never_attend_across_documents(rank_pools, world, lengths):
+    """A packed row fed as flash_attention_2 users feed it: only this rank's shard of the
+    position_ids (restarting per document), no packed_batch, no cu_seq_lens. The compiled
+    model equals running each document alone (a document crossing shard boundaries,
+    documents of length 1; one document is the plain causal model), and the documents
+    are read from the positions once per step, not once per layer."""
+    from hf_llama_jobs import packed_llama_case, per_document_reference
+
+    case = LlamaCase(world=world, kv_heads=2, heads_per_stage=4, batch=1, seq_local=sum(lengths) // world)
+    ranks = rank_pools(world).run(packed_llama_case, case, lengths, False, "position_ids")
+    ref_logits, ref_grads = per_document_reference(case, lengths)
+    assert relative_error(torch.cat([r[0] for r in ranks], dim=1), ref_logits) < TOLERANCE
+    for name, grad in ref_grads.items():
+        assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name
+    for _, _, counts, derived in ranks:
+        assert counts == {"upipe::attention_block": case.layers, "upipe::attention_block_backward": case.layers}, \
+            counts
+        assert derived == 1
 
 
 def test_packed_batch_boundaries_come_from_the_full_sequence():
@@ -152,3 +175,24 @@ def test_packed_batch_boundaries_come_from_the_full_sequence():
     positions = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
     assert cu_seqlens_from_position_ids(positions).tolist() == [0, 3, 4, 8]
     assert cu_seqlens_from_position_ids(torch.tensor([[5, 6, 0, 1]])).tolist() == [0, 2, 4]
+
+
+def test_documents_from_positions_rule():
+    """A document starts at 0 and wherever a position is not the previous one + 1; rows of a
+    batch must agree."""
+    from upipe_compile.documents import bounds_from_positions
+
+    assert bounds_from_positions(torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])) == [0, 3, 4, 8]
+    assert bounds_from_positions(torch.tensor([[16, 17, 18, 19]])) == [0, 4]  # a shard of one document
+    assert bounds_from_positions(torch.tensor([[5, 6, 0, 1], [5, 6, 0, 1]])) == [0, 2, 4]
+    with pytest.raises(ValueError, match=r"batch rows \[1\]"):
+        bounds_from_positions(torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]]))
+
+
+def test_position_ids_refused_on_every_rank(rank_pools):
+    """Float position_ids on one rank: every rank raises (no hang, no silent leak)."""
+    from hf_llama_jobs import bad_positions_case
+
+    messages = rank_pools(2).run(bad_positions_case)
+    assert all("position_ids must be integers" in m or "refused on rank(s) [1]" in m for m in messages), messages
+    assert all("refused on rank(s) [1]" in m for m in messages), messages

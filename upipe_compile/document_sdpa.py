@@ -16,12 +16,21 @@ from typing import Optional
 import torch
 
 from upipe_compile import kernels
-from upipe_compile.documents import Documents, boundary_problems
+from upipe_compile.documents import Documents, boundary_problems, bounds_from_positions
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.schedule import shape_problems
 
 
 def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
+    if cu_seqlens.dim() == 2:  # position_ids of the whole (unsharded) sequence
+        if cu_seqlens.shape[1] != q.shape[2]:
+            raise UnsupportedAttention(
+                f"document_sdpa: position_ids cover {cu_seqlens.shape[1]} tokens, the attention {q.shape[2]}. On "
+                "sequence shards (context parallelism) it must run under torch.compile(backend='upipe')")
+        try:
+            return Documents.from_bounds(bounds_from_positions(cu_seqlens.long()), q.device)
+        except ValueError as e:
+            raise UnsupportedAttention(f"document_sdpa: {e}") from None
     problems = boundary_problems(cu_seqlens, q.shape[2])
     if problems:
         raise UnsupportedAttention(
@@ -81,7 +90,10 @@ def document_sdpa(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)``
     within each document of a packed sequence: ``cu_seqlens`` ``[0, len_0, ..., S]`` are
-    the documents' cumulative lengths over the *full* sequence (int32/int64).
+    the documents' cumulative lengths over the *full* sequence (int32/int64); or, 2-D, the
+    ``position_ids [B, S_local]`` of this call's tokens, a document starting wherever a
+    position is not the previous one + 1 (under upipe, gathered from every rank once per
+    step, so each rank passes its own shard).
     q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``; every batch row has the same documents."""
     # Under torch.compile the upipe pass validates shapes (with P) from the graph instead.
     problems = [] if torch.compiler.is_compiling() else shape_problems(q.shape, k.shape, v.shape, enable_gqa, 1, q.shape[1])

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from upipe_compile.collectives import values_of_every_rank
+from upipe_compile.collectives import all_gather, values_of_every_rank
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -96,11 +96,17 @@ _checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device) -> Documents:
     """The checked boundaries of ``cu_seqlens`` for a full sequence of ``seq`` tokens,
     raising UnsupportedAttention on every rank at once when any rank's are invalid or they
-    differ across ranks. Every rank must call this for the same calls (as for the op itself)."""
+    differ across ranks. Every rank must call this for the same calls (as for the op itself).
+    A 2-D tensor is this rank's ``position_ids`` shard instead (see
+    :func:`documents_from_positions`)."""
     cached = _checked.get(cu_seqlens)
     key = (cu_seqlens._version, group.group_name, seq)
     if cached is not None and cached[0] == key:
         return cached[1]
+    if cu_seqlens.dim() == 2:
+        documents = documents_from_positions(cu_seqlens, seq, group, device)
+        _checked[cu_seqlens] = (key, documents)
+        return documents
     problems = boundary_problems(cu_seqlens, seq)
     rows = values_of_every_rank(_summary(cu_seqlens, not problems), group, device)
     invalid = [rank for rank, row in enumerate(rows) if not row[0]]
@@ -137,3 +143,42 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
         starts = torch.cat([starts.new_zeros(1), starts])
     end = torch.tensor([positions.numel()], dtype=starts.dtype, device=starts.device)
     return torch.cat([starts, end]).to(torch.int32)
+
+
+def bounds_from_positions(positions: torch.Tensor) -> list[int]:
+    """Document boundaries of full-sequence ``positions [B, S]``: a document starts at 0 and
+    wherever a position is not its predecessor + 1 (transformers' rule for packed rows).
+    Every row must have the same boundaries; raises ValueError naming the rows otherwise."""
+    starts = positions[:, 1:] != positions[:, :-1] + 1  # [B, S - 1]
+    if positions.shape[0] > 1 and not bool((starts == starts[:1]).all()):
+        rows = sorted({int(r) for r in torch.nonzero((starts != starts[:1]).any(dim=1)).flatten().tolist()})
+        raise ValueError(f"batch rows {rows} start documents at other tokens than row 0; every row of a packed "
+                         "batch must share the same document boundaries (pack one row per step)")
+    bounds = [0, *(torch.nonzero(starts[0]).flatten() + 1).tolist(), positions.shape[1]]
+    return bounds
+
+
+def documents_from_positions(local_positions: torch.Tensor, seq: int, group: dist.ProcessGroup,
+                             device: torch.device) -> Documents:
+    """The documents of a packed sequence given as this rank's ``position_ids [B, S/P]``
+    (restarting per document, as flash-attention users feed packed rows): one all-gather of
+    the positions, so every rank derives the same boundaries from the same full sequence
+    (and raises, or not, together). Positions counting straight through are one document."""
+    if local_positions.dtype.is_floating_point or local_positions.dtype.is_complex:
+        problem = f"position_ids must be integers, got {local_positions.dtype}"
+    elif local_positions.shape[1] * group.size() != seq:
+        problem = (f"position_ids cover {local_positions.shape[1]} tokens on this rank, the attention's shard has "
+                   f"{seq // group.size()}")
+    else:
+        problem = ""
+    flags = values_of_every_rank([int(bool(problem))], group, device)
+    if any(row[0] for row in flags):
+        raise UnsupportedAttention(f"packed-sequence position_ids refused on rank(s) "
+                                   f"{[r for r, row in enumerate(flags) if row[0]]}: {problem or 'see those ranks'}")
+    positions = local_positions.to(device=device, dtype=torch.int64)
+    full = positions if group.size() == 1 else all_gather(positions, group, dim=1)
+    try:
+        bounds = bounds_from_positions(full)
+    except ValueError as e:  # every rank holds the same full positions: all raise together
+        raise UnsupportedAttention(f"packed-sequence position_ids: {e}") from None
+    return Documents.from_bounds(bounds, device)

@@ -14,6 +14,11 @@ own extension points:
   flash_attention_2), :func:`upipe_compile.document_sdpa` with those boundaries, which the
   upipe pass rewrites into UPipe. Boundaries are made once per step (:func:`packed_batch`
   makes them from the full sequence's position_ids), never per layer.
+- without ``cu_seq_lens_q``, the per-layer ``position_ids`` (this rank's shard) stand for the
+  boundaries: a document starts wherever a position is not the previous one + 1, read by
+  the op from all ranks' positions once per step. Positions counting straight through are
+  one causal sequence (the dense kernels, as plain SDPA); positions restarting per document
+  (``DataCollatorWithFlattening`` without flash kwargs) never attend across documents.
 - mask: None when there is no padding (SDPA then gets ``is_causal=True``,
   ``enable_gqa=True``, which upipe rewrites), including an all-ones ``attention_mask``
   (checked once per step, outside the compiled graph). A real padding mask goes to
@@ -51,6 +56,12 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None and attention_mask is None and kwargs.get("position_ids") is not None:
+        # Positions may restart per document (a packed row fed as flash_attention_2 users do):
+        # the op reads the documents from the full sequence's positions, one all-gather per
+        # step, and attends densely when they count straight through.
+        cu_seqlens = kwargs["position_ids"]
+        kwargs["cu_seq_lens_k"] = None
     if cu_seqlens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
