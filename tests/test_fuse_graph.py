@@ -82,14 +82,20 @@ def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
 
 def unfused_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, heads_per_stage, world_size,
                   group_name, prefetch):
-    """The op's meaning on one process: each role's head fn with the real head count."""
-    assert cu_seqlens is None
+    """The op's meaning on one process: each role's head fn with the real head count, and
+    attention within the documents when the block has boundaries (cu_seqlens, or position
+    ids as transformers models under upipe_sdpa pass them)."""
+    from upipe_compile import document_sdpa
+
     region = region_by_id(region_id)
     q = region.q_fn(F.linear(x, wq, bq), region.q_heads, *extras)
     k = region.k_fn(F.linear(x, wk, bk), region.kv_heads, *extras)
     v = region.v_fn(F.linear(x, wv, bv), region.kv_heads, *extras)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=region.is_causal, scale=region.scale,
-                                       enable_gqa=region.q_heads != region.kv_heads)
+    gqa = region.q_heads != region.kv_heads
+    if cu_seqlens is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=region.is_causal, scale=region.scale, enable_gqa=gqa)
+    else:
+        o = document_sdpa(q, k, v, cu_seqlens, is_causal=region.is_causal, scale=region.scale, enable_gqa=gqa)
     batch, _, seq, _ = o.shape
     return F.linear(o.transpose(1, 2).reshape(batch, seq, -1), wo, bo), o, None
 
