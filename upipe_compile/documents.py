@@ -49,6 +49,11 @@ class Documents:
         """One document over the whole sequence: the dense kernels' case."""
         return len(self.bounds) == 2
 
+    def subset(self, first: int, last: int) -> "Documents":
+        """Documents ``[first, last)`` as a sequence of their own (boundaries from 0)."""
+        start = self.bounds[first]
+        return Documents.from_bounds([b - start for b in self.bounds[first:last + 1]], self.cu_seqlens.device)
+
     @classmethod
     def from_bounds(cls, bounds, device) -> "Documents":
         bounds = tuple(int(b) for b in bounds)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -129,16 +130,26 @@ class VarlenKernels:
         return out.transpose(1, 2), lse
 
     def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
-        grads = [[], [], []]
-        for row in range(q.shape[0]):
-            lse_row = _padded_lse(lse[row], documents) if self.lse_padded else lse[row]
-            rows = self._varlen_backward_row(
-                *(t[row].transpose(0, 1) for t in (dout, q, k, v, out)), lse_row, documents, is_causal, scale
-            )
-            for collected, grad in zip(grads, rows):
-                collected.append(grad)
-        return tuple(torch.stack(g).transpose(1, 2) if len(g) > 1 else g[0].unsqueeze(0).transpose(1, 2)
-                     for g in grads)
+        """One varlen call per group of documents (:func:`varlen_backward_groups`): each
+        call's padded workspace stays within the dense kernel's, and documents do not
+        interact, so each group's gradients are exact on their own."""
+        batch, seq = q.shape[0], q.shape[2]
+        grads = [torch.empty((batch, seq, t.shape[1], t.shape[3]), dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        groups = varlen_backward_groups(documents, q.shape[1], torch.are_deterministic_algorithms_enabled())
+        for row in range(batch):
+            tensors = [t[row].transpose(0, 1) for t in (dout, q, k, v, out)]  # [S, H, D] views
+            for first, last in groups:
+                start, end = documents.bounds[first], documents.bounds[last]
+                group = documents.subset(first, last)
+                lse_group = lse[row][:, start:end].contiguous()
+                if self.lse_padded:
+                    lse_group = _padded_lse(lse_group, group)
+                results = self._varlen_backward_row(
+                    *(t[start:end] for t in tensors), lse_group, group, is_causal, scale)
+                for full, part in zip(grads, results):
+                    full[row, start:end].copy_(part)
+                del results
+        return tuple(g.transpose(1, 2) for g in grads)
 
 
 def _packed_lse(padded: torch.Tensor, documents) -> torch.Tensor:
@@ -386,7 +397,7 @@ def forward(q, k, v, is_causal: bool, scale: float | None, documents=None):
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None):
     kernel = kernels_for(q)
     packed = documents is not None and not documents.is_single
-    with _modelled_backward_workspace(q, k, len(documents.spans) if packed else None):
+    with _modelled_backward_workspace(q, k, documents if packed else None):
         if not packed:
             return kernel.backward(dout, q, k, v, out, lse, is_causal, scale)
         return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale)
@@ -404,6 +415,29 @@ def _ceil_div(x: int, y: int) -> int:
 
 def _round_up(x: int, multiple: int) -> int:
     return _ceil_div(x, multiple) * multiple
+
+
+def varlen_backward_groups(documents, q_heads: int, deterministic: bool, sms: int = H100_SMS) -> list[tuple[int, int]]:
+    """Documents ``[first, last)`` per varlen backward call. flash's varlen backward pads its
+    fp32 ``dq_accum`` and ``softmax_d`` by 128 rows per document (``mha_varlen_bwd``): over a
+    1M-token row of 1000 documents, 12% more than the dense kernel's. Documents are taken in
+    order while a call's padded rows (times its deterministic splits) stay within the dense
+    kernel's for the whole row; a document that alone exceeds it is a call of its own."""
+    seq = documents.bounds[-1]
+
+    def size(tokens: int, count: int) -> int:
+        splits = _ceil_div(sms, count * q_heads) if deterministic else 1
+        return splits * (tokens + 128 * count)
+
+    dense = size(_round_up(seq, 128) - 128, 1)  # the dense kernel's rows x splits (batch 1)
+    groups, first = [], 0
+    for last in range(1, len(documents.spans) + 1):
+        tokens = documents.bounds[last] - documents.bounds[first]
+        if last - first > 1 and size(tokens, last - first) > dense:
+            groups.append((first, last - 1))
+            first = last - 1
+    groups.append((first, len(documents.spans)))
+    return groups
 
 
 def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
@@ -463,14 +497,23 @@ def modelled_cuda_kernel(name: str = "flash-attn") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _modelled_backward_workspace(q, k, documents: int | None = None) -> Iterator[None]:
+def _modelled_backward_workspace(q, k, documents=None) -> Iterator[None]:
+    """Packed: the workspace of the largest of the row's grouped varlen calls (they run one
+    after another, see :func:`varlen_backward_groups`)."""
     if _modelled_kernel is None or not is_fake(q):
         yield
         return
     batch, q_heads, seq, head_dim = q.shape
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    count = None
+    if documents is not None:
+        calls = [(documents.bounds[last] - documents.bounds[first], last - first)
+                 for first, last in varlen_backward_groups(documents, q_heads, deterministic)]
+        shape_of = lambda call: CUDA_BACKWARD_WORKSPACE[_modelled_kernel](  # noqa: E731
+            batch, q_heads, k.shape[1], call[0], head_dim, q.dtype, deterministic, documents=call[1])
+        seq, count = max(calls, key=lambda call: sum(math.prod(sh) * dt.itemsize for sh, dt in shape_of(call).values()))
     shapes = CUDA_BACKWARD_WORKSPACE[_modelled_kernel](
-        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, torch.are_deterministic_algorithms_enabled(),
-        documents=documents,
+        batch, q_heads, k.shape[1], seq, head_dim, q.dtype, deterministic, documents=count,
     )
     workspace = [q.new_empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
     try:
