@@ -190,3 +190,51 @@ def test_a_real_buffer_handed_to_every_block_is_held_once_in_the_param_dtype():
     model(torch.zeros(1))
     assert model.rope_cache is cast_once  # once, not per step
     assert "rope_cache" not in model.state_dict()
+
+
+def test_qwen3_rope_table_reaches_every_block_without_a_copy(rank_pools):
+    """FSDP's bf16 mixed precision casts each block's floating arguments; Qwen3 hands every
+    block its fp32 RoPE table of the whole sequence, so each block would get (and full AC
+    save) its own copy. The integration keeps the table in the param dtype: every block gets
+    the model's buffer itself."""
+    assert rank_pools(2).run(_rope_table_seen_by_the_blocks) == [[(torch.bfloat16, True)] * 2] * 2
+
+
+def _rope_table_seen_by_the_blocks():
+    """On a rank: the Qwen3 debug model (untied, 2 layers) parallelized with FSDP in bf16 over
+    CP = 2, one forward: (dtype, is it the model's buffer) of the RoPE table each block gets."""
+    import dataclasses
+
+    import upipe_compile.integrations.torchtitan  # noqa: F401
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan import parallelize_qwen3_upipe
+    from upipe_compile.integrations.torchtitan.measurement import measuring
+
+    torchtitan_on_cpu()
+    config = load_config(DEBUG_TOML, "--model.name=qwen3", "--model.flavor=debugmodel",
+                         "--activation_checkpoint.mode=full", "--training.mixed_precision_param=bfloat16")
+    dims = dims_for(config, 2)
+    dims.build_mesh()
+    args = get_train_spec("qwen3").model_args["debugmodel"]
+    args = dataclasses.replace(args, enable_weight_tying=False, n_layers=2)
+    args.update_from_config(config)
+    with torch.device("meta"):
+        model = get_train_spec("qwen3").model_cls(args)
+    with measuring():  # nothing compiled
+        model = parallelize_qwen3_upipe(model, dims, config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    seen = []
+
+    def record(module, block_args):
+        rope = block_args[1]
+        seen.append((rope.dtype, rope.untyped_storage().data_ptr() == model.rope_cache.untyped_storage().data_ptr()))
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(record)
+        block.forward = lambda x, *rest, **kwargs: x  # the block itself is not what is tested
+    model(torch.randint(0, args.vocab_size, (1, config.training.seq_len // 2)))
+    return seen
