@@ -11,7 +11,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--world", "2", "--seqs", "64", "--repeats", "1", "--quick"]
-OURS = ("Ulysses (ours)", "UPipe U=P", "UPipe U=P, no prefetch", "UPipe U=P, prefetch both", "UPipe U=2P")
+OURS = (
+    "Ulysses (ours)", "UPipe U=P", "UPipe U=P, unfused", "UPipe U=P, no prefetch", "UPipe U=P, prefetch both", "UPipe U=2P",
+)
 
 
 def _rows(path):
