@@ -214,8 +214,8 @@ def measure_compile_time(r: Rank, seq: int) -> list[dict]:
 
 # --- a rank -------------------------------------------------------------------------------
 def rank_job(args, cfg, with_compile_time: bool) -> dict:
-    select_methods(args.methods)  # a spawned rank imports the full list again
     """Everything one P measures, on every rank; every rank returns the same tables."""
+    select_methods(args.methods)  # a spawned rank imports the full list again
     device = torch.device("cpu" if args.device == "cpu" else f"cuda:{dist.get_rank()}")
     r = Rank(device, args, cfg)
     reasons = unavailable_reasons(r)

@@ -1,6 +1,6 @@
 """upipe_compile.offload: the checkpointed input of each block, and nothing else, goes to host
-memory after the block's forward and comes back for its recompute (the previous block's
-prefetched meanwhile); results are bit-identical to no offload, eager or compiled; the host
+memory after the block's forward and comes back for its recompute (the copy starts when the
+gradient of the block's output arrives, not earlier); results are bit-identical to no offload, eager or compiled; the host
 memory arithmetic and the node check."""
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def test_block_inputs_are_released_after_forward(backend):
     assert alive_after_forward(offload=True) == [False, False]
 
 
-def test_backward_prefetches_the_previous_block(monkeypatch):
+def test_backward_fetches_each_input_when_its_blocks_backward_begins(monkeypatch):
+    """Each copy back starts when the gradient of that block's output arrives: never while a
+    later block's backward runs (that would hold two block inputs at the step's peak)."""
     from upipe_compile import offload
 
     log = []
@@ -111,9 +113,9 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
     BlockInputOffloader(blocks)
     run(blocks, torch.randn(1, 5, DIM), torch.rand(3 * DIM))
     assert log == [
-        ("unpack", 2), ("copy to device", 2), ("copy to device", 1),  # block 1's copy starts now
-        ("unpack", 1), ("copy to device", 0),
-        ("unpack", 0),
+        ("copy to device", 2), ("unpack", 2),
+        ("copy to device", 1), ("unpack", 1),
+        ("copy to device", 0), ("unpack", 0),
     ]
 
 

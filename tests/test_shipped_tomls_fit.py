@@ -25,3 +25,18 @@ def test_shipped_toml_fits_by_the_estimate(toml):
     estimate = json.loads(result.stdout)
     assert estimate["fits"], estimate
     assert 0 < estimate["peak_device_gib"] <= estimate["budget_gib"] < 79.1, estimate
+
+
+def test_llama3_8b_fits_six_million_tokens_on_one_node():
+    """The long-context stack with fused attention blocks: Llama3-8B at 6 x 2^20 tokens on
+    8 ranks (the shipped 5M TOML, longer)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "upipe_compile.estimate", "--config", os.path.join(TOML_DIR, "llama3_8b_upipe_5m.toml"),
+         "--training.seq_len", str(6 * 2**20), "--json"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    estimate = json.loads(result.stdout)
+    assert estimate["seq_len"] == 6291456 and estimate["world_size"] == 8, estimate
+    assert estimate["attention_calls"].get("fused block", 0) > 0, estimate
+    assert estimate["fits"] and estimate["peak_device_gib"] <= estimate["budget_gib"], estimate

@@ -160,12 +160,15 @@ class _Recomputed:
     the way back from the local gradient to the projection's output, whose gradients for x
     and the weight rows are two matrix products written into place."""
 
-    def __init__(self, x, weight, bias, extras, head_fn, heads: torch.Tensor, head_dim: int):
+    def __init__(self, x, weight, bias, extras, extras_need_grad: list[bool], head_fn, heads: torch.Tensor,
+                 head_dim: int):
         self.rows = _rows(heads, head_dim)
         self.has_bias = bias is not None
         self.x, self.w_rows = x, weight.index_select(0, self.rows)
         projected = F.linear(x, self.w_rows, None if bias is None else bias.index_select(0, self.rows))
-        self.differentiable = [_differentiable(e) for e in extras]
+        # An extra nobody needs the gradient of (the RoPE table) is closed over, not a primal:
+        # its vjp would form a product as large as the stage's heads in fp32 / complex.
+        self.differentiable = extras_need_grad
         n = len(heads)
 
         def per_head_ops(projected_, *diff_extras):
@@ -197,14 +200,14 @@ class _Recomputed:
 class _Gradients:
     """The block's gradients, accumulated stage by stage."""
 
-    def __init__(self, x, weights: BlockWeights):
+    def __init__(self, x, weights: BlockWeights, extras_need_grad: list[bool]):
         self.dx = torch.zeros_like(x, memory_format=torch.contiguous_format)
         self.dw = {role: torch.zeros_like(w) for role, w in (("q", weights.wq), ("k", weights.wk), ("v", weights.wv))}
         self.db = {role: None if b is None else torch.zeros_like(b)
                    for role, b in (("q", weights.bq), ("k", weights.bk), ("v", weights.bv))}
         # extras shared by all heads (QK-norm weights) sum over every stage: in fp32
-        self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype)) if _differentiable(e) else None
-                        for e in weights.extras]
+        self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype)) if need else None
+                        for e, need in zip(weights.extras, extras_need_grad)]
         self.dwo = torch.zeros_like(weights.wo)
 
     def add(self, role: str, recomputed: _Recomputed, grad_local) -> None:
@@ -219,10 +222,18 @@ def _differentiable(t) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+def extras_needing_grad(extras: list, requested: Optional[list[bool]] = None) -> list[bool]:
+    """Which extras get a gradient: differentiable ones that autograd asks for
+    (``requested``, from ``ctx.needs_input_grad``; None: every differentiable one)."""
+    requested = [True] * len(extras) if requested is None else list(requested)
+    return [_differentiable(e) and bool(r) for e, r in zip(extras, requested)]
+
+
 def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, heads_per_stage: int,
-                   group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None):
+                   group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None,
+                   extras_need_grad: Optional[list[bool]] = None):
     """Gradients ``(dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, [dextras])`` (None where
-    the input was None or not differentiable).
+    the input was None, not differentiable, or not in ``extras_need_grad``).
 
     Memory: what a stage sends is projected without a graph and dropped once sent; the
     stage's heads are projected again for their gradients after its kernel (projections
@@ -235,8 +246,10 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
-    # Extras enter vjp as primals; non-differentiable ones (integer positions) are closed over.
-    grads = _Gradients(x, weights)
+    # Extras enter vjp as primals; those taking no gradient (integer positions, the RoPE
+    # table) are closed over.
+    extras_need_grad = extras_needing_grad(weights.extras, extras_need_grad)
+    grads = _Gradients(x, weights, extras_need_grad)
     dy = dy.contiguous()
     buffers = {}
 
@@ -246,7 +259,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
 
     def recompute(role, heads):
         weight, bias = weights.projection(role)
-        return _Recomputed(x, weight, bias, weights.extras, region.head_fn(role), heads, dim)
+        return _Recomputed(x, weight, bias, weights.extras, extras_need_grad, region.head_fn(role), heads, dim)
 
     def start(index):
         stage = schedule.stages[index]

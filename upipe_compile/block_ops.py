@@ -20,7 +20,7 @@ from torch import Tensor
 
 from upipe_compile import collectives
 from upipe_compile.ops import OP_TAGS, check_world
-from upipe_compile.block_loop import BlockWeights, block_backward, block_forward, block_schedule
+from upipe_compile.block_loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block_region import BlockRegion, region_by_id, register_region
 from upipe_compile.documents import documents_for
 from upipe_compile.errors import UnsupportedAttention
@@ -61,46 +61,43 @@ def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens,
 def _gradient_list(grads, weights: BlockWeights) -> list[Tensor]:
     """Backward's gradients as the flat list a custom op can return: dx, dwq, dwk, dwv,
     dwo, then the bias gradients of the biases that exist, then one per extra (an empty
-    tensor for extras that take no gradient)."""
+    tensor for extras that take or need no gradient)."""
     dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = grads
     biases = [g for g, b in ((dbq, weights.bq), (dbk, weights.bk), (dbv, weights.bv), (dbo, weights.bo)) if b is not None]
     extras = [g if g is not None else e.new_empty(0) for g, e in zip(dextras, weights.extras)]
     return [dx, dwq, dwk, dwv, dwo] + biases + extras
 
 
-def _from_gradient_list(flat: list, weights: BlockWeights) -> tuple:
+def _from_gradient_list(flat: list, weights: BlockWeights, extras_need_grad: list[bool]) -> tuple:
     """Inverse of :func:`_gradient_list`, in the op's input order (x, wq, bq, ..., bo, extras)."""
     dx, dwq, dwk, dwv, dwo, *rest = flat
     rest = list(rest)
     dbq, dbk, dbv, dbo = (rest.pop(0) if b is not None else None for b in (weights.bq, weights.bk, weights.bv, weights.bo))
-    dextras = [g if _takes_grad(e) else None for g, e in zip(rest, weights.extras)]
+    dextras = [g if need else None for g, need in zip(rest, extras_need_grad)]
     return dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras
-
-
-def _takes_grad(t) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 @torch.library.custom_op("upipe::attention_block_backward", mutates_args=(), tags=OP_TAGS)
 def attention_block_backward_op(
     dy: Tensor, x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], o: Tensor, lse: Tensor,
-    cu_seqlens: Optional[Tensor], region_id: int, heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str,
+    cu_seqlens: Optional[Tensor], extras_need_grad: list[bool], region_id: int, heads_per_stage: int,
+    world_size: int, group_name: str, prefetch: str,
 ) -> list[Tensor]:
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     grads = block_backward(dy, x, weights, o, lse, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                           _documents(cu_seqlens, x, group_name))
+                           _documents(cu_seqlens, x, group_name), list(extras_need_grad))
     return _gradient_list(grads, weights)
 
 
 @attention_block_backward_op.register_fake
-def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras, o, lse, cu_seqlens, region_id,
-                                   heads_per_stage, world_size, group_name, prefetch):
+def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras, o, lse, cu_seqlens, extras_need_grad,
+                                   region_id, heads_per_stage, world_size, group_name, prefetch):
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     like = lambda t: None if t is None else torch.empty_like(t)  # noqa: E731
-    dextras = [torch.empty_like(e) if _takes_grad(e) else None for e in extras]
+    dextras = [torch.empty_like(e) if need else None
+               for e, need in zip(extras, extras_needing_grad(list(extras), extras_need_grad))]
     grads = (like(x), like(wq), like(bq), like(wk), like(bk), like(wv), like(bv), like(wo), like(bo), dextras)
     return _gradient_list(grads, weights)
 
@@ -123,23 +120,26 @@ def _saved(ctx):
     return tensors, extras, o, lse, cu_seqlens
 
 
-def _replay(ctx, dy, run_backward) -> tuple:
+def _replay(ctx, dy, run_backward, extras_requested) -> tuple:
     """Gradients in the op's input order; ``run_backward(dy, tensors, extras, o, lse,
-    settings, cu_seqlens)`` returns them as :func:`block_backward` does."""
+    settings, cu_seqlens, extras_need_grad)`` returns them as :func:`block_backward` does.
+    ``extras_requested``: which extras autograd wants a gradient for (``needs_input_grad``)."""
     tensors, extras, o, lse, cu_seqlens = _saved(ctx)
-    return run_backward(dy, tensors, extras, o, lse, ctx.settings, cu_seqlens)
+    need = extras_needing_grad(extras, extras_requested)
+    return run_backward(dy, tensors, extras, o, lse, ctx.settings, cu_seqlens, need)
 
 
-def _backward_through_op(dy, tensors, extras, o, lse, settings, cu_seqlens):
-    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, cu_seqlens, *settings)
-    return _from_gradient_list(flat, BlockWeights(*tensors[1:], extras))
+def _backward_through_op(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_need_grad):
+    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, cu_seqlens, extras_need_grad, *settings)
+    return _from_gradient_list(flat, BlockWeights(*tensors[1:], extras), extras_need_grad)
 
 
-def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens):
+def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_need_grad):
     region_id, heads_per_stage, world_size, group_name, prefetch = settings
     x = tensors[0]
     return block_backward(dy, x, BlockWeights(*tensors[1:], extras), o, lse, region_by_id(region_id),
-                          heads_per_stage, group_name, prefetch, _documents(cu_seqlens, x, group_name))
+                          heads_per_stage, group_name, prefetch, _documents(cu_seqlens, x, group_name),
+                          extras_need_grad)
 
 
 def _setup_context(ctx, inputs, output):
@@ -149,7 +149,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, dy, _do, _dlse):
-    dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_through_op)
+    # for a list input, needs_input_grad holds a list of bools (the op's inputs: extras is 10th)
+    dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_through_op,
+                                                                   ctx.needs_input_grad[9])
     return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras, None) + (None,) * len(ctx.settings)
 
 
@@ -171,7 +173,8 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_eagerly)
+        dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_eagerly,
+                                                                       ctx.needs_input_grad[11:])
         return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, None, None, *dextras)
 
 

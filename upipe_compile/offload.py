@@ -16,9 +16,12 @@ the block is built:
   data), and the unsharded parameters it saves are not the input.
 
 On CUDA the device-to-host copy runs on a side stream into pinned memory, overlapped with the
-block's own compute, and when block i's input is brought back for its recompute the copy of
-block i-1's input starts on the side stream, overlapped with block i's recompute and backward.
-On CPU the same code runs with synchronous copies (what the tests exercise).
+block's own compute. The copy back starts when the gradient of the block's output arrives
+(block i+1's backward is done), overlapped with FSDP's all-gather of the block's parameters:
+starting it earlier, during block i+1's backward, would hold a second block input on the GPU
+at the step's peak (block i+1's attention backward) for a copy that takes well under a
+percent of a block's backward at these lengths. On CPU the same code runs with synchronous
+copies (what the tests exercise).
 """
 
 from __future__ import annotations
@@ -182,9 +185,22 @@ class BlockInputOffloader:
 
     def _post_hook(self, module, args, output):
         if self._context is not None:
-            context, self._context, self._current = self._context, None, None
+            (index, _), context = self._current, self._context
+            self._context = self._current = None
             context.__exit__(None, None, None)
+            if isinstance(output, torch.Tensor) and output.requires_grad and index in self._by_block:
+                output.register_hook(self._fetch_when_backward_arrives(index))
         return None
+
+    def _fetch_when_backward_arrives(self, index: int):
+        """A hook on block ``index``'s output: its gradient is there, so the block's backward
+        (and the recompute that needs its input) comes next: start the copy back."""
+        def hook(_grad):
+            handle = self._by_block.get(index)
+            handle = handle() if handle is not None else None
+            if handle is not None:
+                handle.prefetch()
+        return hook
 
     def _pack(self, tensor: torch.Tensor):
         index, x = self._current
@@ -202,14 +218,7 @@ class BlockInputOffloader:
     def _unpack(self, packed):
         if not isinstance(packed, _OffloadedInput):
             return packed
-        tensor = packed.unpack()
-        # Backward runs the blocks in reverse: start bringing back the previous block's input
-        # now, so its copy overlaps with this block's recompute and backward.
-        previous = self._by_block.get(packed.block_index - 1)
-        previous = previous() if previous is not None else None
-        if previous is not None:
-            previous.prefetch()
-        return tensor
+        return packed.unpack()  # copies now unless the output-gradient hook started it
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
