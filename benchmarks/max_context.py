@@ -27,6 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RUNS = os.path.join(RESULTS, "max_context")
 TOMLS = os.path.join(ROOT, "integrations", "torchtitan")
+CODE_VERSION = 2
+"""Bumped when a change lowers the step's peak (version 2: the block-input copy back waits
+for the block's own backward; a fused block takes no RoPE-table gradient). A row run with an
+older version is marked in the table: its max seq_len is a lower bound for today's code."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ def run(model: Model, u: int, variant: str) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout)
+    result["code"] = CODE_VERSION
     os.makedirs(RUNS, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -98,9 +103,10 @@ def run(model: Model, u: int, variant: str) -> dict:
 def table(results) -> list[dict]:
     out = []
     for (model, method, u, variant), r in results:
+        stale = "" if r.get("code", 1) >= CODE_VERSION else " *"
         out.append({
             "model": model.name, "method": f"{method} ({u})", "stack": variant,
-            "max seq_len": f"{r['max_context']:,}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
+            "max seq_len": f"{r['max_context']:,}{stale}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
             "peak in": r["peak_phase"], "host GiB per node": f"{r['host_gib_per_node']:.0f}",
             "probes": len(r["probes"]),
         })
@@ -146,8 +152,12 @@ def write_report(results) -> str:
         "RMSNorm and RoPE as fused GPU kernels, and the reserve (2.5 GiB CUDA context / NCCL /",
         "workspaces + 5 % fragmentation) that sets the 72.95 GiB budget on a 79.1 GiB H100.", "",
         tabulate(table(results), headers="keys", tablefmt="github"), "",
-        "Commands (from the repository root):", "", "```",
     ]
+    if any(r.get("code", 1) < CODE_VERSION for _, r in results):
+        lines += ["\\* run by an earlier version of the code, whose peak was higher (the previous block's",
+                  "input came back during this block's backward, and a fused block formed the RoPE table's",
+                  "gradient): a lower bound. Delete its JSON and rerun to measure it again.", ""]
+    lines += ["Commands (from the repository root):", "", "```"]
     for (model, method, u, variant), _ in results:
         lines.append(" ".join(command(model, u, variant)))
     lines += ["```", "", "![peak memory against seq_len](max_context.png)", ""]

@@ -54,7 +54,7 @@ def targets(rows, seqs) -> list[str]:
                     if row["case"] == case and row["P"] == world and row["seq"] == largest}
             if not cell:
                 continue
-            ours, upipe, peer = cell[ULYSSES], cell[UPIPE_P], cell[DEEPSPEED]
+            ours, upipe, peer = cell[ULYSSES], cell[UPIPE_P], cell.get(DEEPSPEED, {"note": "not selected"})
             parts = [f"{case:5s} P={world} S={largest}:"]
             if "median ms" in peer:
                 a = ours["vs DeepSpeed"]
