@@ -1,7 +1,7 @@
 """upipe_compile.offload: the checkpointed input of each block, and nothing else, goes to host
 memory after the block's forward and comes back for its recompute (the copy starts when the
-gradient of the block's output arrives, not earlier); results are bit-identical to no offload, eager or compiled; the host
-memory arithmetic and the node check."""
+gradient of the block's output arrives, not earlier); results are bit-identical to no
+offload, eager or compiled; the host memory arithmetic and the node check."""
 
 from __future__ import annotations
 

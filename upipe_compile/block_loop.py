@@ -248,7 +248,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     dim, device = region.head_dim, x.device
     # Extras enter vjp as primals; those taking no gradient (integer positions, the RoPE
     # table) are closed over.
-    extras_need_grad = extras_needing_grad(weights.extras, extras_need_grad)
+    extras_need_grad = extras_needing_grad(weights.extras, extras_need_grad)  # None: all that can
     grads = _Gradients(x, weights, extras_need_grad)
     dy = dy.contiguous()
     buffers = {}
