@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +54,10 @@ VARIANTS = {
     "no tiled MLP": ["--upipe.mlp_tile_tokens", "0"],
     "no chunked loss": ["--upipe.loss_chunk_tokens", "0"],
     "no fused block": ["--upipe.no-fuse_projections"],
+    "+ recomputed attention output": ["--upipe.recompute_attention_output"],
 }
+ADDITIONS = {"+ recomputed attention output"}
+"""Opt-in keys beyond the shipped stack (rows for UPipe U = P only)."""
 
 
 def methods(model: Model) -> dict[str, int]:
@@ -62,14 +66,18 @@ def methods(model: Model) -> dict[str, int]:
 
 def rows(only: list[str] | None, whole_stack_only: bool = False) -> list[tuple[Model, str, int, str]]:
     """(model, method, U, variant): the whole stack for every method, each piece removed for
-    Ulysses and U = P (U = 2P sits between them)."""
+    Ulysses and U = P (U = 2P sits between them), each addition for U = P."""
     out = []
     for model in MODELS.values():
         if only and model.key not in only:
             continue
         for method, u in methods(model).items():
             for variant in VARIANTS:
-                if variant == "whole stack" or (method != "UPipe U = 2P" and not whole_stack_only):
+                if variant in ADDITIONS:
+                    wanted = method == "UPipe U = P" and not whole_stack_only
+                else:
+                    wanted = variant == "whole stack" or (method != "UPipe U = 2P" and not whole_stack_only)
+                if wanted:
                     out.append((model, method, u, variant))
     return out
 
@@ -80,7 +88,7 @@ def command(model: Model, u: int, variant: str) -> list[str]:
 
 
 def run_path(model: Model, u: int, variant: str) -> str:
-    return os.path.join(RUNS, f"{model.key}_u{u}_{variant.replace(' ', '_').replace('-', '_')}.json")
+    return os.path.join(RUNS, f"{model.key}_u{u}_{re.sub('[^A-Za-z0-9]+', '_', variant).strip('_')}.json")
 
 
 def run(model: Model, u: int, variant: str) -> dict:
@@ -146,7 +154,8 @@ def write_report(results) -> str:
         "shipped TOML with the row's overrides (the command column), on fake tensors over a fake",
         "process group (2-core CPU, torch 2.13 CPU). Every shipped TOML has the whole stack on",
         "(block-input offload, tiled MLP at 16K tokens, chunked loss at 4K tokens, fused attention",
-        "blocks, full AC); each other row removes one piece. Measured by the fake-tensor run: every",
+        "blocks, full AC); each other row removes one piece, or adds an opt-in key (+). Measured by",
+        "the fake-tensor run: every",
         "allocation of the step (FSDP, AC, offload, the stage loops, tiled MLP and loss). Modelled,",
         "not measured: flash-attn's backward workspace (counted from its documented buffers),",
         "RMSNorm and RoPE as fused GPU kernels, and the reserve (2.5 GiB CUDA context / NCCL /",

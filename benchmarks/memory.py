@@ -90,11 +90,12 @@ class AttentionLayer(nn.Module):
 
 class FusedAttentionLayer(AttentionLayer):
     """The same layer through the fused block op (``upipe_attention_block``): each stage
-    projects, rotates and attends only its own heads and adds its share of ``wo``."""
+    projects, rotates and attends only its own heads and adds its share of ``wo``;
+    ``recompute_output``: no attention output kept for backward."""
 
-    def __init__(self, preset: Preset, group, heads_per_stage: int):
+    def __init__(self, preset: Preset, group, heads_per_stage: int, recompute_output: bool = False):
         super().__init__(preset, None)
-        self.group, self.heads_per_stage = group, heads_per_stage
+        self.group, self.heads_per_stage, self.recompute_output = group, heads_per_stage, recompute_output
 
         def rotated(p, n, positions):
             b, s = p.shape[:2]
@@ -108,7 +109,8 @@ class FusedAttentionLayer(AttentionLayer):
     def forward(self, x, positions):
         return upipe_attention_block(
             x, self.wq.weight, None, self.wk.weight, None, self.wv.weight, None, self.wo.weight, None, [positions],
-            self.region, cp_mesh=self.group, heads_per_stage=self.heads_per_stage, eager=True,
+            self.region, cp_mesh=self.group, heads_per_stage=self.heads_per_stage,
+            recompute_attention_output=self.recompute_output, eager=True,
         )
 
 
@@ -119,7 +121,8 @@ def upipe(heads_per_stage: int, group):
 
 def measure_layer(preset: Preset, seq: int, world: int, attention, cuda_kernel: str | None) -> float:
     """Activation peak (bytes) of one rank's forward + backward of the layer;
-    ``attention``: an attention function, or ``("fused", group, U)`` for the fused block."""
+    ``attention``: an attention function, or ``("fused", group, U[, recompute_output])`` for
+    the fused block."""
     s_local = seq // world
     with FakeTensorMode(), modelled_kernel(cuda_kernel):
         layer = FusedAttentionLayer(preset, *attention[1:]) if isinstance(attention, tuple) \

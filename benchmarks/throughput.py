@@ -6,6 +6,10 @@
                             all-to-alls start during this stage's forward kernel)
   * UPipe U=P, no prefetch / prefetch both
                             the same loop with prefetch off / also in backward (A/B)
+  * UPipe U=P, unfused      the block's SDPA alone in the stage loop (fuse_projections off)
+  * UPipe U=P, output recomputed
+                            the fused block keeping no attention output for backward
+                            (recompute_attention_output; only with --methods)
   * DeepSpeed Ulysses       deepspeed.sequence.layer.DistributedAttention
   * torch ring CP           torch.distributed.tensor.experimental.context_parallel
 

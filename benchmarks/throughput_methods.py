@@ -254,11 +254,15 @@ class Method:
     block: Callable[[Rank, BlockInputs, int], Step]
     ours: bool = False  # upipe_compile itself: must run; a peer that fails is reported instead
     profiled: bool = True  # included in the per-step profile
+    default: bool = True  # runs without --methods
 
 
-def upipe(name: str, heads_per_stage: Callable[[int, int], int], prefetch: str, fuse: bool = True) -> Method:
+def upipe(name: str, heads_per_stage: Callable[[int, int], int], prefetch: str, fuse: bool = True,
+          recompute_output: bool = False) -> Method:
     """upipe_compile with U = heads_per_stage(Hq, P), a prefetch mode, and (block case) the
-    attention block fused into the stage loop or not (``fuse_projections``)."""
+    attention block fused into the stage loop or not (``fuse_projections``), keeping its
+    attention output for backward or not (``recompute_attention_output``; opt-in: the op
+    case is the same as without it)."""
 
     def op(r, inputs, u):
         attend = lambda q, k, v: upipe_compile.upipe_attention(  # noqa: E731
@@ -269,10 +273,10 @@ def upipe(name: str, heads_per_stage: Callable[[int, int], int], prefetch: str, 
         model = load_block(r, Block(r.cfg), inputs)
         compiled = torch.compile(model, backend="upipe", dynamic=False, options={
             "cp_mesh": r.mesh, "heads_per_stage": u, "prefetch": prefetch, "inner_backend": r.args.inner_backend,
-            "fuse_projections": fuse})
+            "fuse_projections": fuse, "recompute_attention_output": recompute_output})
         return block_step(r, model, compiled, inputs)
 
-    return Method(name, heads_per_stage, op, block, ours=True)
+    return Method(name, heads_per_stage, op, block, ours=True, default=not recompute_output)
 
 
 def _deepspeed_op(r, inputs, u):
@@ -287,6 +291,7 @@ def _deepspeed_block(r, inputs, u):
 
 ULYSSES, UPIPE_P, DEEPSPEED, RING = "Ulysses (ours)", "UPipe U=P", "DeepSpeed Ulysses", "torch ring CP"
 UPIPE_P_UNFUSED = "UPipe U=P, unfused"
+UPIPE_P_RECOMPUTED = "UPipe U=P, output recomputed"
 ALL_HEADS = lambda q_heads, world: q_heads  # noqa: E731
 
 # In table order. Ulysses is the reference every other method is checked against.
@@ -297,6 +302,7 @@ METHODS = [
     upipe("UPipe U=P, prefetch both", lambda q_heads, world: world, "both"),
     upipe("UPipe U=2P", lambda q_heads, world: 2 * world, "forward"),
     upipe(UPIPE_P_UNFUSED, lambda q_heads, world: world, "forward", fuse=False),  # block: SDPA alone rewritten
+    upipe(UPIPE_P_RECOMPUTED, lambda q_heads, world: world, "forward", recompute_output=True),
     Method(DEEPSPEED, ALL_HEADS, _deepspeed_op, _deepspeed_block),
     Method(RING, ALL_HEADS, lambda r, inputs, u: ring_op_step(r, inputs),
            lambda r, inputs, u: ring_block_step(r, inputs), profiled=False),
@@ -305,9 +311,9 @@ NAMES = [m.name for m in METHODS]
 
 
 def select_methods(names: Optional[list[str]]) -> None:
-    """Keep only ``names`` (and the reference, Ulysses) in METHODS, in table order."""
-    if names:
-        METHODS[:] = [m for m in METHODS if m.name in names or m.name == ULYSSES]
+    """Keep only ``names`` (and the reference, Ulysses) in METHODS, in table order; None:
+    the default ones."""
+    METHODS[:] = [m for m in METHODS if (m.name in names if names else m.default) or m.name == ULYSSES]
 
 
 def probe_ring(r: Rank) -> Optional[str]:

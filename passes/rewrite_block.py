@@ -13,7 +13,7 @@ After:
 
     wq = Wqkv[0:a]; wk = Wqkv[a:b]; wv = Wqkv[b:c]           # fused projections only
     block = upipe.attention_block(x, wq, bq, wk, bk, wv, bv, Wo, bo, [cos, sin], cu_seqlens,
-                                  region_id, heads_per_stage, world_size, group_name, prefetch)
+                                  *BlockSettings(region_id, heads_per_stage, ...).op_args())
     y = block[0]
     ... users of y ...
 
@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from upipe_compile.block_region import BlockRegion, register_region
+from upipe_compile.options import BlockSettings
 from upipe_compile.passes.find_block import ROLES, BlockMatch
 from upipe_compile.passes.head_separable import extract_head_fn
 
@@ -49,11 +50,14 @@ def block_region(block: BlockMatch) -> BlockRegion:
                        bool(match.is_causal), scale, match.source_line)
 
 
-def rewrite_block(block: BlockMatch, heads_per_stage: int, world_size: int, group_name: str, prefetch: str) -> int:
+def rewrite_block(block: BlockMatch, **settings) -> int:
     """Insert ``upipe::attention_block`` before the output projection, hand the projection's
-    users item 0, erase the block's nodes. Returns the region id. The caller lints and
-    recompiles each touched graph module once."""
+    users item 0, erase the block's nodes. ``settings``: the fields of
+    :class:`~upipe_compile.options.BlockSettings` but the region id (the block's region is
+    registered here). Returns the region id. The caller lints and recompiles each touched
+    graph module once."""
     region_id = register_region(block_region(block))
+    settings = BlockSettings(region_id, **settings)
     graph = block.graph_module.graph
     anchor = block.out_linear
     with graph.inserting_before(anchor):
@@ -72,8 +76,8 @@ def rewrite_block(block: BlockMatch, heads_per_stage: int, world_size: int, grou
             tensors += [w, b]
         op = graph.call_function(
             attention_block_target(),
-            (block.x, *tensors, block.wo, block.bo, list(block.extras), block.attention.cu_seqlens, region_id,
-             heads_per_stage, world_size, group_name, prefetch),
+            (block.x, *tensors, block.wo, block.bo, list(block.extras), block.attention.cu_seqlens,
+             *settings.op_args()),
         )
         y = graph.call_function(operator.getitem, (op, 0))
     op.meta.update({k: v for k, v in block.attention.node.meta.items() if k in _META_KEYS})

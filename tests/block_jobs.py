@@ -8,6 +8,7 @@ import torch.distributed as dist
 from block_support import BlockCase, make_region, make_tensors, per_position
 from upipe_compile.block_ops import attention_block_op, upipe_attention_block
 from upipe_compile.block_region import register_region
+from upipe_compile.options import BlockSettings
 
 
 def fused_block_case(case: BlockCase, mode: str):
@@ -24,11 +25,13 @@ def fused_block_case(case: BlockCase, mode: str):
     def block(x, *tensors):
         return upipe_attention_block(x, *tensors[:8], list(tensors[8:]), region,
                                      heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
+                                     recompute_attention_output=case.recompute_output,
                                      eager=mode == "eager")
 
     if mode == "compiled":  # the op as the fusion pass inserts it: a graph node, region by id
         torch._dynamo.reset()
-        settings = (register_region(region), case.heads_per_stage, world, dist.group.WORLD.group_name, case.prefetch)
+        settings = BlockSettings(register_region(region), case.heads_per_stage, world, dist.group.WORLD.group_name,
+                                 case.prefetch, case.recompute_output).op_args()
 
         @torch.compile(backend="aot_eager", fullgraph=True)
         def block(x, *tensors):

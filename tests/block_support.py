@@ -17,6 +17,8 @@ class BlockCase(AttentionCase):
     kind: str = "plain"
     """The per-head ops: plain, rope, or qwen3 (QK-norm over head_dim, then RoPE)."""
     biases: bool = False
+    recompute_output: bool = False
+    """The op keeps no attention output and runs each stage's attention forward again in backward."""
 
     @property
     def model_dim(self) -> int:

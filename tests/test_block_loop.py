@@ -34,6 +34,7 @@ def block_cases(draw, worlds=(2, 4)):
         scale=draw(st.one_of(st.none(), st.floats(0.1, 1.5))), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
         kind=draw(st.sampled_from(["plain", "rope", "qwen3"])), biases=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)), prefetch=draw(st.sampled_from(["none", "forward", "both"])),
+        recompute_output=draw(st.booleans()),
     )
 
 
@@ -92,6 +93,11 @@ def _share_scale(shares, expected):
 @example(case=BlockCase(2, 1, 12, 3, 3, 8, 6, True, None, "bfloat16", seed=1, prefetch="both", kind="qwen3", biases=True),
          mode="op")
 @example(case=BlockCase(4, 1, 8, 2, 2, 8, 4, True, None, "float32", seed=2, kind="rope"), mode="op")
+# the attention output recomputed in backward: GQA straddling KV heads, prefetch in backward too
+@example(case=BlockCase(2, 1, 12, 3, 3, 8, 6, True, None, "float32", seed=4, prefetch="both", kind="qwen3",
+                        biases=True, recompute_output=True), mode="op")
+@example(case=BlockCase(4, 2, 8, 1, 3, 4, 8, False, 0.5, "bfloat16", seed=5, prefetch="none", kind="rope",
+                        recompute_output=True), mode="eager")
 # MQA replicated over P = 2: the two ranks' K-norm weight (bf16) and dWk (fp32, a token per
 # rank, non-causal; dbk too) shares nearly cancel
 @example(case=BlockCase(2, 1, 2, 1, 1, 8, 2, False, 1.5, "float32", seed=108, prefetch="none", kind="plain",
@@ -109,6 +115,7 @@ def test_fused_block_matches_eager(rank_pools, case, mode):
 @pytest.mark.parametrize("case", [
     BlockCase(2, 1, 8, 2, 4, 8, 2, True, None, "float32", seed=5, kind="qwen3", biases=True),
     BlockCase(2, 2, 4, 4, 3, 8, 4, False, None, "float32", seed=6, kind="rope"),
+    BlockCase(2, 1, 8, 2, 4, 8, 4, True, None, "float32", seed=7, kind="qwen3", recompute_output=True),
 ], ids=str)
 def test_fused_block_compiles(rank_pools, case):
     """Through torch.compile (aot_eager): the fake kernels and the autograd registration."""

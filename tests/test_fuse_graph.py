@@ -80,8 +80,7 @@ def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
     return [n for m in modules(gm) for n in m.graph.nodes if n.op == "call_function" and n.target is target]
 
 
-def unfused_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, heads_per_stage, world_size,
-                  group_name, prefetch):
+def unfused_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, *settings):
     """The op's meaning on one process: each role's head fn with the real head count, and
     attention within the documents when the block has boundaries (cu_seqlens, or position
     ids as transformers models under upipe_sdpa pass them)."""

@@ -344,6 +344,10 @@ def test_options_refused_directly(world):
             UPipeOptions(heads_per_stage=bad)
     with pytest.raises(UnsupportedAttention, match=r"inner_backend='tvm' is not one of"):
         UPipeOptions(inner_backend="tvm")
+    with pytest.raises(UnsupportedAttention, match="recompute_attention_output must be True or False"):
+        UPipeOptions(recompute_attention_output="yes")
+    with pytest.raises(UnsupportedAttention, match="acts on fused attention blocks only"):
+        UPipeOptions(fuse_projections=False, recompute_attention_output=True)
     with pytest.raises(UnsupportedAttention, match=r"unknown upipe option\(s\) \['bogus'\]"):
         UPipeOptions.from_user({"bogus": 1})
     with pytest.raises(UnsupportedAttention, match="cp_mesh must be a DeviceMesh, a ProcessGroup or None"):

@@ -66,6 +66,10 @@ def test_h100_toml_parallel_dims_for_world_size_8():
         config.upipe.prefetch = "always"
         check_job(config, dims, args)
     config.upipe.prefetch = "forward"
+    with pytest.raises(Exception, match=r"\[upipe\] recompute_attention_output = true acts on fused blocks only"):
+        config.upipe.fuse_projections, config.upipe.recompute_attention_output = False, True
+        check_job(config, dims, args)
+    config.upipe.fuse_projections, config.upipe.recompute_attention_output = True, False
     with pytest.raises(Exception, match="divisible by the CP degree"):
         config.training.seq_len += 4
         check_job(config, dims, args)

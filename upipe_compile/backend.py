@@ -44,7 +44,8 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     for match in matches:
         block = find_block(match) if options.fuse_projections else None
         if isinstance(block, BlockMatch):
-            rewrite_block(block, heads_per_stage, world, group.group_name, options.prefetch)
+            rewrite_block(block, heads_per_stage=heads_per_stage, world_size=world, group_name=group.group_name,
+                          prefetch=options.prefetch, recompute_attention_output=options.recompute_attention_output)
             fused += 1
             log.info("upipe: fused attention block at %s (%d q / %d kv heads of %d)", match.source_line,
                      block.q_heads, block.kv_heads, block.head_dim)

@@ -108,15 +108,16 @@ def _flat_heads(heads_first: torch.Tensor) -> torch.Tensor:
 
 
 def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage: int, group_name: str,
-                  prefetch: str = "forward", documents: Optional[Documents] = None):
+                  prefetch: str = "forward", documents: Optional[Documents] = None, keep_output: bool = True):
     """``(y, o, lse)``: the block output ``[B, s, d_out]``, the local attention output of all
-    heads ``[B, Hq, s, D]`` and the per-stage log-sum-exp (both kept for backward)."""
+    heads ``[B, Hq, s, D]`` and the per-stage log-sum-exp (both kept for backward). With
+    ``keep_output=False``, ``o`` is an empty tensor (backward recomputes each stage's)."""
     world = collectives.group_from_name(group_name).size()
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
 
-    o = x.new_empty((batch, region.q_heads, s_local, dim))
+    o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
     lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
     y = x.new_zeros((batch, s_local, weights.wo.shape[0]))
     buffers = {}
@@ -144,7 +145,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         q_heads = head_index(stage.q_heads, device)
         recv = collectives.all_to_all(collectives.split_sequence(out_stage, world), group_name)
         del out_stage
-        collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
+        if keep_output:
+            collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
         # y += o_s @ Wo[:, heads]ᵀ, in place: no y-sized temporary per stage
         y.view(-1, y.shape[-1]).addmm_(_flat_heads(_heads_first(recv)).flatten(0, 1),
                                        _output_columns(weights.wo, q_heads, dim).t())
@@ -233,7 +235,10 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
                    group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None,
                    extras_need_grad: Optional[list[bool]] = None):
     """Gradients ``(dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, [dextras])`` (None where
-    the input was None, not differentiable, or not in ``extras_need_grad``).
+    the input was None, not differentiable, or not in ``extras_need_grad``). ``o``: the
+    forward's local attention output, or None (``keep_output=False``): each stage then runs
+    its attention forward again on the q/k/v it receives, and its output's trip home (the
+    all-to-all the saved output's heads would have made the other way) gives dWo.
 
     Memory: what a stage sends is projected without a graph and dropped once sent; the
     stage's heads are projected again for their gradients after its kernel (projections
@@ -269,29 +274,36 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
                 yield _Sent(_send_layout(local_heads(role, kv_heads), world), group_name, buffers, role)
         q_heads = head_index(stage.q_heads, device)
         yield _Sent(_send_layout(local_heads("q", q_heads), world), group_name, buffers, "q")
-        yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
+        if o is not None:
+            yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
         dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, dim).t())  # [B, s, U * D]
         yield _Sent(_send_layout(dout_local.view(batch, s_local, -1, dim).transpose(1, 2), world), group_name,
                     buffers, "dout")
 
     def home(grad):
-        """A stage's gradient over the full sequence ``[B, n, S, D]`` back on the local sequence."""
+        """A stage's tensor over the full sequence ``[B, n, S, D]`` back on the local sequence."""
         return _heads_first(collectives.all_to_all(collectives.split_sequence(grad, world), group_name))
+
+    def add_output_weight_grad(o_heads, q_heads):
+        """dWo[:, heads] = dyᵀ o_heads, from the stage's local attention output ``[B, s, n * D]``."""
+        dwo_cols = dy.flatten(0, 1).t().mm(o_heads.flatten(0, 1).to(dy.dtype))
+        grads.dwo.view(grads.dwo.shape[0], -1, dim).index_add_(
+            1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, dim).to(grads.dwo.dtype))
 
     inputs = InputPipeline(start, len(schedule.stages), prefetch == "both")
     for index, stage in enumerate(schedule.stages):
         q_heads = head_index(stage.q_heads, device)
-        # dWo for this stage's columns, from the local attention output it sends.
-        o_heads = _flat_heads(o.index_select(1, q_heads))
-        dwo_cols = dy.flatten(0, 1).t().mm(o_heads.flatten(0, 1).to(dy.dtype))
-        grads.dwo.view(grads.dwo.shape[0], -1, dim).index_add_(
-            1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, dim).to(grads.dwo.dtype))
-        del o_heads, dwo_cols
+        if o is not None:  # dWo for this stage's columns, from the local attention output it sends
+            add_output_weight_grad(_flat_heads(o.index_select(1, q_heads)), q_heads)
 
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
+        if o is None:
+            out_stage, _ = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale, documents)
+        else:
+            out_stage = buffers["out"]
         dq_stage, dk_stage, dv_stage = kernels.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], region.is_causal,
+            buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], region.is_causal,
             region.scale, documents)
         del k_stage, v_stage
         inputs.after_kernel(index)
@@ -300,6 +312,9 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
                 buffers.pop(role, None)
         if schedule.closes_kv_group(index) and inputs.landed != index + 1:
             buffers.pop("k", None), buffers.pop("v", None)
+        if o is None:  # the recomputed output's way home gives this stage's dWo columns
+            add_output_weight_grad(_flat_heads(home(out_stage)), q_heads)
+        del out_stage
         # each gradient goes home and through its recomputed heads before the next is touched
         dq_home = home(dq_stage)
         del dq_stage

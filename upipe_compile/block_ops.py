@@ -1,14 +1,15 @@
 """The fused attention block as a compiler-opaque op, and its eager twin.
 
 ``upipe::attention_block`` runs :func:`upipe_compile.block_loop.block_forward`; its autograd
-saves x, the weights, the extras, the local attention output and the per-stage LSE, and its
-backward op runs :func:`~upipe_compile.block_loop.block_backward`. What is saved and how
+saves x, the weights, the extras, the local attention output (unless the settings say to
+recompute it) and the per-stage LSE, and its backward op runs :func:`~upipe_compile.block_loop.block_backward`. What is saved and how
 backward replays it is defined once (:func:`_save`, :func:`_replay`) and shared by the
 custom op and :class:`BlockFunction`, the autograd.Function that memory measurements run
 under FakeTensorMode (where the custom op would run only its fake kernel).
 
 The region (head fns, head counts) is not a tensor, so the op takes its registry id
-(:func:`upipe_compile.block_region.register_region`).
+(:func:`upipe_compile.block_region.register_region`). The op's scalar arguments are the
+fields of :class:`~upipe_compile.options.BlockSettings`, in its order.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from upipe_compile.block_loop import BlockWeights, block_backward, block_forward
 from upipe_compile.block_region import BlockRegion, region_by_id, register_region
 from upipe_compile.documents import documents_for
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.options import BlockSettings, check_prefetch
 from upipe_compile.schedule import shape_problems
 
 
@@ -39,21 +41,22 @@ def attention_block_op(
     x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], cu_seqlens: Optional[Tensor],
     region_id: int, heads_per_stage: int, world_size: int, group_name: str, prefetch: str,
+    recompute_attention_output: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                         _documents(cu_seqlens, x, group_name))
+                         _documents(cu_seqlens, x, group_name), keep_output=not recompute_attention_output)
 
 
 @attention_block_op.register_fake
 def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, heads_per_stage,
-                          world_size, group_name, prefetch):
+                          world_size, group_name, prefetch, recompute_attention_output):
     region = region_by_id(region_id)
     schedule = block_schedule(region, world_size, heads_per_stage)
     batch, s_local, _ = x.shape
     y = x.new_empty((batch, s_local, wo.shape[0]))
-    o = x.new_empty((batch, region.q_heads, s_local, region.head_dim))
+    o = x.new_empty((0,) if recompute_attention_output else (batch, region.q_heads, s_local, region.head_dim))
     lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
     return y, o, lse
 
@@ -82,18 +85,20 @@ def attention_block_backward_op(
     dy: Tensor, x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], o: Tensor, lse: Tensor,
     cu_seqlens: Optional[Tensor], extras_need_grad: list[bool], region_id: int, heads_per_stage: int,
-    world_size: int, group_name: str, prefetch: str,
+    world_size: int, group_name: str, prefetch: str, recompute_attention_output: bool,
 ) -> list[Tensor]:
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
-    grads = block_backward(dy, x, weights, o, lse, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                           _documents(cu_seqlens, x, group_name), list(extras_need_grad))
+    grads = block_backward(dy, x, weights, None if recompute_attention_output else o, lse, region_by_id(region_id),
+                           heads_per_stage, group_name, prefetch, _documents(cu_seqlens, x, group_name),
+                           list(extras_need_grad))
     return _gradient_list(grads, weights)
 
 
 @attention_block_backward_op.register_fake
 def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras, o, lse, cu_seqlens, extras_need_grad,
-                                   region_id, heads_per_stage, world_size, group_name, prefetch):
+                                   region_id, heads_per_stage, world_size, group_name, prefetch,
+                                   recompute_attention_output):
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     like = lambda t: None if t is None else torch.empty_like(t)  # noqa: E731
     dextras = [torch.empty_like(e) if need else None
@@ -106,9 +111,9 @@ def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras
 _TENSOR_INPUTS = 9  # x, wq, bq, wk, bk, wv, bv, wo, bo
 
 
-def _save(ctx, tensors: tuple, extras: list, o, lse, settings: tuple, cu_seqlens) -> None:
-    """``tensors``: (x, wq, bq, wk, bk, wv, bv, wo, bo); ``settings``: (region_id,
-    heads_per_stage, world_size, group_name, prefetch)."""
+def _save(ctx, tensors: tuple, extras: list, o, lse, settings: BlockSettings, cu_seqlens) -> None:
+    """``tensors``: (x, wq, bq, wk, bk, wv, bv, wo, bo); ``o`` is empty when the settings
+    recompute it."""
     ctx.save_for_backward(*tensors, o, lse, cu_seqlens, *extras)
     ctx.settings = settings
 
@@ -130,29 +135,30 @@ def _replay(ctx, dy, run_backward, extras_requested) -> tuple:
 
 
 def _backward_through_op(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_need_grad):
-    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, cu_seqlens, extras_need_grad, *settings)
+    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, cu_seqlens, extras_need_grad,
+                                       *settings.op_args())
     return _from_gradient_list(flat, BlockWeights(*tensors[1:], extras), extras_need_grad)
 
 
 def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_need_grad):
-    region_id, heads_per_stage, world_size, group_name, prefetch = settings
     x = tensors[0]
-    return block_backward(dy, x, BlockWeights(*tensors[1:], extras), o, lse, region_by_id(region_id),
-                          heads_per_stage, group_name, prefetch, _documents(cu_seqlens, x, group_name),
-                          extras_need_grad)
+    return block_backward(dy, x, BlockWeights(*tensors[1:], extras), None if settings.recompute_attention_output else o,
+                          lse, region_by_id(settings.region_id), settings.heads_per_stage, settings.group_name,
+                          settings.prefetch, _documents(cu_seqlens, x, settings.group_name), extras_need_grad)
 
 
 def _setup_context(ctx, inputs, output):
     x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings = inputs
     _, o, lse = output
-    _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, tuple(settings), cu_seqlens)
+    _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, BlockSettings.from_op_args(*settings),
+          cu_seqlens)
 
 
 def _op_backward(ctx, dy, _do, _dlse):
     # for a list input, needs_input_grad holds a list of bools (the op's inputs: extras is 10th)
     dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_through_op,
                                                                    ctx.needs_input_grad[9])
-    return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras, None) + (None,) * len(ctx.settings)
+    return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras, None) + (None,) * len(ctx.settings.op_args())
 
 
 attention_block_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -163,11 +169,12 @@ class BlockFunction(torch.autograd.Function):
     saving and replaying exactly as the op does."""
 
     @staticmethod
-    def forward(ctx, x, wq, bq, wk, bk, wv, bv, wo, bo, settings, cu_seqlens, *extras):
-        region_id, heads_per_stage, world_size, group_name, prefetch = settings
+    def forward(ctx, x, wq, bq, wk, bk, wv, bv, wo, bo, settings: BlockSettings, cu_seqlens, *extras):
         weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
-        y, o, lse = block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                                  _documents(cu_seqlens, x, group_name))
+        y, o, lse = block_forward(x, weights, region_by_id(settings.region_id), settings.heads_per_stage,
+                                  settings.group_name, settings.prefetch,
+                                  _documents(cu_seqlens, x, settings.group_name),
+                                  keep_output=not settings.recompute_attention_output)
         _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, cu_seqlens)
         return y
 
@@ -187,11 +194,14 @@ def block_problems(region: BlockRegion, x: Tensor, world: int, heads_per_stage: 
 
 def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: BlockRegion, *, cp_mesh=None,
                           heads_per_stage: Optional[int] = None, prefetch: str = "forward",
-                          cu_seqlens: Optional[Tensor] = None, eager: bool = False) -> Tensor:
+                          recompute_attention_output: bool = False, cu_seqlens: Optional[Tensor] = None,
+                          eager: bool = False) -> Tensor:
     """A whole attention block on this rank's sequence shard ``x [B, S/P, d]``: for each
     role, ``region.head_fn(role)(x @ W_roleᵀ + b_role, n, *extras)``, attention over the
     full sequence, and the output projection ``wo``/``bo`` (see
-    :mod:`upipe_compile.block_region`). ``eager=True`` runs the loops as an
+    :mod:`upipe_compile.block_region`). ``recompute_attention_output=True`` keeps no
+    attention output for backward (each stage's attention forward runs again there: less
+    memory, more compute). ``eager=True`` runs the loops as an
     autograd.Function instead of the custom op (for fake-tensor memory measurements)."""
     group = collectives.resolve_group(cp_mesh)
     world = group.size()
@@ -199,9 +209,10 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
     problems = block_problems(region, x, world, heads_per_stage)
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
-    region_id = register_region(region)
-    settings = (region_id, heads_per_stage, world, group.group_name, prefetch)
+    check_prefetch(prefetch)
+    settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,
+                             bool(recompute_attention_output))
     if eager:
         return BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, settings, cu_seqlens, *extras)
-    y, _, _ = attention_block_op(x, wq, bq, wk, bk, wv, bv, wo, bo, list(extras), cu_seqlens, *settings)
+    y, _, _ = attention_block_op(x, wq, bq, wk, bk, wv, bv, wo, bo, list(extras), cu_seqlens, *settings.op_args())
     return y

@@ -9,8 +9,8 @@ the op's eager twin (:class:`~upipe_compile.memory.StageLoopFunction`,
 :class:`~upipe_compile.block_ops.BlockFunction`): the real loops, saving for backward what
 the op saves. The graph is then run as it is (no inner compiler)::
 
-    %y = upipe.attention_block(%x, %wq, ..., region_id, U, P, group, prefetch)
-      ->  %y = block_twin(%x, %wq, ..., region_id, U, P, group, prefetch)
+    %y = upipe.attention_block(%x, %wq, ..., *BlockSettings(...).op_args())
+      ->  %y = block_twin(%x, %wq, ..., *BlockSettings(...).op_args())
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from upipe_compile.block_ops import BlockFunction
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.memory import StageLoopFunction, eager_calls
 from upipe_compile.ops import parse_op_arguments
-from upipe_compile.options import UPipeOptions
+from upipe_compile.options import BlockSettings, UPipeOptions
 
 
 def block_twin(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings):
     eager_calls["fused block"] += 1
-    y = BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, tuple(settings), cu_seqlens, *extras)
+    y = BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, BlockSettings.from_op_args(*settings), cu_seqlens,
+                            *extras)
     return y, None, None  # the rewrite reads y only; o and lse stay inside the Function
 
 

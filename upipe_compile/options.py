@@ -57,6 +57,29 @@ class StageLoopSettings:
 
 
 @dataclass(frozen=True)
+class BlockSettings:
+    """The settings of one fused attention-block call (``upipe::attention_block``), passed
+    to the op as scalar arguments in this order (:meth:`op_args`, :meth:`from_op_args`)."""
+
+    region_id: int
+    """The block's registered :class:`~upipe_compile.block_region.BlockRegion`."""
+    heads_per_stage: int
+    world_size: int
+    group_name: str
+    prefetch: str = "forward"
+    recompute_attention_output: bool = False
+    """Keep no attention output for backward; each stage's attention forward runs again there."""
+
+    def op_args(self) -> tuple:
+        return astuple(self)
+
+    @classmethod
+    def from_op_args(cls, region_id: int, heads_per_stage: int, world_size: int, group_name: str,
+                     prefetch: str = "forward", recompute_attention_output: bool = False) -> "BlockSettings":
+        return cls(region_id, heads_per_stage, world_size, group_name, prefetch, recompute_attention_output)
+
+
+@dataclass(frozen=True)
 class UPipeOptions:
     cp_mesh: DeviceMesh | dist.ProcessGroup | None = None
     """1-D DeviceMesh or ProcessGroup of the context-parallel ranks; None = default group."""
@@ -73,6 +96,10 @@ class UPipeOptions:
     """Fuse each whole attention block (q/k/v projections, their per-head ops, attention and
     the output projection) into one stage loop (``upipe::attention_block``) where the block is
     head-separable; other SDPA calls get the plain attention op."""
+    recompute_attention_output: bool = False
+    """Fused blocks keep no attention output for backward (one activation of the block's
+    input size, Hq x head_dim features, per block in flight): each stage's attention forward
+    runs again in backward instead. Less memory, one more attention forward per block."""
 
     @classmethod
     def from_user(cls, options: dict[str, Any] | "UPipeOptions" | None) -> "UPipeOptions":
@@ -91,6 +118,12 @@ class UPipeOptions:
                 f"inner_backend={self.inner_backend!r} is not one of {INNER_BACKENDS}"
             )
         check_prefetch(self.prefetch)
+        for name in ("fuse_projections", "recompute_attention_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise UnsupportedAttention(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.recompute_attention_output and not self.fuse_projections:
+            raise UnsupportedAttention("recompute_attention_output=True acts on fused attention blocks only: "
+                                       "it needs fuse_projections=True")
         if self.heads_per_stage is not None:
             if isinstance(self.heads_per_stage, bool) or not isinstance(self.heads_per_stage, int):
                 raise UnsupportedAttention(f"heads_per_stage must be an int, got {self.heads_per_stage!r}")

@@ -9,6 +9,8 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     heads_per_stage = 0         # U; 0 = P (one head per rank per stage, least memory)
     inner_backend = "inductor"  # what compiles each block after the UPipe rewrite
     prefetch = "forward"        # overlap the next stage's all-to-alls: none | forward | both
+    fuse_projections = true     # projections, RoPE/QK-norm, attention, output projection: one stage loop
+    recompute_attention_output = false  # fused blocks: no attention output kept for backward
     # the long-context stack (each off by default; see stack.py and README.md)
     offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
     host_memory_reserve_gib = 64    # node RAM kept free for everything but offloaded inputs
@@ -41,6 +43,11 @@ class UPipe:
     """Fuse each block's q/k/v projections, per-head ops (RoPE, QK-norm), attention and output
     projection into one stage loop (upipe::attention_block), so no rank holds the q, k, v of
     all heads; blocks that are not head-separable keep the plain attention op."""
+
+    recompute_attention_output: bool = False
+    """Fused blocks keep no attention output for backward (one activation of the block
+    input's size per block being recomputed); each stage's attention forward runs again in
+    backward instead: less memory, one more attention forward per block."""
 
     # --- the long-context stack: each piece opt-in ---
     offload_block_inputs: bool = False

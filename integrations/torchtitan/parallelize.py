@@ -54,7 +54,8 @@ def compile_options(job_config, parallel_dims) -> dict:
     """The options each block is compiled with (``cp_mesh`` is torchtitan's CP mesh)."""
     cfg = upipe_config(job_config)
     options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch,
-               "fuse_projections": cfg.fuse_projections}
+               "fuse_projections": cfg.fuse_projections,
+               "recompute_attention_output": cfg.recompute_attention_output}
     if cfg.heads_per_stage:
         options["heads_per_stage"] = cfg.heads_per_stage
     return options
@@ -84,6 +85,9 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
         problems.append(f"[upipe] inner_backend = {cfg.inner_backend!r} is not one of {INNER_BACKENDS}")
     if cfg.prefetch not in PREFETCH_MODES:
         problems.append(f"[upipe] prefetch = {cfg.prefetch!r} is not one of {PREFETCH_MODES}")
+    if cfg.recompute_attention_output and not cfg.fuse_projections:
+        problems.append("[upipe] recompute_attention_output = true acts on fused blocks only: "
+                        "it needs fuse_projections = true")
     if "model" not in job_config.compile.components:
         problems.append('[compile] components must contain "model" (the blocks are what upipe rewrites)')
     if parallel_dims.tp_enabled:
