@@ -136,7 +136,7 @@ def section_stage_loop(device, quick, world, seqs, reps):
                     with Peak(device) as fwd:
                         out, lse = stage_loop_forward(q, k, v, settings)
                     with Peak(device) as bwd:
-                        dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, settings)
+                        dq, dk, dv, _ = stage_loop_backward(dout, q, k, v, out, lse, settings)
                     fwd_times.append(fwd.seconds)
                     bwd_times.append(bwd.seconds)
                     measured_fwd = None if fwd.extra is None else fwd.extra - nbytes(out, lse)

@@ -3,9 +3,10 @@ and find_block -> head_separable -> rewrite_block (the whole attention block).""
 
 from upipe_compile.passes.find import AttentionMatch, find_attention
 from upipe_compile.passes.find_block import BlockMatch, NotFusable, find_block
+from upipe_compile.passes.find_unsupported import UnsupportedMatch, find_unsupported_attention
 from upipe_compile.passes.rewrite import rewrite_attention
 from upipe_compile.passes.rewrite_block import rewrite_block
 from upipe_compile.passes.validate import unsupported_reasons
 
-__all__ = ["AttentionMatch", "BlockMatch", "NotFusable", "find_attention", "find_block", "rewrite_attention",
-           "rewrite_block", "unsupported_reasons"]
+__all__ = ["AttentionMatch", "BlockMatch", "NotFusable", "UnsupportedMatch", "find_attention", "find_block",
+           "find_unsupported_attention", "rewrite_attention", "rewrite_block", "unsupported_reasons"]

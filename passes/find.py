@@ -33,7 +33,8 @@ SDPA_SIGNATURE = inspect.signature(_sdpa_signature)
 DOCUMENT_SDPA = torch.ops.upipe.document_sdpa.default
 
 
-def _document_sdpa_signature(q, k, v, cu_seqlens, is_causal, scale):
+def _document_sdpa_signature(q, k, v, cu_seqlens, is_causal, scale, window_left=-1, window_right=-1, softcap=0.0,
+                             sinks=None):
     pass
 
 
@@ -57,10 +58,26 @@ class AttentionMatch:
     enable_gqa: Any
     cu_seqlens: Any = None
     """Document boundaries over the full sequence (``upipe::document_sdpa``); None for SDPA."""
+    window_left: Any = -1
+    """Sliding window (``upipe::document_sdpa`` only; flash-attn's counting, -1 = unbounded)."""
+    window_right: Any = -1
+    softcap: Any = 0.0
+    sinks: Any = None
+    """Per-query-head sink logits ``[Hq]`` (an FX node), or None."""
 
     @property
     def source_line(self) -> str:
         return source_line(self.node)
+
+    @property
+    def returns_lse(self) -> bool:
+        """``upipe::document_sdpa`` returns ``(out, lse)``; SDPA the output alone."""
+        return self.node.target is DOCUMENT_SDPA
+
+    @property
+    def has_variant(self) -> bool:
+        """A window, softcap or sinks: attention SDPA itself cannot express."""
+        return (self.window_left, self.window_right, self.softcap) != (-1, -1, 0.0) or self.sinks is not None
 
 
 def find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
@@ -81,11 +98,14 @@ def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
             bound.apply_defaults()
             yield AttentionMatch(graph_module=gm, node=node, **bound.arguments)
         elif node.op == "call_function" and node.target is DOCUMENT_SDPA:
-            args = _DOCUMENT_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+            bound = _DOCUMENT_SIGNATURE.bind(*node.args, **node.kwargs)
+            bound.apply_defaults()
+            args = bound.arguments
             yield AttentionMatch(
                 graph_module=gm, node=node, query=args["q"], key=args["k"], value=args["v"], attn_mask=None,
                 dropout_p=0.0, is_causal=args["is_causal"], scale=args["scale"], enable_gqa=True,
-                cu_seqlens=args["cu_seqlens"],
+                cu_seqlens=args["cu_seqlens"], window_left=args["window_left"], window_right=args["window_right"],
+                softcap=args["softcap"], sinks=args["sinks"],
             )
 
 

@@ -170,7 +170,7 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
     (B, s, Hq * D) -> [contiguous] -> linear(Wo, bo?)."""
     node = match.node
     dead = []
-    if match.cu_seqlens is not None:  # document_sdpa returns (out, lse); users take item 0
+    if match.returns_lse:  # document_sdpa returns (out, lse); users take item 0
         # (an unused ``lse`` item may remain, e.g. in checkpoint bodies: it goes with the block)
         dead = [u for u in node.users if u.target is operator.getitem and u.args[1] != 0 and not u.users]
         users = [u for u in node.users if u not in dead]
@@ -223,6 +223,8 @@ def find_block(match: AttentionMatch) -> Union[BlockMatch, NotFusable]:
 
 
 def _find_block(match: AttentionMatch) -> BlockMatch:
+    if match.sinks is not None:
+        raise NotSeparable(match.node, "attention sinks are not fused yet (the plain stage-loop op runs them)")
     shapes = [shape_of(n) for n in (match.query, match.key, match.value)]
     if any(s is None or len(s) != 4 for s in shapes):
         raise NotSeparable(match.node, "q, k, v are not 4-D tensors of known shape")

@@ -17,13 +17,14 @@ def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: i
     The caller lints and recompiles each touched graph module once."""
     graph, node = match.graph_module.graph, match.node
     scale = None if match.scale is None else float(match.scale)
-    settings = StageLoopSettings(match.is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
+    settings = StageLoopSettings(match.is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
+                                 int(match.window_left), int(match.window_right), float(match.softcap))
     with graph.inserting_before(node):
         op = graph.call_function(UPIPE_ATTENTION, op_arguments(match.query, match.key, match.value, settings,
-                                                               match.cu_seqlens))
+                                                               match.cu_seqlens, match.sinks))
         # SDPA returns the output; document_sdpa returns (out, lse) like the op, and its
         # users take item 0 (its lse is for its own backward only).
-        out = op if match.cu_seqlens is not None else graph.call_function(operator.getitem, (op, 0))
+        out = op if match.returns_lse else graph.call_function(operator.getitem, (op, 0))
     op.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
     if out is not op:
         out.meta.update(node.meta)

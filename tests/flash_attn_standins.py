@@ -4,11 +4,15 @@ Each module has ``_flash_attn_forward`` / ``_flash_attn_backward`` and their var
 forms ``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward`` with the parameters of
 the released interface files (2.5.9, 2.6.3, 2.7.4 / 2.8.3) and their return forms; the
 varlen log-sum-exp is padded per document ``[n, H, max_seqlen]`` in 2.5 and packed
-``[H, total]`` from 2.6 on, as the released kernels allocate it. The
-bodies compute with aten's CPU flash kernels on the ``[B, S, H, D]`` layout and check what
-the real kernels check: last-dimension-contiguous inputs, preallocated contiguous
-dq/dk/dv of the right shapes, head_dim a multiple of 8, no dropout. Each module records
-the keyword values it was called with in ``calls``.
+``[H, total]`` from 2.6 on, as the released kernels allocate it. The window is
+``window_size=(left, right)`` in 2.5/2.6 and ``window_size_left/right`` from 2.7 on;
+``softcap`` exists from 2.6 on (2.5 has no such parameter). The bodies compute with
+aten's CPU flash kernels on the ``[B, S, H, D]`` layout, or with the exact blocked kernel
+(:mod:`upipe_compile.blocked_attention`) when a window or softcap is requested, with
+flash's semantics (``causal`` also makes the window's right edge 0), and check what the
+real kernels check: last-dimension-contiguous inputs, preallocated contiguous dq/dk/dv of
+the right shapes, head_dim a multiple of 8, no dropout, int window edges >= -1, softcap
+>= 0. Each module records the keyword values it was called with in ``calls``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import types
 from typing import Optional
 
 import torch
+
+from upipe_compile import blocked_attention
 
 _aten = torch.ops.aten
 
@@ -27,25 +33,37 @@ def _check(*tensors):
     assert tensors[0].shape[-1] % 8 == 0, f"head_dim {tensors[0].shape[-1]} is not a multiple of 8"
 
 
-def _forward(q, k, v, dropout_p, softmax_scale, causal):
+def _check_variant(window, softcap):
+    left, right = window
+    assert all(isinstance(edge, int) and edge >= -1 for edge in (left, right)), f"bad window {window}"
+    assert isinstance(softcap, float) and softcap >= 0.0, f"bad softcap {softcap!r}"
+    return (left, right) != (-1, -1) or softcap > 0.0
+
+
+def _forward(q, k, v, dropout_p, softmax_scale, causal, window=(-1, -1), softcap=0.0):
     """q/k/v ``[B, S, H, D]`` -> out ``[B, S, H, D]`` (contiguous, as flash returns it), lse ``[B, H, S]``."""
     _check(q, k, v)
     assert dropout_p == 0.0
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale
-    )[:2]
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if _check_variant(window, softcap):
+        out, lse = blocked_attention.forward(*args, causal, softmax_scale, window, softcap, block_rows=16)
+    else:
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, causal, scale=softmax_scale)[:2]
     return out.transpose(1, 2).contiguous(), lse
 
 
-def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal):
+def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window=(-1, -1),
+              softcap=0.0):
     _check(dout, q, k, v, out)
     for grad, like in ((dq, q), (dk, k), (dv, v)):
         assert grad.is_contiguous() and grad.shape == like.shape, "dq/dk/dv must be preallocated like q/k/v"
     assert dropout_p == 0.0
-    grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
-        softmax_lse, 0.0, causal, scale=softmax_scale,
-    )
+    args = (dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
+            softmax_lse)
+    if _check_variant(window, softcap):
+        grads = blocked_attention.backward(*args, causal, softmax_scale, window, softcap, block_rows=16)
+    else:
+        grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, causal, scale=softmax_scale)
     for dest, grad in zip((dq, dk, dv), grads):
         dest.copy_(grad.transpose(1, 2))
     batch, seq, heads, _ = q.shape
@@ -63,7 +81,7 @@ def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 
 
 def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    causal, padded_lse: bool):
+                    causal, padded_lse: bool, window=(-1, -1), softcap=0.0):
     """Per document through ``_forward``: out ``[total, H, D]``, lse packed or padded."""
     spans = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = torch.empty_like(q)
@@ -71,7 +89,8 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     lse = (q.new_full((len(spans), heads, max_seqlen_q), float("nan"), dtype=torch.float32) if padded_lse
            else q.new_empty((heads, q.shape[0]), dtype=torch.float32))
     for i, (a, b) in enumerate(spans):
-        out_doc, lse_doc = _forward(*(x[a:b].unsqueeze(0) for x in (q, k, v)), dropout_p, softmax_scale, causal)
+        out_doc, lse_doc = _forward(*(x[a:b].unsqueeze(0) for x in (q, k, v)), dropout_p, softmax_scale, causal,
+                                    window, softcap)
         out[a:b] = out_doc[0]
         if padded_lse:
             lse[i, :, : b - a] = lse_doc[0]
@@ -81,7 +100,7 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse: bool):
+                     max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse: bool, window=(-1, -1), softcap=0.0):
     spans = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     heads = q.shape[1]
     expected = (len(spans), heads, max_seqlen_q) if padded_lse else (heads, q.shape[0])
@@ -90,42 +109,46 @@ def _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, 
         lse_doc = softmax_lse[i, :, : b - a] if padded_lse else softmax_lse[:, a:b]
         grads = [x.new_empty((1, b - a, *x.shape[1:])) for x in (q, k, v)]
         _backward(*(x[a:b].unsqueeze(0) for x in (dout, q, k, v, out)), lse_doc.unsqueeze(0).contiguous(), *grads,
-                  dropout_p, softmax_scale, causal)
+                  dropout_p, softmax_scale, causal, window, softcap)
         for dest, grad in zip((dq, dk, dv), grads):
             dest[a:b] = grad[0]
     return q.new_empty((heads, q.shape[0] + 128 * len(spans)), dtype=torch.float32)  # softmax_d
 
 
 def interface_2_5():
+    """2.5.9: ``window_size`` a tuple, no ``softcap`` parameter at all."""
     calls = []
 
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
         calls.append(dict(window_size=window_size, alibi_slopes=alibi_slopes, return_softmax=return_softmax))
-        assert window_size == (-1, -1) and alibi_slopes is None and not return_softmax
-        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal)
+        assert alibi_slopes is None and not return_softmax
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, tuple(window_size))
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                              window_size, alibi_slopes, deterministic, rng_state=None):
         calls.append(dict(window_size=window_size, deterministic=deterministic, rng_state=rng_state))
-        assert window_size == (-1, -1) and alibi_slopes is None
-        softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal)
+        assert alibi_slopes is None
+        softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                              tuple(window_size))
         return dq, dk, dv, softmax_d
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size, alibi_slopes, return_softmax, block_table):
         calls.append(dict(varlen=True, window_size=window_size, block_table=block_table))
-        assert window_size == (-1, -1) and alibi_slopes is None and not return_softmax and block_table is None
+        assert alibi_slopes is None and not return_softmax and block_table is None
         out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, padded_lse=True)
+                                   softmax_scale, causal, padded_lse=True, window=tuple(window_size))
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                     alibi_slopes, deterministic, rng_state=None):
         calls.append(dict(varlen=True, window_size=window_size, deterministic=deterministic))
+        assert alibi_slopes is None
         softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=True)
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=True,
+                                     window=tuple(window_size))
         return dq, dk, dv, softmax_d
 
     return _module("2.5.9", calls, _flash_attn_forward, _flash_attn_backward,
@@ -133,38 +156,42 @@ def interface_2_5():
 
 
 def interface_2_6():
+    """2.6.3: ``window_size`` a tuple, then ``softcap``."""
     calls = []
 
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                             return_softmax):
         calls.append(dict(window_size=window_size, softcap=softcap, return_softmax=return_softmax))
-        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and not return_softmax
-        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal)
+        assert alibi_slopes is None and not return_softmax
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, tuple(window_size), softcap)
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, deterministic, rng_state=None):
         calls.append(dict(window_size=window_size, softcap=softcap, deterministic=deterministic))
-        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None
-        softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal)
+        assert alibi_slopes is None
+        softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                              tuple(window_size), softcap)
         return dq, dk, dv, softmax_d
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                    return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
         calls.append(dict(varlen=True, window_size=window_size, softcap=softcap))
-        assert window_size == (-1, -1) and softcap == 0.0 and alibi_slopes is None and not return_softmax
+        assert alibi_slopes is None and not return_softmax
         assert block_table is None and leftpad_k is None and seqused_k is None
         out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, padded_lse=False)
+                                   softmax_scale, causal, padded_lse=False, window=tuple(window_size), softcap=softcap)
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                     softcap, alibi_slopes, deterministic, rng_state=None):
         calls.append(dict(varlen=True, window_size=window_size, softcap=softcap, deterministic=deterministic))
+        assert alibi_slopes is None
         softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False)
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False,
+                                     window=tuple(window_size), softcap=softcap)
         return dq, dk, dv, softmax_d
 
     return _module("2.6.3", calls, _flash_attn_forward, _flash_attn_backward,
@@ -181,8 +208,8 @@ def _flash_attn_forward_2_7(
     return_softmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _CALLS_2_7.append(dict(window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap))
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0) and alibi_slopes is None
-    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal)
+    assert alibi_slopes is None
+    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap)
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -193,9 +220,11 @@ def _flash_attn_backward_2_7(
     dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
     softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool, rng_state: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _CALLS_2_7.append(dict(window_size_left=window_size_left, deterministic=deterministic, rng_state=rng_state))
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0) and alibi_slopes is None
-    return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal)
+    _CALLS_2_7.append(dict(window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap,
+                           deterministic=deterministic, rng_state=rng_state))
+    assert alibi_slopes is None
+    return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                     (window_size_left, window_size_right), softcap)
 
 
 @torch.library.custom_op("upipe_test_flash_2_7::_flash_attn_varlen_forward", mutates_args=())
@@ -207,11 +236,13 @@ def _flash_attn_varlen_forward_2_7(
     block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, zero_tensors=zero_tensors))
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0) and alibi_slopes is None
+    _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, window_size_right=window_size_right,
+                           softcap=softcap, zero_tensors=zero_tensors))
+    assert alibi_slopes is None
     assert block_table is None and leftpad_k is None and seqused_k is None and not zero_tensors
     out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, padded_lse=False)
+                               softmax_scale, causal, padded_lse=False, window=(window_size_left, window_size_right),
+                               softcap=softcap)
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -224,14 +255,17 @@ def _flash_attn_varlen_backward_2_7(
     softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
     rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False,
 ) -> torch.Tensor:
-    _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, deterministic=deterministic))
-    assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0) and alibi_slopes is None
+    _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, window_size_right=window_size_right,
+                           softcap=softcap, deterministic=deterministic))
+    assert alibi_slopes is None
     return _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False)
+                            max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False,
+                            window=(window_size_left, window_size_right), softcap=softcap)
 
 
 def interface_2_7():
-    """2.7 and 2.8 share this form: both functions are ``torch.library.custom_op`` objects."""
+    """2.7 and 2.8 share this form: both functions are ``torch.library.custom_op`` objects
+    taking ``window_size_left``, ``window_size_right``, ``softcap``."""
     _CALLS_2_7.clear()
     return _module("2.8.3", _CALLS_2_7, _flash_attn_forward_2_7, _flash_attn_backward_2_7,
                    _flash_attn_varlen_forward_2_7, _flash_attn_varlen_backward_2_7)

@@ -203,3 +203,56 @@ def boundary_checks_per_call(bounds: tuple[int, ...], calls: int, modify_between
     finally:
         collectives.all_gather = real
     return counts
+
+
+def variant_op_case(case: AttentionCase, window, softcap, with_sinks: bool, bounds=None):
+    """upipe_attention with a window / softcap / sinks (and documents) on this rank's shard:
+    (out, dq, dk, dv, dsinks) shards; dsinks is this rank's share (None without sinks)."""
+    from tests_support import make_sinks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = (x.chunk(world, dim=2)[rank].clone() for x in make_inputs(case))
+    sinks = make_sinks(case).requires_grad_(True) if with_sinks else None
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = upipe_compile.upipe_attention(
+        q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True, heads_per_stage=case.heads_per_stage,
+        prefetch=case.prefetch, cu_seqlens=None if bounds is None else torch.tensor(bounds, dtype=torch.int32),
+        window=window, softcap=softcap, sinks=sinks,
+    )
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
+
+
+def compiled_variant_block_case(case: AttentionCase, window, softcap, with_sinks: bool, fuse: bool,
+                                inner_backend: str = "aot_eager"):
+    """TinyVariantAttention compiled with backend="upipe" on this rank's shard: (out, dx,
+    param grads, which upipe ops the graph holds)."""
+    from tests_support import TinyVariantAttention, block_grads, make_block_inputs
+
+    torch._dynamo.reset()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, dout = (t.chunk(world, dim=1)[rank] for t in make_block_inputs(case))
+    seen = []
+
+    def recording(gm, example_inputs):
+        seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                    for n in m.graph.nodes if str(n.target).startswith("upipe."))
+        return gm.forward
+
+    from upipe_compile.backend import apply_upipe_passes
+    from upipe_compile.options import UPipeOptions
+
+    options = UPipeOptions(heads_per_stage=case.heads_per_stage, prefetch=case.prefetch, fuse_projections=fuse,
+                           inner_backend=inner_backend)
+
+    def backend(gm, example_inputs):
+        gm = apply_upipe_passes(gm, options)
+        recording(gm, example_inputs)
+        from upipe_compile.backend import _inner_backend
+
+        return _inner_backend(inner_backend)(gm, example_inputs)
+
+    model = torch.compile(TinyVariantAttention(case, window, softcap, with_sinks), backend=backend)
+    out, dx, grads = block_grads(model, x, dout)
+    return out, dx, grads, sorted(set(seen))

@@ -83,7 +83,7 @@ def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
 def unfused_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, *settings):
     """The op's meaning on one process: each role's head fn with the real head count, and
     attention within the documents when the block has boundaries (cu_seqlens, or position
-    ids as transformers models under upipe_sdpa pass them)."""
+    ids as transformers models under register() pass them)."""
     from upipe_compile import document_sdpa
 
     region = region_by_id(region_id)

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from upipe_compile import UnsupportedAttention, UPipeOptions, apply_upipe_passes, upipe_attention
+from upipe_compile.ops import parse_op_arguments
 from upipe_compile.schedule import ScheduleError, plan_stages
 
 WORLD = 4
@@ -160,11 +161,12 @@ def test_find_rewrites_positional_and_keyword_sdpa(world, heads_per_stage, expec
     ops = calls(gm, UPIPE_ATTENTION)
     assert len(ops) == 2
     positional, hf = ops  # graph order = source order
-    # args: (q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch); the GQA call keeps its 2 KV heads
+    # args: (q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left,
+    # window_right, softcap); the GQA call keeps its 2 KV heads
     assert [example_shape(a) for a in positional.args[:3]] == [(1, 8, 16, 8)] * 3
-    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name, "forward")
+    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name, "forward", -1, -1, 0.0)
     assert [example_shape(a) for a in hf.args[:3]] == [(1, 8, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
-    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name, "forward")
+    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name, "forward", -1, -1, 0.0)
     assert positional.kwargs == {} and hf.kwargs == {}
     # each op's users read only its output (index 0), never the log-sum-exp
     for op in ops:
@@ -203,7 +205,7 @@ def test_options_instance_and_aten_level_graph(world):
     assert len(calls(gm, torch.ops.aten.scaled_dot_product_attention.default)) == 1
     gm = apply_upipe_passes(gm, options)
     (op,) = calls(gm, UPIPE_ATTENTION)
-    assert op.args[3:] == (True, None, 8, WORLD, world.group_name, "forward")
+    assert op.args[3:] == (True, None, 8, WORLD, world.group_name, "forward", -1, -1, 0.0)
     assert sdpa_nodes(gm) == []
 
 
@@ -362,7 +364,7 @@ def test_prefetch_option_reaches_the_op(world):
     q = rand(1, 8, 16, 8)
     torch.compile(sdpa_plain, backend=backend)(q, q, q)
     (op,) = calls(backend.graph, UPIPE_ATTENTION)
-    assert op.args[-1] == "both"
+    assert parse_op_arguments(op.args)[3].prefetch == "both"
 
 
 @pytest.mark.parametrize(
@@ -515,8 +517,13 @@ def test_fake_kernel_shapes(world, q_heads, kv_heads, heads_per_stage, dtype):
         # one LSE row per stage: [num_stages, B, U/P heads per rank, full sequence]
         assert tuple(lse.shape) == (stages, batch, heads_per_stage // WORLD, s_local * WORLD)
         assert lse.dtype == torch.float32
-        dq, dk, dv = UPIPE_ATTENTION_BACKWARD(out, q, k, k, out, lse, True, None, heads_per_stage, WORLD, world.group_name)
-        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+        dq, dk, dv, dsinks = UPIPE_ATTENTION_BACKWARD(out, q, k, k, out, lse, True, None, heads_per_stage, WORLD,
+                                                      world.group_name)
+        assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, k.shape, (0,))
+        sinks = torch.empty(q_heads, dtype=torch.float32)
+        *_, dsinks = UPIPE_ATTENTION_BACKWARD(out, q, k, k, out, lse, True, None, heads_per_stage, WORLD,
+                                              world.group_name, sinks=sinks)
+        assert dsinks.shape == sinks.shape
     # torch.library.opcheck is deliberately not run: the real kernel needs live collectives.
 
 

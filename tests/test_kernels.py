@@ -289,3 +289,154 @@ def test_aten_cuda_varlen_calls_match_the_op_schemas(batch):
     assert out.shape == q.shape and lse.shape == (batch, 4, 32) and kernel.lse_padded is False
     dq, dk, dv = kernel.backward_documents(q, q, k, k, out, lse, documents, True, None)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+# --- sliding window and softcap -------------------------------------------------------------
+
+def _variant_reference(q, k, v, dout, is_causal, scale, window, softcap, documents=None):
+    """The CPU kernel (exact: aten's or the blocked one) per document, as the flash adapters' reference."""
+    cpu = kernels.CpuKernels()
+    if documents is None:
+        out, lse = cpu.forward(q, k, v, is_causal, scale, window, softcap)
+        return (out, lse, *cpu.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap))
+    out, lse = cpu.forward_documents(q, k, v, documents, is_causal, scale, window, softcap)
+    return (out, lse, *cpu.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap))
+
+
+def _window_edges():
+    return st.one_of(st.just(-1), st.just(0), st.integers(1, 6), st.integers(24, 30))
+
+
+@settings(**SETTINGS)
+@given(
+    family=st.sampled_from(sorted(FAMILIES)), batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]), seq=st.integers(1, 24), is_causal=st.booleans(),
+    scale=st.one_of(st.none(), st.floats(0.05, 2.0)), left=_window_edges(), right=_window_edges(),
+    softcap=st.one_of(st.just(0.0), st.floats(0.5, 50.0)), packed=st.booleans(), data=st.data(),
+)
+def test_flash_attn_adapter_passes_window_and_softcap(family, batch, kv_heads, group, seq, is_causal, scale, left,
+                                                       right, softcap, packed, data):
+    """Every family's dense and varlen paths get the window in their own form (a tuple in
+    2.5/2.6, left/right from 2.7) and softcap (2.6+), and equal the exact CPU kernels."""
+    from upipe_compile.documents import Documents
+
+    if family == "2.5":
+        softcap = 0.0  # refused there (test_flash_attn_2_5_refuses_softcap)
+    window = (left, right)
+    documents = None
+    if packed and seq > 1:
+        cuts = sorted(data.draw(st.sets(st.integers(1, seq - 1), min_size=1, max_size=seq - 1)))
+        documents = Documents.from_bounds((0, *cuts, seq), "cpu")
+    gen = torch.Generator().manual_seed(seq)
+    q, k, v, dout = (_stage_layout(torch.randn(batch, h, seq, 16, generator=gen))
+                     for h in (kv_heads * group, kv_heads, kv_heads, kv_heads * group))
+    interface = FAMILIES[family]()
+    flash = kernels.FlashAttnKernels(interface)
+    if documents is None:
+        out, lse = flash.forward(q, k, v, is_causal, scale, window, softcap)
+        grads = flash.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
+    else:
+        out, lse = flash.forward_documents(q, k, v, documents, is_causal, scale, window, softcap)
+        grads = flash.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap)
+    expected = _variant_reference(q, k, v, dout, is_causal, scale, window, softcap, documents)
+    for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected):
+        assert actual.shape == wanted.shape, f"{family} {name}"
+        if wanted.norm() < 1e-5:  # rows seeing one key: dq is 0, up to the dense kernel's rounding
+            assert actual.abs().max() < 1e-4, f"{family} {name}"
+        else:
+            assert relative_error(actual, wanted) < 1e-5, f"{family} {name}"
+
+    for call in interface.calls:
+        if family == "2.7/2.8":
+            assert (call["window_size_left"], call["window_size_right"], call["softcap"]) == (left, right, softcap)
+        else:
+            assert tuple(call["window_size"]) == window and call.get("softcap", 0.0) == softcap
+
+
+def test_flash_attn_2_5_refuses_softcap():
+    """2.5 has no softcap parameter: the adapter refuses before calling, naming 2.6; a
+    window alone is fine."""
+    interface = FAMILIES["2.5"]()
+    flash = kernels.FlashAttnKernels(interface)
+    (problem,) = flash.variant_problems((-1, -1), 30.0)
+    assert "2.5.9" in problem and "softcap" in problem and ">= 2.6" in problem
+    assert flash.variant_problems((8, 0), 0.0) == []
+    q = torch.randn(1, 2, 8, 8)
+    with pytest.raises(UnsupportedAttention, match=r"flash-attn 2\.5\.9 has no softcap parameter in _flash_attn_forward "):
+        flash.forward(q, q, q, True, None, (-1, -1), 30.0)
+    with pytest.raises(UnsupportedAttention, match="no softcap parameter in _flash_attn_backward "):
+        flash.backward(q, q, q, q, q, torch.zeros(1, 2, 8), True, None, (-1, -1), 30.0)
+    from upipe_compile.documents import Documents
+
+    documents = Documents.from_bounds((0, 3, 8), "cpu")
+    with pytest.raises(UnsupportedAttention, match="no softcap parameter in _flash_attn_varlen_forward "):
+        flash.forward_documents(q, q, q, documents, True, None, (-1, -1), 30.0)
+    assert interface.calls == []  # refused before any call
+
+
+def test_flash_attn_interface_without_window_parameters_refuses_a_window():
+    """A window is never dropped: an interface whose functions lack window_size is refused."""
+    interface = FAMILIES["2.6"]()
+    real_forward = interface._flash_attn_forward
+
+    def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, softcap, alibi_slopes, return_softmax):
+        return real_forward(q, k, v, dropout_p, softmax_scale, causal, (-1, -1), softcap, alibi_slopes, return_softmax)
+
+    interface._flash_attn_forward = _flash_attn_forward
+    flash = kernels.FlashAttnKernels(interface)
+    assert "no window_size parameter in _flash_attn_forward;" in flash.variant_problems((4, 0), 0.0)[0]
+    q = torch.randn(1, 2, 8, 8)
+    flash.forward(q, q, q, True, None)  # no window: fine
+    with pytest.raises(UnsupportedAttention, match="no window_size parameter in _flash_attn_forward"):
+        flash.forward(q, q, q, True, None, (4, 0))
+
+
+def test_cuda_variant_problems_name_the_fix(monkeypatch):
+    """kernels.variant_problems("cuda", ...) asks the kernel CUDA would use."""
+    monkeypatch.setattr(kernels, "_cuda_kernels", lambda: kernels.AtenCudaKernels())
+    assert kernels.variant_problems("cuda", (128, 0), 0.0) == []  # torch 2.13's aten flash takes a window
+    (softcap,) = kernels.variant_problems("cuda", (-1, -1), 50.0)
+    assert "aten's CUDA flash" in softcap and "flash-attn >= 2.6" in softcap
+    monkeypatch.setattr(kernels, "_aten_flash_takes_window", lambda: False)
+    (window,) = kernels.variant_problems("cuda", (128, 0), 0.0)
+    assert "window_size_left/right" in window and "install flash-attn" in window
+    assert kernels.variant_problems("cuda", (-1, -1), 0.0) == []
+
+    monkeypatch.setattr(kernels, "_cuda_kernels", lambda: kernels.FlashAttnKernels(FAMILIES["2.5"]()))
+    (old,) = kernels.variant_problems("cuda", (128, 0), 30.0)
+    assert "2.5.9" in old and ">= 2.6" in old
+    for family in ("2.6", "2.7/2.8"):
+        monkeypatch.setattr(kernels, "_cuda_kernels", lambda f=family: kernels.FlashAttnKernels(FAMILIES[f]()))
+        assert kernels.variant_problems("cuda", (128, 0), 30.0) == []
+    assert "int >= -1" in kernels.variant_problems("cuda", (-3, 0), 0.0)[0]
+
+
+def test_torch_aten_flash_schemas_take_the_window():
+    assert kernels._aten_flash_takes_window()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_aten_cuda_window_calls_match_the_op_schemas(batch):
+    """No GPU here: on meta tensors aten's flash forward/backward check the arguments
+    AtenCudaKernels passes with a window, dense ([B, S, H, D] views, no cumulative
+    lengths, as torch's SDPA calls them) and varlen; softcap is refused."""
+    from upipe_compile.documents import Documents
+
+    q = _stage_layout(torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16))
+    k = _stage_layout(torch.empty(batch, 2, 32, 64, device="meta", dtype=torch.bfloat16))
+    kernel = kernels.AtenCudaKernels()
+    out, lse = kernel.forward(q, k, k, True, None, (16, 0))
+    assert out.shape == q.shape and lse.shape == (batch, 4, 32)
+    dq, dk, dv = kernel.backward(q, q, k, k, out, lse, True, None, (16, 0))
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+    documents = Documents.from_bounds((0, 5, 6, 32), "meta")
+    out, lse = kernel.forward_documents(q, k, k, documents, False, None, (3, 3))
+    assert out.shape == q.shape and lse.shape == (batch, 4, 32)
+    dq, dk, dv = kernel.backward_documents(q, q, k, k, out, lse, documents, False, None, (3, 3))
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+    with pytest.raises(UnsupportedAttention, match="flash-attn >= 2.6"):
+        kernel.forward(q, k, k, True, None, (-1, -1), 30.0)
+    with pytest.raises(UnsupportedAttention, match="flash-attn >= 2.6"):
+        kernel.backward_documents(q, q, k, k, out, lse, documents, True, None, (-1, -1), 30.0)

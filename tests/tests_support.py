@@ -138,3 +138,95 @@ def eager_documents_reference(case: AttentionCase, bounds: tuple[int, ...]):
     out = torch.cat(pieces, dim=2)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def variant_reference(case: AttentionCase, window=None, softcap=None, sinks=None, bounds=None):
+    """Attention written out in float64 on the full sequence, with a sliding ``window``
+    (flash-attn's (left, right), -1 unbounded), a logit ``softcap``, per-head ``sinks``
+    and documents ``bounds``: ``(out, dq, dk, dv, dsinks)`` (dsinks None without sinks)."""
+    q, k, v, dout = (t.double().requires_grad_(True) for t in make_inputs(case))
+    group = case.q_heads // case.kv_heads
+    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    scores = q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(case.seq)[:, None]
+    j = torch.arange(case.seq)[None, :]
+    allowed = torch.ones(case.seq, case.seq, dtype=torch.bool)
+    if case.is_causal:
+        allowed &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= j >= i - left
+        if right >= 0:
+            allowed &= j <= i + right
+    if bounds is not None:
+        doc = torch.bucketize(torch.arange(case.seq), torch.tensor(bounds[1:-1]), right=True)
+        allowed &= doc[:, None] == doc[None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink_param = None
+    if sinks is not None:
+        sink_param = sinks.double().requires_grad_(True)
+        column = sink_param[None, :, None, None].expand(case.batch, -1, case.seq, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs @ v.repeat_interleave(group, dim=1)
+    out.backward(dout.detach())
+    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sink_param.grad
+
+
+def make_sinks(case: AttentionCase) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case.seed + 3)
+    return (torch.randn(case.q_heads, generator=gen) * 2).to(DTYPES[case.dtype])
+
+
+def variant_math(q, k, v, *, is_causal, scale, window=None, softcap=None, sinks=None):
+    """Attention with a window / softcap / sinks written out (the reference's math), differentiable."""
+    group = q.shape[1] // k.shape[1]
+    seq = q.shape[2]
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    allowed = (j <= i) if is_causal else torch.ones(seq, seq, dtype=torch.bool)
+    if window is not None:
+        if window[0] >= 0:
+            allowed = allowed & (j >= i - window[0])
+        if window[1] >= 0:
+            allowed = allowed & (j <= i + window[1])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(scores.dtype)[None, :, None, None].expand(q.shape[0], -1, seq, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v.repeat_interleave(group, dim=1)).to(q.dtype)
+
+
+class TinyVariantAttention(TinyAttention):
+    """TinyAttention whose attention has a sliding window, softcap and/or sinks, called as a
+    model does through ``upipe_compile.document_sdpa``; ``reference=True`` writes it out."""
+
+    def __init__(self, case: AttentionCase, window=None, softcap=None, with_sinks=False, reference=False):
+        super().__init__(case)
+        self.window, self.softcap, self.reference = window, softcap, reference
+        self.sinks = torch.nn.Parameter(make_sinks(case)) if with_sinks else None
+
+    def forward(self, x):
+        from upipe_compile import document_sdpa
+
+        b, s, _ = x.shape
+        c = self.case
+        q = self.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        if self.reference:
+            out = variant_math(q.double(), k.double(), v.double(), is_causal=c.is_causal, scale=c.scale,
+                               window=self.window, softcap=self.softcap, sinks=self.sinks).to(q.dtype)
+        else:
+            out = document_sdpa(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True, window=self.window,
+                                softcap=self.softcap, sinks=self.sinks)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))

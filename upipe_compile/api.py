@@ -12,15 +12,17 @@ import torch.nn.functional as F
 from upipe_compile import collectives, kernels
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.ops import attention_op, op_arguments
-from upipe_compile.options import StageLoopSettings, check_prefetch
+from upipe_compile.options import StageLoopSettings, check_prefetch, normalised_variant
 from upipe_compile.schedule import shape_problems
+from upipe_compile.sinks import check_sinks
 
 
 def upipe_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
     cp_mesh=None, heads_per_stage: Optional[int] = None, prefetch: str = "forward",
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, window: Optional[tuple[int, int]] = None,
+    softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on sequence-sharded inputs.
 
@@ -34,18 +36,31 @@ def upipe_attention(
     sequence, ``[0, len_0, len_0 + len_1, ..., S]`` (int32/int64, the same on every rank);
     attention then stays inside each document (causal within it when ``is_causal``).
     See docs/packed_sequences.md.
+
+    Attention variants (see docs/attention_variants.md): ``window=(left, right)`` as
+    flash-attn counts it (query i sees keys ``[i - left, i + right]`` of the full sequence,
+    -1 = unbounded; with ``is_causal`` the right edge is 0); ``softcap`` (scores become
+    ``softcap * tanh(scores / softcap)``); ``sinks`` ``[Hq]``, one learned logit per query
+    head joining every row's softmax with no value (GPT-OSS). Each rank's ``sinks.grad`` holds
+    the heads that rank computed: sum it over the ranks, as any replicated parameter's.
     """
     check_prefetch(prefetch)
+    window_left, window_right, softcap = normalised_variant(window, softcap)
+    if sink_problems := check_sinks(sinks, q.shape[1]):
+        raise UnsupportedAttention("upipe_attention: " + "; ".join(sink_problems))
     group = collectives.resolve_group(cp_mesh)
     world = group.size()
     heads_per_stage = world if heads_per_stage is None else heads_per_stage
     problems = shape_problems(q.shape, k.shape, v.shape, enable_gqa, world, heads_per_stage)
+    problems += kernels.variant_problems(q.device.type, (window_left, window_right), softcap)
     if q.device.type == "cuda":
         problems += kernels.cuda_problems(q.dtype, q.shape[-1])
     if problems:
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
-    if world == 1 and cu_seqlens is None:
+    plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
+    if world == 1 and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch)
-    out, _ = attention_op(*op_arguments(q, k, v, settings, cu_seqlens))
+    settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch, window_left,
+                                 window_right, softcap)
+    out, _ = attention_op(*op_arguments(q, k, v, settings, cu_seqlens, sinks))
     return out

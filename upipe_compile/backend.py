@@ -11,7 +11,8 @@ import torch.fx as fx
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
-    BlockMatch, find_attention, find_block, rewrite_attention, rewrite_block, unsupported_reasons,
+    BlockMatch, find_attention, find_block, find_unsupported_attention, rewrite_attention, rewrite_block,
+    unsupported_reasons,
 )
 
 log = logging.getLogger(__name__)
@@ -19,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphModule:
     """Rewrite every SDPA call in ``gm`` (nested bodies included) into the stage-loop op, or
-    raise UnsupportedAttention naming each call that cannot be rewritten and why. With
+    raise UnsupportedAttention naming each call that cannot be rewritten and why (flex_attention
+    and hand-written attention among them: they would see the local shard only). With
     ``options.fuse_projections`` each block whose projections, per-head ops and output
     projection are proven head-separable becomes one ``upipe::attention_block`` instead (one
     log line per block says whether it was fused, or which node blocked it and why).
@@ -35,6 +37,8 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
         for match in matches
         if (reasons := unsupported_reasons(match, world, heads_per_stage))
     ]
+    # flex_attention and hand-written attention are not rewritten: they would see the local shard only
+    problems += [f"  {match.source_line}\n    - {match.reason}\n" for match in find_unsupported_attention(gm)]
     if problems:
         raise UnsupportedAttention(
             f"upipe cannot run {len(problems)} attention call(s) with context parallelism over P={world} ranks:\n"

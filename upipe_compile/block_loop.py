@@ -137,7 +137,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
         out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
-                                               documents)
+                                               documents, window=region.window, softcap=region.softcap)
         del k_stage, v_stage
         lse[index].copy_(lse_stage)
         del lse_stage
@@ -299,12 +299,13 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
         if o is None:
-            out_stage, _ = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale, documents)
+            out_stage, _ = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale, documents,
+                                           window=region.window, softcap=region.softcap)
         else:
             out_stage = buffers["out"]
         dq_stage, dk_stage, dv_stage = kernels.backward(
             buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], region.is_causal,
-            region.scale, documents)
+            region.scale, documents, window=region.window, softcap=region.softcap)
         del k_stage, v_stage
         inputs.after_kernel(index)
         for role in ("q", "out", "dout"):  # refilled by the next stage (prefetched ones have landed)

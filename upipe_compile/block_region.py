@@ -41,6 +41,10 @@ class BlockRegion:
     scale: Optional[float]
     source_line: str = ""
     """The block's SDPA call in the user's source, for messages."""
+    window: tuple[int, int] = (-1, -1)
+    """Sliding window as flash-attn counts it (global positions; -1 = unbounded)."""
+    softcap: float = 0.0
+    """Attention-logit softcap (0 = off)."""
 
     def head_fn(self, role: str) -> HeadFn:
         return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]

@@ -1,11 +1,12 @@
-"""``document_sdpa``: scaled_dot_product_attention over packed documents, for models to call.
+"""``document_sdpa``: scaled_dot_product_attention over packed documents and with the
+attention variants SDPA lacks (sliding window, logit softcap, sinks), for models to call.
 
-An SDPA call cannot carry document boundaries, so a model that packs documents calls
-:func:`document_sdpa` instead (the transformers integration does). On one process it is
-exact attention within each document (the kernels of :mod:`upipe_compile.kernels`, no
+An SDPA call cannot carry document boundaries or these variants, so a model that needs them
+calls :func:`document_sdpa` instead (the transformers integration does). On one process it
+is exact attention within each document (the kernels of :mod:`upipe_compile.kernels`, no
 mask). Under ``backend="upipe"`` the graph pass finds its op, ``upipe::document_sdpa``,
-like an SDPA call and rewrites it into the stage-loop op with the same boundaries and the
-backend's options. Called on a sequence shard without that rewrite it is refused: its
+like an SDPA call and rewrites it into the stage-loop op with the same boundaries,
+variants and the backend's options. Called on a sequence shard without that rewrite it is refused: its
 boundaries end at the full sequence length, not the shard's.
 """
 
@@ -18,7 +19,9 @@ import torch
 from upipe_compile import kernels
 from upipe_compile.documents import Documents, boundary_problems, bounds_from_positions
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.options import normalised_variant
 from upipe_compile.schedule import shape_problems
+from upipe_compile.sinks import apply_sinks, check_sinks, sink_gradient
 
 
 def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
@@ -40,17 +43,26 @@ def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
     return Documents.from_bounds(cu_seqlens.tolist(), q.device)
 
 
+def _documents(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor) -> Optional[Documents]:
+    return None if cu_seqlens is None else _local_documents(cu_seqlens, q)
+
+
 @torch.library.custom_op("upipe::document_sdpa", mutates_args=())
 def document_sdpa_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, is_causal: bool,
-    scale: Optional[float],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor], is_causal: bool,
+    scale: Optional[float], window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = kernels.forward(q, k, v, is_causal, scale, _local_documents(cu_seqlens, q))
+    out, lse = kernels.forward(q, k, v, is_causal, scale, _documents(cu_seqlens, q), window=(window_left, window_right),
+                               softcap=softcap)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return out.contiguous(), lse
 
 
 @document_sdpa_op.register_fake
-def _document_sdpa_fake(q, k, v, cu_seqlens, is_causal, scale):
+def _document_sdpa_fake(q, k, v, cu_seqlens, is_causal, scale, window_left=-1, window_right=-1, softcap=0.0,
+                        sinks=None):
     batch, heads, seq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seq), dtype=torch.float32)
 
@@ -58,46 +70,61 @@ def _document_sdpa_fake(q, k, v, cu_seqlens, is_causal, scale):
 @torch.library.custom_op("upipe::document_sdpa_backward", mutates_args=())
 def document_sdpa_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_seqlens: torch.Tensor, is_causal: bool, scale: Optional[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = kernels.backward(dout, q, k, v, out, lse, is_causal, scale, _local_documents(cu_seqlens, q))
-    return tuple(g.contiguous() for g in grads)
+    cu_seqlens: Optional[torch.Tensor], is_causal: bool, scale: Optional[float], window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)``; dsinks is empty without sinks."""
+    grads = kernels.backward(dout, q, k, v, out, lse, is_causal, scale, _documents(cu_seqlens, q),
+                             window=(window_left, window_right), softcap=softcap)
+    dsinks = q.new_empty((0,)) if sinks is None else sink_gradient(dout, out, lse, sinks).to(sinks.dtype)
+    return (*(g.contiguous() for g in grads), dsinks)
 
 
 @document_sdpa_backward_op.register_fake
-def _document_sdpa_backward_fake(dout, q, k, v, out, lse, cu_seqlens, is_causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _document_sdpa_backward_fake(dout, q, k, v, out, lse, cu_seqlens, is_causal, scale, window_left=-1,
+                                 window_right=-1, softcap=0.0, sinks=None):
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, is_causal, scale = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
-    ctx.is_causal, ctx.scale = is_causal, scale
+    q, k, v, cu_seqlens, is_causal, scale, window_left, window_right, softcap, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens, sinks)
+    ctx.options = (is_causal, scale, window_left, window_right, softcap)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = document_sdpa_backward_op(dout.contiguous(), q, k, v, out, lse, cu_seqlens, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = document_sdpa_backward_op(dout.contiguous(), q, k, v, out, lse, cu_seqlens, *ctx.options,
+                                                   sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None if sinks is None else dsinks
 
 
 document_sdpa_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def document_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+    window: Optional[tuple[int, int]] = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)``
-    within each document of a packed sequence: ``cu_seqlens`` ``[0, len_0, ..., S]`` are
-    the documents' cumulative lengths over the *full* sequence (int32/int64); or, 2-D, the
-    ``position_ids [B, S_local]`` of this call's tokens, a document starting wherever a
-    position is not the previous one + 1 (under upipe, gathered from every rank once per
-    step, so each rank passes its own shard).
+    with what SDPA cannot say: packed documents and the attention variants.
+
+    ``cu_seqlens``: the documents' cumulative lengths ``[0, len_0, ..., S]`` over the *full*
+    sequence (int32/int64); or, 2-D, the ``position_ids [B, S_local]`` of this call's tokens,
+    a document starting wherever a position is not the previous one + 1 (under upipe,
+    gathered from every rank once per step, so each rank passes its own shard); None: one
+    sequence. ``window=(left, right)``, ``softcap`` and ``sinks`` as in
+    :func:`upipe_compile.upipe_attention` (positions are global; a window never crosses a
+    document).
     q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``; every batch row has the same documents."""
+    window_left, window_right, softcap = normalised_variant(window, softcap)
     # Under torch.compile the upipe pass validates shapes (with P) from the graph instead.
-    problems = [] if torch.compiler.is_compiling() else shape_problems(q.shape, k.shape, v.shape, enable_gqa, 1, q.shape[1])
+    problems = [] if torch.compiler.is_compiling() else (
+        shape_problems(q.shape, k.shape, v.shape, enable_gqa, 1, q.shape[1]) + check_sinks(sinks, q.shape[1])
+        + kernels.variant_problems(q.device.type, (window_left, window_right), softcap))
     if problems:
         raise UnsupportedAttention("document_sdpa: " + "; ".join(problems))
-    out, _ = document_sdpa_op(q, k, v, cu_seqlens, is_causal, scale)
+    out, _ = document_sdpa_op(q, k, v, cu_seqlens, is_causal, scale, window_left, window_right, softcap, sinks)
     return out

@@ -1,21 +1,34 @@
 """Attention kernels that return the log-sum-exp, behind one interface.
 
-``forward(q, k, v, is_causal, scale) -> (out, lse)`` and
-``backward(dout, q, k, v, out, lse, is_causal, scale) -> (dq, dk, dv)`` with
-q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` where ``Hkv`` divides ``Hq`` and query head
-``h`` uses KV head ``h // (Hq // Hkv)`` (SDPA's ``enable_gqa`` rule); ``lse`` is
-``[B, Hq, S]`` float32; dk/dv come back with k/v's head count. Every kernel here takes
-fewer KV heads natively, so K/V are never repeated.
+``forward(q, k, v, is_causal, scale, documents=None, window=(-1, -1), softcap=0.0) -> (out, lse)``
+and ``backward(dout, q, k, v, out, lse, is_causal, scale, documents=None, window=(-1, -1),
+softcap=0.0) -> (dq, dk, dv)`` with q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]`` where ``Hkv``
+divides ``Hq`` and query head ``h`` uses KV head ``h // (Hq // Hkv)`` (SDPA's ``enable_gqa``
+rule); ``lse`` is ``[B, Hq, S]`` float32; dk/dv come back with k/v's head count. Every
+kernel here takes fewer KV heads natively, so K/V are never repeated.
+
+Variants (flash-attn's conventions): ``window=(left, right)`` lets query ``i`` see keys
+``j`` with ``i - left <= j <= i + right``, -1 leaving that side unbounded; with
+``is_causal`` the right edge is also 0. ``softcap > 0`` turns the scaled scores ``s``
+into ``softcap * tanh(s / softcap)`` before the softmax; 0 is off. Values are checked
+here: :func:`variant_problems` (compile time) lists bad values and what the device's
+kernel cannot run, and ``forward``/``backward`` raise ``UnsupportedAttention`` for the same
+(:func:`check_variant` raises for bad values alone). A window that covers the whole
+sequence is no window, and ``(-1, 0)`` is plain causal attention, so those run the dense
+kernels.
 
 Packed sequences: both take ``documents`` (:class:`upipe_compile.documents.Documents`,
-the checked boundaries of the full sequence); attention then stays inside each document.
+the checked boundaries of the full sequence); attention then stays inside each document
+(a window is relative, so it applies within each document unchanged).
 One document over the whole sequence runs the dense kernel, exactly as without boundaries.
 CPU runs the dense kernel once per document on slices of the stage buffers; CUDA runs the
 kernels' variable-length ("varlen") forms on each batch row. No mask is ever built.
 
-The kernel is picked by device: CPU uses aten's flash kernel for CPU; CUDA uses
-flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`) when it is importable, else aten's CUDA
-flash kernel. No dropout, no mask: the passes refuse those before a kernel is ever called.
+The kernel is picked by device: CPU uses aten's flash kernel for CPU, and for a window or
+softcap the exact blocked kernel of :mod:`upipe_compile.blocked_attention`; CUDA uses
+flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`; softcap needs 2.6+) when it is
+importable, else aten's CUDA flash kernel (windows, no softcap). No dropout, no mask: the
+passes refuse those before a kernel is ever called.
 
 Under FakeTensorMode (memory measurement) the CPU kernels run, which allocate less than
 the CUDA ones; :func:`modelled_cuda_kernel` makes them also allocate the CUDA kernel's
@@ -28,11 +41,14 @@ import contextlib
 import functools
 import inspect
 import math
+import numbers
+import sys
 from typing import Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from upipe_compile import blocked_attention
 from upipe_compile.device_constants import made_once
 from upipe_compile.errors import UnsupportedAttention
 
@@ -40,6 +56,7 @@ _aten = torch.ops.aten
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
+NO_WINDOW = (-1, -1)
 
 
 def cuda_problems(dtype: torch.dtype, head_dim: int) -> list[str]:
@@ -60,29 +77,82 @@ def cuda_problems(dtype: torch.dtype, head_dim: int) -> list[str]:
     return problems
 
 
+def variant_value_problems(window, softcap) -> list[str]:
+    """Why ``window`` / ``softcap`` are not valid values (empty: they are)."""
+    problems = []
+    edges = tuple(window) if isinstance(window, (tuple, list)) else None
+    if edges is None or len(edges) != 2 or not all(_is_int(e) and e >= -1 for e in edges):
+        problems.append(f"window={window!r}: must be (left, right), each an int >= -1 (-1: unbounded on that side)")
+    if not (isinstance(softcap, numbers.Real) and not isinstance(softcap, bool)
+            and math.isfinite(softcap) and softcap >= 0):
+        problems.append(f"softcap={softcap!r}: must be a finite number >= 0 (0: off)")
+    return problems
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_variant(window, softcap) -> tuple[tuple[int, int], float]:
+    """``(window, softcap)`` as ``((int, int), float)``, raising UnsupportedAttention for bad values."""
+    problems = variant_value_problems(window, softcap)
+    if problems:
+        raise UnsupportedAttention("; ".join(problems))
+    return (int(window[0]), int(window[1])), float(softcap)
+
+
+def variant_problems(device_type: str, window=NO_WINDOW, softcap: float = 0.0) -> list[str]:
+    """Why the attention kernel for ``device_type`` cannot run this window / softcap (empty:
+    it can), bad values included. CPU runs every valid variant; CUDA asks the kernel it
+    would use (flash-attn if importable, else aten's flash)."""
+    problems = variant_value_problems(window, softcap)
+    if problems:
+        return problems
+    window, softcap = check_variant(window, softcap)
+    if device_type == "cuda":
+        return _cuda_kernels().variant_problems(window, softcap)
+    return []
+
+
+def _effective(is_causal: bool, window: tuple[int, int], seq: int) -> tuple[bool, tuple[int, int]]:
+    """The same attention in its plainest form: an edge at least ``seq - 1`` away bounds
+    nothing; causal attention's right edge is 0 (``(-1, 0)`` is plain causal, window
+    ``(-1, -1)``), so windows that restrict nothing run the dense kernels."""
+    left, right = (-1 if edge >= seq - 1 else edge for edge in window)
+    if not is_causal and left == -1 and right == 0:
+        is_causal = True
+    if is_causal:
+        right = -1 if left == -1 else 0
+    return is_causal, (left, right)
+
+
 class PerDocumentKernels:
     """Packed sequences by running the dense kernel once per document on slices of the
     full-sequence buffers (written into full-size out/lse, dq/dk/dv): exact, including the
-    log-sum-exp backward needs, and with no allocation beyond one document's outputs."""
+    log-sum-exp backward needs, and with no allocation beyond one document's outputs. A
+    window is relative to the query, so it applies to each document's slice unchanged."""
 
-    def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None):
+    def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                          softcap: float = 0.0):
         batch, heads, seq, _ = q.shape
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = q.new_empty((batch, heads, seq), dtype=torch.float32)
         for start, end in documents.spans:
             piece = slice(start, end)
-            out_doc, lse_doc = self.forward(q[:, :, piece], k[:, :, piece], v[:, :, piece], is_causal, scale)
+            out_doc, lse_doc = self.forward(q[:, :, piece], k[:, :, piece], v[:, :, piece], is_causal, scale,
+                                            window, softcap)
             out[:, :, piece].copy_(out_doc)
             lse[:, :, piece].copy_(lse_doc)
         return out, lse
 
-    def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+    def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
+                           window=NO_WINDOW, softcap: float = 0.0):
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         for start, end in documents.spans:
             piece = slice(start, end)
             grads = self.backward(
                 dout[:, :, piece], q[:, :, piece], k[:, :, piece], v[:, :, piece], out[:, :, piece],
-                lse[:, :, piece].contiguous(), is_causal, scale,
+                lse[:, :, piece].contiguous(), is_causal, scale, window, softcap,
             )
             for dest, grad in zip((dq, dk, dv), grads):
                 dest[:, :, piece].copy_(grad)
@@ -90,14 +160,36 @@ class PerDocumentKernels:
 
 
 class CpuKernels(PerDocumentKernels):
-    """aten's flash kernel for CPU (takes GQA natively)."""
+    """aten's flash kernel for CPU (takes GQA natively); with a window or softcap, the exact
+    blocked kernel of :mod:`upipe_compile.blocked_attention` instead. On fake tensors
+    (memory measurement) variants also run aten's kernel: the outputs are the same, and
+    the blocked kernel's per-block scores are no model of a fused GPU kernel."""
 
     name = "aten-cpu"
 
-    def forward(self, q, k, v, is_causal: bool, scale: float | None):
+    def variant_problems(self, window, softcap: float) -> list[str]:
+        return []
+
+    def _blocked(self, q, is_causal: bool, window, softcap: float):
+        """``(is_causal, window)`` for the blocked kernel, or None where aten's kernel is exact."""
+        is_causal, window = _effective(is_causal, window, q.shape[2])
+        if (window == NO_WINDOW and not softcap) or is_fake(q):
+            return None
+        return is_causal, window
+
+    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
+        blocked = self._blocked(q, is_causal, window, softcap)
+        if blocked is not None:
+            return blocked_attention.forward(q, k, v, blocked[0], scale, blocked[1], softcap)
+        is_causal = _effective(is_causal, window, q.shape[2])[0]
         return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
 
-    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
+    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                 softcap: float = 0.0):
+        blocked = self._blocked(q, is_causal, window, softcap)
+        if blocked is not None:
+            return blocked_attention.backward(dout, q, k, v, out, lse, blocked[0], scale, blocked[1], softcap)
+        is_causal = _effective(is_causal, window, q.shape[2])[0]
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
@@ -113,13 +205,15 @@ class VarlenKernels:
 
     lse_padded: bool | None = None  # learned from the first forward
 
-    def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None):
+    def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                          softcap: float = 0.0):
         batch, heads, seq, dim = q.shape
         lse = q.new_empty((batch, heads, seq), dtype=torch.float32)
         out = None if batch == 1 else q.new_empty((batch, seq, heads, dim))
         for row in range(batch):
             out_row, lse_row = self._varlen_forward_row(
-                q[row].transpose(0, 1), k[row].transpose(0, 1), v[row].transpose(0, 1), documents, is_causal, scale
+                q[row].transpose(0, 1), k[row].transpose(0, 1), v[row].transpose(0, 1), documents, is_causal, scale,
+                window, softcap,
             )
             self.lse_padded = lse_row.dim() == 3
             lse[row].copy_(_packed_lse(lse_row, documents) if self.lse_padded else lse_row)
@@ -129,7 +223,8 @@ class VarlenKernels:
                 out[row].copy_(out_row)
         return out.transpose(1, 2), lse
 
-    def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+    def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
+                           window=NO_WINDOW, softcap: float = 0.0):
         """One varlen call per group of documents (:func:`varlen_backward_groups`): each
         call's padded workspace stays within the dense kernel's, and documents do not
         interact, so each group's gradients are exact on their own."""
@@ -145,7 +240,7 @@ class VarlenKernels:
                 if self.lse_padded:
                     lse_group = _padded_lse(lse_group, group)
                 results = self._varlen_backward_row(
-                    *(t[start:end] for t in tensors), lse_group, group, is_causal, scale)
+                    *(t[start:end] for t in tensors), lse_group, group, is_causal, scale, window, softcap)
                 for full, part in zip(grads, results):
                     full[row, start:end].copy_(part)
                 del results
@@ -172,34 +267,93 @@ class AtenCudaKernels(VarlenKernels):
     ``[B, H, S, D]`` views as they are (only ``stride(-1) == 1`` is needed) and fewer KV
     heads natively (flash's ``num_heads % num_heads_k == 0`` rule); its backward copies
     ``dout``/``out`` to the ``[B, S, H, D]`` layout itself, and honours
-    ``torch.use_deterministic_algorithms``."""
+    ``torch.use_deterministic_algorithms``.
+
+    Windows go through ``aten::_flash_attention_forward/_backward`` and their keyword
+    ``window_size_left/right`` (in torch since early 2025 at the latest; checked on the
+    installed schemas, never dropped), dense as torch's own SDPA calls them: ``[B, S, H, D]``
+    views and no cumulative lengths. aten's flash has no softcap: that needs flash-attn."""
 
     name = "aten-flash"
 
-    def forward(self, q, k, v, is_causal: bool, scale: float | None):
-        out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-        return out, lse
+    def variant_problems(self, window, softcap: float) -> list[str]:
+        problems = []
+        if softcap:
+            problems.append(
+                f"softcap={softcap}: aten's CUDA flash kernel (used because flash-attn is not installed) has no "
+                "logit soft-capping; install flash-attn >= 2.6 (pip install 'flash-attn>=2.6')"
+            )
+        if window != NO_WINDOW and not _aten_flash_takes_window():
+            problems.append(
+                f"window={window}: this torch {torch.__version__}'s aten::_flash_attention_forward/_backward take no "
+                "window_size_left/right (sliding window); install flash-attn >= 2.5 (pip install flash-attn)"
+            )
+        return problems
 
-    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
+    def _check(self, window, softcap: float) -> None:
+        problems = self.variant_problems(window, softcap)
+        if problems:
+            raise UnsupportedAttention("; ".join(problems))
+
+    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
+        self._check(window, softcap)
+        if window == NO_WINDOW:
+            out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+            return out, lse
+        seq = q.shape[2]
+        out, lse, *_ = _aten._flash_attention_forward(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, seq, seq, 0.0, is_causal, False,
+            scale=scale, **_aten_window(window),
+        )
+        return out.transpose(1, 2), lse
+
+    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                 softcap: float = 0.0):
+        self._check(window, softcap)
         cum_q, cum_k, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
         seq = q.shape[2]
-        return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, seq, seq, 0.0, is_causal, seed, offset, scale=scale
+        if window == NO_WINDOW:
+            return _aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, cum_q, cum_k, seq, seq, 0.0, is_causal, seed, offset, scale=scale
+            )
+        grads = _aten._flash_attention_backward(
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, cum_q, cum_k, seq, seq, 0.0, is_causal,
+            seed, offset, scale=scale, **_aten_window(window),
         )
+        return tuple(g.transpose(1, 2) for g in grads)
 
-
-    def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None):
+    def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                            softcap: float = 0.0):
+        self._check(window, softcap)
         cu, longest = documents.cu_seqlens, documents.max_length
         out, lse, *_ = _aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, is_causal, False,
-                                                      scale=scale)
+                                                      scale=scale, **_aten_window(window))
         return out, lse
 
-    def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+    def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
+                             window=NO_WINDOW, softcap: float = 0.0):
+        self._check(window, softcap)
         _, _, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
         cu, longest = documents.cu_seqlens, documents.max_length
         return _aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, is_causal, seed, offset, scale=scale
+            dout, q, k, v, out, lse, cu, cu, longest, longest, 0.0, is_causal, seed, offset, scale=scale,
+            **_aten_window(window),
         )
+
+
+def _aten_window(window) -> dict:
+    """The window keywords for aten's flash ops; none without a window, so a torch whose
+    schema lacks them still runs dense attention."""
+    return {} if window == NO_WINDOW else {"window_size_left": window[0], "window_size_right": window[1]}
+
+
+@functools.cache
+def _aten_flash_takes_window() -> bool:
+    names = ("window_size_left", "window_size_right")
+    return all(
+        all(name in {arg.name for arg in op.default._schema.arguments} for name in names)
+        for op in (_aten._flash_attention_forward, _aten._flash_attention_backward)
+    )
 
 
 def _aten_cuda_dense_markers(device: torch.device, dtype: torch.dtype):
@@ -224,7 +378,9 @@ class FlashAttnKernels(VarlenKernels):
     ``torch.library.custom_op`` (so ``inspect.signature`` shows only ``*args, **kwargs``:
     the names come from the op schema). Arguments are passed positionally in the installed
     version's order; a parameter this adapter does not know and that has no default is
-    refused with the version's parameter list, never silently dropped.
+    refused with the version's parameter list, never silently dropped. Likewise a window or
+    softcap the installed functions have no parameter for (softcap in 2.5) is refused,
+    naming the release that has it, rather than left out.
 
     The kernels need only ``stride(-1) == 1``, so the ``[B, H, S, D]`` stage buffers are
     passed as ``[B, S, H, D]`` views, without copies; GQA is native.
@@ -244,10 +400,47 @@ class FlashAttnKernels(VarlenKernels):
         self._varlen_forward_params = None if self._varlen_forward is None else _parameters(self._varlen_forward)
         self._varlen_backward_params = None if self._varlen_backward is None else _parameters(self._varlen_backward)
 
-    def forward(self, q, k, v, is_causal: bool, scale: float | None):
-        values = self._common(q, is_causal, scale)
+    def variant_problems(self, window, softcap: float) -> list[str]:
+        if window == NO_WINDOW and not softcap:
+            return []
+        return self._variant_gaps(
+            [("_flash_attn_forward", self._forward_params), ("_flash_attn_backward", self._backward_params),
+             ("_flash_attn_varlen_forward", self._varlen_forward_params),
+             ("_flash_attn_varlen_backward", self._varlen_backward_params)], window, softcap)
+
+    def _variant_gaps(self, functions, window, softcap: float) -> list[str]:
+        """Per requested variant, the functions (``(name, parameters)``; None: absent) that
+        have no parameter for it."""
+        no_window, no_softcap = [], []
+        for what, params in functions:
+            names = set() if params is None else {name for name, _ in params}
+            if params is not None and window != NO_WINDOW and "window_size" not in names and not (
+                    {"window_size_left", "window_size_right"} <= names):
+                no_window.append(what)
+            if params is not None and softcap and "softcap" not in names:
+                no_softcap.append(what)
+        version = _flash_attn_version(self.interface)
+        gaps = []
+        if no_window:
+            gaps.append(f"window={window}: the installed flash-attn {version} has no window_size parameter in "
+                        f"{', '.join(no_window)}; install flash-attn 2.5 to 2.8 (pip install 'flash-attn>=2.5,<2.9')")
+        if no_softcap:
+            gaps.append(f"softcap={softcap}: the installed flash-attn {version} has no softcap parameter in "
+                        f"{', '.join(no_softcap)} (logit soft-capping came in flash-attn 2.6); upgrade to "
+                        "flash-attn >= 2.6 (pip install -U 'flash-attn>=2.6')")
+        return gaps
+
+    def _run(self, fn, params, values: dict, what: str, window, softcap: float):
+        """``_call``, after refusing a requested window/softcap ``fn`` has no parameter for."""
+        gaps = self._variant_gaps([(what, params)], window, softcap)
+        if gaps:
+            raise UnsupportedAttention("; ".join(gaps))
+        return _call(fn, params, values, what)
+
+    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
+        values = self._common(q, is_causal, scale, window, softcap)
         values.update(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), return_softmax=False)
-        result = _call(self._forward, self._forward_params, values, "_flash_attn_forward")
+        result = self._run(self._forward, self._forward_params, values, "_flash_attn_forward", window, softcap)
         # 2.5/2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+: (out, lse, S_dmask, rng_state)
         if len(result) == 8:
             out, lse = result[0], result[5]
@@ -260,36 +453,39 @@ class FlashAttnKernels(VarlenKernels):
             )
         return out.transpose(1, 2), lse
 
-    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None):
+    def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                 softcap: float = 0.0):
         # flash writes dq/dk/dv in place; allocated [B, S, H, D] as it wants them.
         dq, dk, dv = (torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format) for t in (q, k, v))
-        values = self._common(q, is_causal, scale)
+        values = self._common(q, is_causal, scale, window, softcap)
         values.update(
             dout=dout.transpose(1, 2), q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2),
             out=out.transpose(1, 2), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
         )
-        _call(self._backward, self._backward_params, values, "_flash_attn_backward")
+        self._run(self._backward, self._backward_params, values, "_flash_attn_backward", window, softcap)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None):
-        values = self._common(q, is_causal, scale)
+    def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
+                            softcap: float = 0.0):
+        values = self._common(q, is_causal, scale, window, softcap)
         values.update(q=q, k=k, v=v, return_softmax=False, **self._varlen_values(documents))
-        result = _call(self._require(self._varlen_forward), self._varlen_forward_params, values,
-                       "_flash_attn_varlen_forward")
+        result = self._run(self._require(self._varlen_forward), self._varlen_forward_params, values,
+                           "_flash_attn_varlen_forward", window, softcap)
         # the same return forms as the dense forward (8 values in 2.5/2.6, 4 in 2.7+)
         return (result[0], result[5]) if len(result) == 8 else (result[0], result[1])
 
-    def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None):
+    def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
+                             window=NO_WINDOW, softcap: float = 0.0):
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-        values = self._common(q, is_causal, scale)
+        values = self._common(q, is_causal, scale, window, softcap)
         values.update(
             dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
             **self._varlen_values(documents),
         )
-        _call(self._require(self._varlen_backward), self._varlen_backward_params, values,
-              "_flash_attn_varlen_backward")
+        self._run(self._require(self._varlen_backward), self._varlen_backward_params, values,
+                  "_flash_attn_varlen_backward", window, softcap)
         return dq, dk, dv
 
     @staticmethod
@@ -309,17 +505,27 @@ class FlashAttnKernels(VarlenKernels):
         return fn
 
     @staticmethod
-    def _common(q, is_causal, scale) -> dict:
+    def _common(q, is_causal, scale, window=NO_WINDOW, softcap: float = 0.0) -> dict:
+        left, right = window
         return {
             "dropout_p": 0.0,
             "softmax_scale": q.shape[-1] ** -0.5 if scale is None else scale,
             "causal": is_causal,
-            "window_size": (-1, -1),
-            "window_size_left": -1,
-            "window_size_right": -1,
-            "softcap": 0.0,
+            "window_size": (left, right),
+            "window_size_left": left,
+            "window_size_right": right,
+            "softcap": float(softcap),
             "alibi_slopes": None,
         }
+
+
+def _flash_attn_version(interface) -> str:
+    """The installed flash-attn's version (the package's; a stand-in module may carry its own)."""
+    version = getattr(interface, "__version__", None)
+    if version is None:
+        package = sys.modules.get(interface.__name__.partition(".")[0])
+        version = getattr(package, "__version__", None)
+    return version or "(unknown version)"
 
 
 def _parameters(fn: Callable) -> list[tuple[str, bool]]:
@@ -386,21 +592,34 @@ def kernels_for(q: torch.Tensor):
     raise UnsupportedAttention(f"no UPipe attention kernel for device type {q.device.type!r} (cpu and cuda are supported)")
 
 
-def forward(q, k, v, is_causal: bool, scale: float | None, documents=None):
+def forward(q, k, v, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW, softcap: float = 0.0):
     """(out, lse); with ``documents`` (more than one) attention stays inside each."""
-    kernel = kernels_for(q)
+    kernel, is_causal, window, softcap = _prepared(q, is_causal, window, softcap)
     if documents is None or documents.is_single:
-        return kernel.forward(q, k, v, is_causal, scale)
-    return kernel.forward_documents(q, k, v, documents, is_causal, scale)
+        return kernel.forward(q, k, v, is_causal, scale, window, softcap)
+    return kernel.forward_documents(q, k, v, documents, is_causal, scale, window, softcap)
 
 
-def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None):
-    kernel = kernels_for(q)
+def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW,
+             softcap: float = 0.0):
+    kernel, is_causal, window, softcap = _prepared(q, is_causal, window, softcap)
     packed = documents is not None and not documents.is_single
     with _modelled_backward_workspace(q, k, documents if packed else None):
         if not packed:
-            return kernel.backward(dout, q, k, v, out, lse, is_causal, scale)
-        return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale)
+            return kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
+        return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap)
+
+
+def _prepared(q, is_causal: bool, window, softcap):
+    """The kernel for ``q`` and the checked variant in its plainest form (see :func:`_effective`),
+    refusing what that kernel cannot run."""
+    kernel = kernels_for(q)
+    window, softcap = check_variant(window, softcap)
+    is_causal, window = _effective(is_causal, window, q.shape[2])
+    problems = kernel.variant_problems(window, softcap)
+    if problems:
+        raise UnsupportedAttention("; ".join(problems))
+    return kernel, is_causal, window, softcap
 
 
 # --- what CUDA kernels allocate beyond their outputs, for fake-tensor measurements ------

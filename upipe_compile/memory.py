@@ -102,7 +102,7 @@ def measure_op_memory(
         backward = MemTracker()
         backward.track_external(q, k, v, out, lse, dout)
         with backward:
-            dq, dk, dv = stage_loop_backward(dout, q, k, v, out, lse, settings, documents)
+            dq, dk, dv, _ = stage_loop_backward(dout, q, k, v, out, lse, settings, documents)
             backward_peak = tracker_peak_bytes(backward)
         backward_bytes = backward_peak - _nbytes(q, k, v, out, lse, dout, dq, dk, dv)
     return OpMemory(forward_bytes, backward_bytes)
@@ -120,16 +120,16 @@ class StageLoopFunction(torch.autograd.Function):
     :func:`~upipe_compile.ops.replay_backward`). One sequence per batch row (no boundaries)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, settings: StageLoopSettings):
+    def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None):
         eager_calls["stage-loop op"] += 1
-        out, lse = stage_loop_forward(q, k, v, settings)
-        save_for_backward(ctx, op_arguments(q, k, v, settings), (out, lse))
+        out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks)
+        save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks), (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = replay_backward(ctx, dout, eager=True)
-        return dq, dk, dv, None
+        dq, dk, dv, dsinks = replay_backward(ctx, dout, eager=True)
+        return dq, dk, dv, None, dsinks
 
 
 class SDPAThroughStageLoops(TorchFunctionMode):

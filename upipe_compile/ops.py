@@ -29,18 +29,21 @@ from upipe_compile.stage_loop import schedule_for, stage_loop_backward, stage_lo
 OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def op_arguments(q, k, v, settings: StageLoopSettings, cu_seqlens=None) -> tuple:
-    """``upipe::attention``'s arguments (tensors or FX nodes), the boundaries left out when None."""
-    return (q, k, v, *settings.op_args()) + (() if cu_seqlens is None else (cu_seqlens,))
+def op_arguments(q, k, v, settings: StageLoopSettings, cu_seqlens=None, sinks=None) -> tuple:
+    """``upipe::attention``'s arguments (tensors or FX nodes), trailing Nones left out."""
+    optional = (cu_seqlens, sinks)
+    while optional and optional[-1] is None:
+        optional = optional[:-1]
+    return (q, k, v, *settings.op_args(), *optional)
 
 
 def parse_op_arguments(args) -> tuple:
-    """``(q, k, v, settings, cu_seqlens)`` from ``upipe::attention``'s arguments as given
-    (trailing defaults may be left out)."""
+    """``(q, k, v, settings, cu_seqlens, sinks)`` from ``upipe::attention``'s arguments as
+    given (trailing defaults may be left out)."""
     q, k, v, *rest = args
     scalars = len(fields(StageLoopSettings))
-    cu_seqlens = rest[scalars] if len(rest) > scalars else None
-    return q, k, v, StageLoopSettings.from_op_args(*rest[:scalars]), cu_seqlens
+    optional = list(rest[scalars:]) + [None, None]
+    return q, k, v, StageLoopSettings.from_op_args(*rest[:scalars]), optional[0], optional[1]
 
 
 def documents_of(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor, group_name: str) -> Optional[Documents]:
@@ -68,16 +71,18 @@ def check_world(world_size: int, group_name: str) -> None:
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str = "forward", cu_seqlens: Optional[torch.Tensor] = None,
+    prefetch: str = "forward", window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
+    settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
+                                              window_left, window_right, softcap)
     check_world(world_size, group_name)
-    return stage_loop_forward(q, k, v, settings, documents_of(cu_seqlens, q, group_name))
+    return stage_loop_forward(q, k, v, settings, documents_of(cu_seqlens, q, group_name), sinks)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch="forward",
-                    cu_seqlens=None):
+                    window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None, sinks=None):
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
     lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
@@ -88,41 +93,51 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str = "forward", cu_seqlens: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
+    prefetch: str = "forward", window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)``; dsinks is empty without sinks (an op returns fixed outputs)."""
+    settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
+                                              window_left, window_right, softcap)
     check_world(world_size, group_name)
-    return stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q, group_name))
+    dq, dk, dv, dsinks = stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q, group_name),
+                                             sinks)
+    return dq, dk, dv, q.new_empty((0,)) if dsinks is None else dsinks
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name,
-                             prefetch="forward", cu_seqlens=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                             prefetch="forward", window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None,
+                             sinks=None):
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 # --- what autograd saves and how backward replays it (shared by the op and its twin) ----
 def save_for_backward(ctx, inputs: tuple, outputs: tuple) -> None:
     """Save what backward needs: the local q, k, v, out and the per-stage LSE (and the
-    boundaries: a tensor, saved, not captured). ``inputs``: the op's arguments
+    boundaries and sinks: tensors, saved, not captured). ``inputs``: the op's arguments
     (:func:`op_arguments`); ``outputs``: ``(out, lse)``."""
-    q, k, v, settings, cu_seqlens = parse_op_arguments(inputs)
+    q, k, v, settings, cu_seqlens, sinks = parse_op_arguments(inputs)
     out, lse = outputs
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
     ctx.settings = settings
 
 
 def replay_backward(ctx, dout: torch.Tensor, *, eager: bool = False) -> tuple:
-    """``(dq, dk, dv)`` from what :func:`save_for_backward` saved: through
-    ``upipe::attention_backward``, or with ``eager`` the backward loop itself."""
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    """``(dq, dk, dv, dsinks)`` from what :func:`save_for_backward` saved (dsinks None
+    without sinks): through ``upipe::attention_backward``, or with ``eager`` the backward
+    loop itself."""
+    q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
     settings = ctx.settings
     if eager:
-        return stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q, settings.group_name))
-    return attention_backward_op(dout, q, k, v, out, lse, *settings.op_args(), cu_seqlens)
+        return stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q, settings.group_name),
+                                   sinks)
+    dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, *settings.op_args(), cu_seqlens, sinks)
+    return dq, dk, dv, None if sinks is None else dsinks
 
 
-_OP_ARGUMENTS = 10  # q, k, v, the six settings, cu_seqlens
+_OP_SCALARS = len(fields(StageLoopSettings))
 
 
 def _setup_context(ctx, inputs, output):
@@ -130,7 +145,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    return replay_backward(ctx, dout) + (None,) * (_OP_ARGUMENTS - 3)
+    dq, dk, dv, dsinks = replay_backward(ctx, dout)
+    return (dq, dk, dv) + (None,) * _OP_SCALARS + (None, dsinks)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -4,6 +4,7 @@ op's scalar arguments are spelled out in one place)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Optional
 
@@ -21,6 +22,34 @@ PREFETCH_MODES = ("none", "forward", "both")
 more (MHA, where every stage also prefetches K and V: one head-unit more); ``both`` also
 overlaps backward, at the cost of the next stage's q/out/dout (and K/V at a KV-group
 boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
+
+
+def variant_problems(window, softcap) -> list[str]:
+    """Why ``window`` ``(left, right)`` and ``softcap`` are not valid attention variants
+    (empty: they are). Edges are ints >= -1 (-1 = unbounded); softcap a finite number >= 0
+    (0 = off)."""
+    problems = []
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2):
+            problems.append(f"window must be a (left, right) pair of ints, got {window!r}")
+        else:
+            for side, edge in zip(("left", "right"), window):
+                if isinstance(edge, bool) or not isinstance(edge, int) or edge < -1:
+                    problems.append(f"window {side} edge must be an int >= 0, or -1 for unbounded; got {edge!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap < 0:
+            problems.append(f"softcap must be a finite number > 0 (or 0/None for none), got {softcap!r}")
+    return problems
+
+
+def normalised_variant(window, softcap) -> tuple[int, int, float]:
+    """``(window_left, window_right, softcap)`` as the op takes them, or UnsupportedAttention."""
+    problems = variant_problems(window, softcap)
+    if problems:
+        raise UnsupportedAttention("; ".join(problems))
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    return left, right, 0.0 if softcap is None else float(softcap)
 
 
 def check_prefetch(prefetch) -> None:
@@ -45,6 +74,12 @@ class StageLoopSettings:
     """The process group of the context-parallel ranks."""
     prefetch: str = "forward"
     """One of :data:`PREFETCH_MODES`."""
+    window_left: int = -1
+    """Sliding window, as flash-attn counts it: query i sees keys [i - left, i + right] of
+    the full sequence (global positions); -1 = unbounded on that side."""
+    window_right: int = -1
+    softcap: float = 0.0
+    """Attention-logit softcap: scores become ``softcap * tanh(scores / softcap)``; 0 = off."""
 
     def op_args(self) -> tuple:
         """The op's scalar arguments, in its schema's order."""
@@ -52,8 +87,14 @@ class StageLoopSettings:
 
     @classmethod
     def from_op_args(cls, is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int,
-                     group_name: str, prefetch: str = "forward") -> "StageLoopSettings":
-        return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch)
+                     group_name: str, prefetch: str = "forward", window_left: int = -1, window_right: int = -1,
+                     softcap: float = 0.0) -> "StageLoopSettings":
+        return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left, window_right,
+                   softcap)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return (self.window_left, self.window_right)
 
 
 @dataclass(frozen=True)

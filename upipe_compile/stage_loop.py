@@ -29,6 +29,7 @@ from upipe_compile.device_constants import made_once
 from upipe_compile.documents import Documents
 from upipe_compile.options import StageLoopSettings
 from upipe_compile.schedule import Stage, StageSchedule, plan_stages
+from upipe_compile.sinks import apply_sinks, sink_gradient
 
 
 def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
@@ -38,6 +39,19 @@ def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: 
 def head_index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Head indices as a tensor on ``device``, made once."""
     return made_once(("head index", heads, device), lambda: torch.tensor(heads, dtype=torch.long, device=device))
+
+
+def my_heads(stage: Stage, rank: int) -> tuple[int, ...]:
+    """The query heads this rank computes in ``stage`` (its ``m`` of the stage's ``U``)."""
+    m = len(stage.kv_slots)
+    return stage.q_heads[rank * m:(rank + 1) * m]
+
+
+def stage_sinks(sinks: Optional[torch.Tensor], stage: Stage, rank: int) -> Optional[torch.Tensor]:
+    """This rank's heads' sink logits in ``stage`` (None without sinks)."""
+    if sinks is None:
+        return None
+    return sinks.index_select(0, head_index(my_heads(stage, rank), sinks.device))
 
 
 def stage_kv(buffers: dict, stage: Stage, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +149,13 @@ class InputPipeline:
 
 
 def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: StageLoopSettings,
-                       documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       documents: Optional[Documents] = None,
+                       sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward loop: ``(out, lse)``, lse ``[stages, B, U/P, S]`` (called by the custom op;
     also directly by memory measurements, which run it under FakeTensorMode where the op
     itself would only run its fake kernel). ``documents``: packed-sequence boundaries over
-    the full sequence (None: one sequence)."""
+    the full sequence (None: one sequence). ``sinks`` ``[Hq]``: per-head sink logits
+    (:mod:`upipe_compile.sinks`); the saved lse then includes them."""
     is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
     group = collectives.group_from_name(group_name)
     world = group.size()
@@ -159,8 +175,11 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
-        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale, documents)
+        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale, documents,
+                                               window=settings.window, softcap=settings.softcap)
         del k_stage, v_stage
+        if sinks is not None:
+            out_stage, lse_stage = apply_sinks(out_stage, lse_stage, stage_sinks(sinks, stage, group.rank()))
         lse[index].copy_(lse_stage)
         del lse_stage
         inputs.after_kernel(index)
@@ -170,9 +189,12 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
 
 
 def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, settings: StageLoopSettings,
-                        documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward loop: ``(dq, dk, dv)`` from what the forward saved (q, k, v, out, lse)."""
+                        lse: torch.Tensor, settings: StageLoopSettings, documents: Optional[Documents] = None,
+                        sinks: Optional[torch.Tensor] = None) -> tuple:
+    """The backward loop: ``(dq, dk, dv, dsinks)`` from what the forward saved (q, k, v, out,
+    lse). ``dsinks`` (None without sinks) holds this rank's heads' sink gradients, zero
+    elsewhere: each head's is complete on the rank that computed it, so the ranks' sum (the
+    usual reduction of a replicated parameter's gradient) is the gradient."""
     is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
     group = collectives.group_from_name(group_name)
     world = group.size()
@@ -182,6 +204,7 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     kv_per_rank = schedule.kv_per_rank
 
     dq = q.new_empty(q.shape)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     # One buffer per role: the stage's q / out / dout over the full sequence, the group's
@@ -212,9 +235,14 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
         dq_stage, dk_stage, dv_stage = kernels.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale, documents
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale, documents,
+            window=settings.window, softcap=settings.softcap,
         )
         del k_stage, v_stage
+        if sinks is not None:
+            heads = head_index(my_heads(stage, group.rank()), q.device)
+            dsinks.index_add_(0, heads, sink_gradient(buffers["dout"], buffers["out"], lse[index],
+                                                      sinks.index_select(0, heads)))
         if dkv_full is not None:
             accumulate_stage_dkv(dkv_full, dk_stage, dv_stage, stage, q.device)
             dk_stage, dv_stage = dkv_full[0], dkv_full[1]
@@ -224,4 +252,4 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         if schedule.closes_kv_group(index):
             flush_group(stage.kv_group, dk_stage, dv_stage)
         del dk_stage, dv_stage
-    return dq, dk, dv
+    return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)

@@ -5,7 +5,7 @@ under torch.compile even when no ``attention_mask`` is given (it cannot prove "n
 sequences" from ``position_ids`` while tracing), so SDPA receives ``attn_mask=<local mask>``
 and upipe refuses it — rightly: that mask covers the local shard only.
 
-:func:`register` adds an attention implementation, ``"upipe_sdpa"``, through transformers'
+:func:`register` adds an attention implementation, ``"upipe"``, through transformers'
 own extension points:
 
 - attention: the stock SDPA attention function, or, when the model is called with document
@@ -31,9 +31,11 @@ own extension points:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-ATTN_IMPLEMENTATION = "upipe_sdpa"
+ATTN_IMPLEMENTATION = "upipe"
 
 
 @torch._dynamo.disable
@@ -43,44 +45,86 @@ def _is_all_ones(attention_mask: torch.Tensor) -> bool:
     return bool(attention_mask.all())
 
 
-def _causal_sdpa_mask(*, attention_mask=None, **kwargs):
+@dataclass(frozen=True)
+class SlidingWindowMask:
+    """What the mask function returns for a sliding-window layer without padding: no tensor
+    (a mask over the local shard would be wrong), just the window, so that a layer which
+    relies on its mask alone (and passes no ``sliding_window=``) still gets it."""
+
+    size: int
+
+
+def _causal_sdpa_mask(*, attention_mask=None, local_size=None, config=None, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
+    if getattr(config, "attention_chunk_size", None) is not None:
+        from upipe_compile.errors import UnsupportedAttention
+
+        raise UnsupportedAttention(
+            f"chunked attention (config.attention_chunk_size={config.attention_chunk_size}, e.g. Llama4) is not "
+            "supported by upipe: set attention_chunk_size=None to train with full causal attention, or run without "
+            "context parallelism"
+        )
     if attention_mask is None or (attention_mask.dim() == 2 and _is_all_ones(attention_mask)):
-        return None  # one causal sequence per batch row (or packed documents): SDPA's is_causal=True
-    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+        # one causal sequence per batch row (or packed documents): SDPA's is_causal=True
+        return None if local_size is None else SlidingWindowMask(int(local_size))
+    return sdpa_mask(attention_mask=attention_mask, local_size=local_size, config=config, **kwargs)
+
+
+# Keywords transformers' models pass that change nothing here: cache and output flags, and
+# the longest document (upipe derives it from the boundaries).
+_IGNORED_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits", "cache_position",
+                             "max_length_q", "max_length_k"})
 
 
 def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                             **kwargs):
+                             sliding_window=None, softcap=None, s_aux=None, position_ids=None, cu_seq_lens_q=None,
+                             cu_seq_lens_k=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is None and attention_mask is None and kwargs.get("position_ids") is not None:
-        # Positions may restart per document (a packed row fed as flash_attention_2 users do):
-        # the op reads the documents from the full sequence's positions, one all-gather per
-        # step, and attends densely when they count straight through.
-        cu_seqlens = kwargs["position_ids"]
-        kwargs["cu_seq_lens_k"] = None
-    if cu_seqlens is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
     from upipe_compile.document_sdpa import document_sdpa
     from upipe_compile.errors import UnsupportedAttention
 
-    cu_k = kwargs.get("cu_seq_lens_k")
-    if attention_mask is not None or dropout != 0.0 or (cu_k is not None and cu_k is not cu_seqlens):
+    unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
+    if unknown:
         raise UnsupportedAttention(
-            "packed sequences (cu_seq_lens_q) under upipe_sdpa take no padding mask, no attention dropout and "
-            "cu_seq_lens_k identical to cu_seq_lens_q (self-attention over one packed sequence)"
+            f"{type(module).__name__} passes {unknown} to the attention function; the upipe attention does not know what "
+            "they change and refuses rather than drop them. Supported: sliding_window, softcap, s_aux (sinks), "
+            "position_ids, cu_seq_lens_q/k, scaling, dropout=0, is_causal"
+        )
+    if isinstance(attention_mask, SlidingWindowMask):
+        if sliding_window is not None and sliding_window != attention_mask.size:
+            raise UnsupportedAttention(
+                f"{type(module).__name__} passes sliding_window={sliding_window} but its mask was made for a window "
+                f"of {attention_mask.size}; upipe cannot tell which the model means"
+            )
+        sliding_window, attention_mask = attention_mask.size, None
+    variant = sliding_window is not None or softcap is not None or s_aux is not None
+    cu_seqlens = cu_seq_lens_q
+    if cu_seqlens is None and attention_mask is None and position_ids is not None:
+        # Positions may restart per document (a packed row fed as flash_attention_2 users do):
+        # the op reads the documents from the full sequence's positions, one all-gather per
+        # step, and attends densely when they count straight through.
+        cu_seqlens, cu_seq_lens_k = position_ids, None
+    if cu_seqlens is None and not variant:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal)
+    if attention_mask is not None or dropout != 0.0 or (cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seqlens):
+        raise UnsupportedAttention(
+            "upipe attention with packed sequences or attention variants (sliding window, softcap, sinks) takes no "
+            "padding mask, no attention dropout and cu_seq_lens_k identical to cu_seq_lens_q (self-attention over "
+            "one packed sequence)"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = document_sdpa(query, key, value, cu_seqlens, is_causal=causal, scale=scaling, enable_gqa=True)
+    # transformers' window counts the query itself: sliding_window=w sees keys (i - w, i].
+    window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    out = document_sdpa(query, key, value, cu_seqlens, is_causal=causal, scale=scaling, enable_gqa=True,
+                        window=window, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> str:
-    """Register ``"upipe_sdpa"`` with transformers (idempotent) and return the name."""
+    """Register ``"upipe"`` with transformers (idempotent) and return the name."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _upipe_attention_forward)

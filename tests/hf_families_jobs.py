@@ -1,0 +1,111 @@
+"""transformers families whose attention is not plain causal SDPA, under backend="upipe":
+Mistral (sliding window), Qwen2 (sliding-window layers), Gemma3 (mixed local/global layers,
+QK-norm), Gemma2 (logit softcap, sliding layers), GPT-OSS (sinks, sliding layers). Tiny
+models from their configs with seeded weights; module-level for spawned ranks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import upipe_compile  # noqa: E402
+from tests_support import attention_events  # noqa: E402
+from upipe_compile.integrations.transformers import register  # noqa: E402
+
+UPIPE_SDPA = register()
+SEQ_LOCAL = 8
+WINDOW = 6  # smaller than a shard at P = 2 (and crossing shards at P = 4)
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attention_dropout=0.0,
+              tie_word_embeddings=False, use_cache=False)
+
+
+def _config(family: str):
+    import transformers as tf
+
+    if family == "mistral":
+        return tf.MistralForCausalLM, tf.MistralConfig(sliding_window=WINDOW, **COMMON)
+    if family == "qwen2":
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
+                                                   layer_types=["sliding_attention", "full_attention"], **COMMON)
+    if family == "gemma3":
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(sliding_window=WINDOW,
+                                                         layer_types=["sliding_attention", "full_attention"], **COMMON)
+    if family == "gemma2":
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(sliding_window=WINDOW, attn_logit_softcapping=2.0,
+                                                     final_logit_softcapping=None, **COMMON)
+    if family == "gpt_oss":
+        return tf.GptOssForCausalLM, tf.GptOssConfig(sliding_window=WINDOW, num_local_experts=2,
+                                                     num_experts_per_tok=1,
+                                                     layer_types=["sliding_attention", "full_attention"], **COMMON)
+    raise ValueError(family)
+
+
+def build_model(family: str, attn_implementation: str, seed: int = 0):
+    """Random fp32 weights from a seeded generator, identical on every process and for every
+    attention implementation; larger than HF's init so attention is not near-uniform."""
+    cls, config = _config(family)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(0.1 * noise if "gemma" in family else 1 + 0.1 * noise)  # Gemma norms scale by 1 + w
+            elif p.dim() >= 2 and "embed_tokens" not in name:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(noise)
+    model.train()
+    return model
+
+
+def make_inputs(world: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + 2)
+    seq = SEQ_LOCAL * world
+    ids = torch.randint(0, COMMON["vocab_size"], (1, seq), generator=gen)
+    dout = torch.randn(1, seq, COMMON["vocab_size"], generator=gen)
+    return ids, dout
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def eager_reference(family: str, world: int):
+    """Uncompiled, unsharded, transformers' own "eager" attention (which implements the
+    window through its mask, softcap and sinks by hand): (logits, param grads)."""
+    model = build_model(family, "eager")
+    ids, dout = make_inputs(world)
+    logits = model(input_ids=ids, use_cache=False).logits
+    (logits * dout).sum().backward()
+    return logits.detach(), _grads(model)
+
+
+def compiled_family_case(family: str, world: int, fuse: bool):
+    """This rank's shard through the model compiled with backend="upipe" (loaded with
+    register()): (local logits, param grads, attention op counts of the second step)."""
+    torch._dynamo.reset()
+    assert dist.get_world_size() == world
+    model = build_model(family, UPIPE_SDPA)
+    ids, dout = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs(world))
+    positions = upipe_compile.global_positions(SEQ_LOCAL)
+    compiled = torch.compile(model, backend="upipe",
+                             options={"inner_backend": "aot_eager", "fuse_projections": fuse})
+
+    def step():
+        logits = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
+        (logits * dout).sum().backward()
+        return logits.detach()
+
+    step()
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = step()
+    return logits, _grads(model), dict(attention_events(prof))

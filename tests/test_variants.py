@@ -1,0 +1,124 @@
+"""Sliding window, logit softcap and attention sinks through UPipe equal attention written
+out on the full, unsharded sequence: outputs and every gradient (the sinks' too), every
+rank compared, over real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import rank_jobs
+from test_numerics import SETTINGS, attention_cases
+from tests_support import TOLERANCE, AttentionCase, make_sinks, relative_error, variant_reference
+from upipe_compile import UnsupportedAttention, upipe_attention
+
+
+@st.composite
+def windows(draw, case: AttentionCase):
+    """Edges smaller than a shard, crossing one shard, beyond the sequence, or unbounded."""
+    edge = st.sampled_from([
+        -1, 0, max(case.seq_local - 1, 0), case.seq_local + 1, 2 * case.seq + 3,
+    ]) | st.integers(0, case.seq)
+    left = draw(edge)
+    right = 0 if case.is_causal and draw(st.booleans()) else draw(edge)
+    return (left, right)
+
+
+@st.composite
+def variant_cases(draw):
+    case = draw(attention_cases())
+    window = draw(st.one_of(st.none(), windows(case)))
+    softcap = draw(st.one_of(st.none(), st.floats(0.5, 30.0)))
+    with_sinks = draw(st.booleans())
+    return case, window, softcap, with_sinks
+
+
+def _check(shards, expected, case):
+    for i, name in enumerate(["out", "dq", "dk", "dv"]):
+        gathered = torch.cat([shard[i] for shard in shards], dim=2)
+        assert gathered.dtype == torch.float32 or gathered.dtype == torch.bfloat16
+        error = relative_error(gathered, expected[i])
+        assert error < TOLERANCE[case.dtype], f"{name}: relative error {error:.3e}"
+        # every rank's shard on its own (rank 0's causal shard needs no other rank)
+        for rank, shard in enumerate(shards):
+            part = expected[i].chunk(case.world, dim=2)[rank]
+            if part.norm() > 0:
+                assert relative_error(shard[i], part) < 4 * TOLERANCE[case.dtype], f"{name} on rank {rank}"
+    if expected[4] is not None:
+        dsinks = sum(shard[4].double() for shard in shards)
+        error = relative_error(dsinks, expected[4])
+        assert error < TOLERANCE[case.dtype], f"dsinks: relative error {error:.3e}"
+
+
+@settings(max_examples=int(os.environ.get("UPIPE_VARIANT_EXAMPLES", "120")), **SETTINGS)
+@given(drawn=variant_cases())
+# window smaller than a shard, with sinks and GQA across stages; window crossing a shard with
+# softcap, U > P; non-causal two-sided window; a window beyond the sequence with MQA.
+@example(drawn=(AttentionCase(4, 1, 8, 2, 6, 8, 4, True, None, "float32", seed=1), (2, 0), None, True))
+@example(drawn=(AttentionCase(2, 2, 8, 4, 5, 16, 4, True, 0.7, "float32", seed=2), (7, -1), 5.0, False))
+@example(drawn=(AttentionCase(4, 1, 12, 3, 3, 8, 12, False, None, "bfloat16", seed=3), (4, 2), 20.0, True))
+@example(drawn=(AttentionCase(2, 1, 4, 1, 7, 8, 2, True, None, "float32", seed=4), (100, -1), None, True))
+def test_variants_match_full_sequence_attention(rank_pools, drawn):
+    case, window, softcap, with_sinks = drawn
+    sinks = make_sinks(case) if with_sinks else None
+    shards = rank_pools(case.world).run(rank_jobs.variant_op_case, case, window, softcap, with_sinks)
+    _check(shards, variant_reference(case, window, softcap, sinks), case)
+
+
+@settings(max_examples=int(os.environ.get("UPIPE_VARIANT_DOC_EXAMPLES", "40")), **SETTINGS)
+@given(drawn=variant_cases(), cuts=st.lists(st.floats(0.05, 0.95), min_size=1, max_size=3))
+def test_variants_within_documents(rank_pools, drawn, cuts):
+    """A window never crosses a document; sinks and softcap per document row."""
+    case, window, softcap, with_sinks = drawn
+    inner = sorted({max(1, min(case.seq - 1, int(c * case.seq))) for c in cuts}) if case.seq > 1 else []
+    bounds = (0, *inner, case.seq)
+    sinks = make_sinks(case) if with_sinks else None
+    shards = rank_pools(case.world).run(rank_jobs.variant_op_case, case, window, softcap, with_sinks, bounds)
+    _check(shards, variant_reference(case, window, softcap, sinks, bounds), case)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=(-2, 0)), "window left edge"),
+    (dict(window=(4,)), "window must be a"),
+    (dict(window=(1.5, 0)), "window left edge"),
+    (dict(softcap=0.0 - 1.0), "softcap must be"),
+    (dict(softcap=float("inf")), "softcap must be"),
+    (dict(sinks=torch.zeros(3)), r"sinks must have shape \[4\]"),
+    (dict(sinks=torch.zeros(4, dtype=torch.long)), "floating-point"),
+])
+def test_bad_variants_refused(kwargs, message):
+    q = torch.randn(1, 4, 8, 8)
+    with pytest.raises(UnsupportedAttention, match=message):
+        upipe_attention(q, q, q, is_causal=True, **kwargs)
+
+
+def _check_block(shards, case, window, softcap, with_sinks):
+    from tests_support import TinyVariantAttention, block_grads, make_block_inputs
+
+    x, dout = make_block_inputs(case)
+    out, dx, grads = block_grads(TinyVariantAttention(case, window, softcap, with_sinks, reference=True), x, dout)
+    tolerance = TOLERANCE[case.dtype]
+    assert relative_error(torch.cat([s[0] for s in shards], dim=1), out) < tolerance
+    assert relative_error(torch.cat([s[1] for s in shards], dim=1), dx) < tolerance
+    for name, grad in grads.items():
+        # each rank's parameter gradient covers its shard (its heads, for sinks): they sum to the full one
+        assert relative_error(sum(s[2][name] for s in shards), grad) < tolerance, name
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("case, window, softcap, with_sinks", [
+    (AttentionCase(2, 1, 4, 2, 6, 8, 2, True, None, "float32", seed=5), (3, 0), None, False),
+    (AttentionCase(4, 1, 8, 2, 3, 8, 4, True, None, "float32", seed=6), (5, -1), 8.0, True),
+    (AttentionCase(2, 2, 4, 4, 4, 8, 4, False, 0.4, "float32", seed=7), (2, 3), 2.0, False),
+], ids=["window", "window+softcap+sinks", "bidirectional-window+softcap"])
+def test_compiled_variant_block(rank_pools, case, window, softcap, with_sinks, fuse):
+    """Under backend="upipe": the fused block where it can (sinks keep the plain op), exact."""
+    shards = rank_pools(case.world).run(rank_jobs.compiled_variant_block_case, case, window, softcap, with_sinks, fuse)
+    ops = shards[0][3]
+    expected = "upipe.attention_block.default" if fuse and not with_sinks else "upipe.attention.default"
+    assert expected in ops, ops
+    _check_block(shards, case, window, softcap, with_sinks)

@@ -1,0 +1,141 @@
+"""Exact attention in plain torch for the variants aten's CPU flash kernel lacks: a
+sliding window and logit soft-capping (flash-attn's conventions).
+
+``forward(q, k, v, is_causal, scale, window, softcap) -> (out, lse)`` and
+``backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap) -> (dq, dk, dv)``
+with the shapes of :mod:`upipe_compile.kernels`: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
+(GQA: query head ``h`` uses KV head ``h // (Hq // Hkv)``), lse ``[B, Hq, S]`` float32.
+
+- ``window=(left, right)``: query ``i`` sees keys ``j`` with ``i - left <= j <= i + right``;
+  -1 leaves that side unbounded. ``is_causal`` adds ``j <= i``.
+- ``softcap > 0``: the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before
+  the softmax (Gemma 2); 0 turns it off.
+
+Queries go in blocks of :data:`BLOCK_ROWS` rows, each against only the keys some row of
+the block can see, so the scores held at once are ``B x Hq x block x keys-it-sees``, never
+``S x S``. The query heads of one KV head are stacked as rows of one matmul, so K/V are
+never repeated. Low-precision inputs are computed in float32 and returned in their dtype;
+the backward recomputes each block's probabilities from ``lse`` (as flash does) and sums
+dk/dv in float32. A row that sees no key (possible only through a caller's masking, never
+with valid windows) gets out 0, lse -inf and zero gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_ROWS = 256
+"""Query rows per block (tests lower it to cover many blocks on short sequences)."""
+
+
+def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), softcap: float = 0.0,
+            block_rows: int | None = None):
+    batch, q_heads, seq, dim = q.shape
+    kv_heads, group = k.shape[1], q_heads // k.shape[1]
+    compute = _compute_dtype(q.dtype)
+    scale = dim**-0.5 if scale is None else scale
+    out = q.new_empty((batch, kv_heads, group, seq, v.shape[-1]))
+    lse = q.new_empty((batch, kv_heads, group, seq), dtype=torch.float32)
+    q5 = q.unflatten(1, (kv_heads, group))
+    for rows, keys in _blocks(seq, is_causal, window, block_rows):
+        qb = q5[:, :, :, rows].to(compute)
+        scores, _ = _scores(qb, k[:, :, keys].to(compute), rows, keys, is_causal, window, scale, softcap)
+        lse_b = scores.logsumexp(-1)
+        probs = torch.exp(scores - _finite(lse_b).unsqueeze(-1))
+        out[:, :, :, rows] = _rows_matmul(probs, v[:, :, keys].to(compute)).to(out.dtype)
+        lse[:, :, :, rows] = lse_b.float()
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=(-1, -1), softcap: float = 0.0,
+             block_rows: int | None = None):
+    """Flash's backward, one query block at a time: P = exp(s - lse), dP = dO V^T,
+    dS = P * (dP - rowsum(P * dP)), through tanh' when soft-capped, then dq = dS K,
+    dk += dS^T Q, dv += P^T dO. ``out`` is not needed: rowsum(P * dP) equals flash's
+    rowsum(dO * O) without inheriting out's rounding to a low-precision dtype."""
+    del out
+    batch, q_heads, seq, dim = q.shape
+    kv_heads, group = k.shape[1], q_heads // k.shape[1]
+    compute = _compute_dtype(q.dtype)
+    scale = dim**-0.5 if scale is None else scale
+    dq = q.new_empty((batch, kv_heads, group, seq, dim))
+    dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+    dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+    q5, dout5, lse5 = (t.unflatten(1, (kv_heads, group)) for t in (q, dout, lse))
+    for rows, keys in _blocks(seq, is_causal, window, block_rows):
+        qb, dob = q5[:, :, :, rows].to(compute), dout5[:, :, :, rows].to(compute)
+        kb, vb = k[:, :, keys].to(compute), v[:, :, keys].to(compute)
+        scores, capped = _scores(qb, kb, rows, keys, is_causal, window, scale, softcap)
+        probs = torch.exp(scores - _finite(lse5[:, :, :, rows]).to(compute).unsqueeze(-1))
+        dprobs = _rows_matmul(dob, vb.transpose(-1, -2))
+        dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+        if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+            dscores = dscores * (1 - capped.square())
+        dscores = dscores * scale
+        dq[:, :, :, rows] = _rows_matmul(dscores, kb).to(dq.dtype)
+        dk[:, :, keys] += _stacked(dscores).transpose(-1, -2) @ _stacked(qb)
+        dv[:, :, keys] += _stacked(probs).transpose(-1, -2) @ _stacked(dob)
+    return dq.flatten(1, 2), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _blocks(seq: int, is_causal: bool, window, block_rows: int | None):
+    """``(rows, keys)`` slices: each block of query rows and the key range its rows can see."""
+    left, right = window
+    if is_causal:
+        right = 0
+    step = block_rows or BLOCK_ROWS
+    for start in range(0, seq, step):
+        end = min(start + step, seq)
+        lo = 0 if left < 0 else max(0, start - left)
+        hi = seq if right < 0 else min(seq, end + right)
+        yield slice(start, end), slice(lo, hi)
+
+
+def _scores(qb, kb, rows: slice, keys: slice, is_causal: bool, window, scale: float, softcap: float):
+    """Masked (with -inf), scaled, soft-capped scores ``[B, Hkv, g, rows, keys]``, and the
+    tanh the cap applied (None without a cap) for the backward's chain rule."""
+    scores = _rows_matmul(qb, kb.transpose(-1, -2)) * scale
+    capped = None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
+    visible = _visible(rows, keys, is_causal, window, scores.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores, capped
+
+
+def _visible(rows: slice, keys: slice, is_causal: bool, window, device):
+    """``[rows, keys]`` bool, True where query i may see key j; None when all may."""
+    left, right = window
+    if is_causal:
+        right = 0
+    i = torch.arange(rows.start, rows.stop, device=device).unsqueeze(-1)
+    j = torch.arange(keys.start, keys.stop, device=device)
+    offset = j - i
+    visible = None
+    if left >= 0 and keys.start < rows.stop - 1 - left:  # some row's left edge falls inside the keys
+        visible = offset >= -left
+    if right >= 0 and keys.stop - 1 > rows.start + right:
+        visible = offset <= right if visible is None else visible & (offset <= right)
+    return visible
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with rows that see no key (-inf) at 0, so their exp(-inf - lse) is 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _stacked(x: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, g, rows, n]`` as ``[B, Hkv, g * rows, n]``: a KV head's query heads as rows."""
+    return x.flatten(2, 3)
+
+
+def _rows_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x [B, Hkv, g, rows, n] @ y [B, Hkv, n, m]`` -> ``[B, Hkv, g, rows, m]`` as one
+    matmul per KV head (y is shared by the head's g query heads, not repeated)."""
+    return (_stacked(x) @ y).unflatten(2, x.shape[2:4])
