@@ -223,8 +223,6 @@ def find_block(match: AttentionMatch) -> Union[BlockMatch, NotFusable]:
 
 
 def _find_block(match: AttentionMatch) -> BlockMatch:
-    if match.sinks is not None:
-        raise NotSeparable(match.node, "attention sinks are not fused yet (the plain stage-loop op runs them)")
     shapes = [shape_of(n) for n in (match.query, match.key, match.value)]
     if any(s is None or len(s) != 4 for s in shapes):
         raise NotSeparable(match.node, "q, k, v are not 4-D tensors of known shape")
@@ -256,6 +254,11 @@ def _find_block(match: AttentionMatch) -> BlockMatch:
     extras.sort(key=order.__getitem__)
     if any(e is x for role in ROLES for e in chains[role].externals):
         raise NotSeparable(chains["q"].output, "a per-head chain reads the block input x itself")
+    if match.sinks is not None:  # per-head logits: the op slices them with each stage's heads
+        if match.sinks is x or match.sinks in _ancestors_of(match.query):
+            raise NotSeparable(match.sinks, "the attention sinks depend on the block's own projections")
+        if match.sinks not in extras:
+            extras.append(match.sinks)
     out_nodes, out_linear, wo, bo = _output_side(match, q_heads, head_dim)
     block = BlockMatch(match, x, projections, chains, extras, out_nodes, out_linear, wo, bo, q_heads, kv_heads,
                        head_dim)

@@ -48,7 +48,8 @@ def block_region(block: BlockMatch) -> BlockRegion:
     scale = None if match.scale is None else float(match.scale)
     return BlockRegion(block.q_heads, block.kv_heads, block.head_dim, fns["q"], fns["k"], fns["v"],
                        bool(match.is_causal), scale, match.source_line,
-                       (int(match.window_left), int(match.window_right)), float(match.softcap))
+                       (int(match.window_left), int(match.window_right)), float(match.softcap),
+                       -1 if match.sinks is None else block.extras.index(match.sinks))
 
 
 def rewrite_block(block: BlockMatch, **settings) -> int:

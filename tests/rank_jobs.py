@@ -225,7 +225,7 @@ def variant_op_case(case: AttentionCase, window, softcap, with_sinks: bool, boun
 
 
 def compiled_variant_block_case(case: AttentionCase, window, softcap, with_sinks: bool, fuse: bool,
-                                inner_backend: str = "aot_eager"):
+                                inner_backend: str = "aot_eager", recompute: bool = False):
     """TinyVariantAttention compiled with backend="upipe" on this rank's shard: (out, dx,
     param grads, which upipe ops the graph holds)."""
     from tests_support import TinyVariantAttention, block_grads, make_block_inputs
@@ -244,7 +244,7 @@ def compiled_variant_block_case(case: AttentionCase, window, softcap, with_sinks
     from upipe_compile.options import UPipeOptions
 
     options = UPipeOptions(heads_per_stage=case.heads_per_stage, prefetch=case.prefetch, fuse_projections=fuse,
-                           inner_backend=inner_backend)
+                           inner_backend=inner_backend, recompute_attention_output=recompute)
 
     def backend(gm, example_inputs):
         gm = apply_upipe_passes(gm, options)

@@ -110,9 +110,9 @@ def test_blocked_kernel_equals_full_math(batch, kv_heads, group, seq, head_dim, 
         assert close(actual, wanted, TOLERANCE[dtype]), f"{name}: {relative_error(actual, wanted):.2e}"
 
 
-def test_each_block_reads_only_the_keys_it_can_see():
+def test_each_block_reads_only_the_keys_it_can_see(monkeypatch):
     """Memory stays block x visible keys: a window of 3 on 1000 tokens never forms a score
-    block wider than the block's rows plus the window."""
+    block wider than the block's rows plus the window, forward or backward."""
     widths = []
     real_scores = blocked_attention._scores
 
@@ -120,13 +120,11 @@ def test_each_block_reads_only_the_keys_it_can_see():
         widths.append(kb.shape[-2])
         return real_scores(qb, kb, *args)
 
-    blocked_attention._scores = spy
-    try:
-        q = torch.randn(1, 2, 1000, 8)
-        blocked_attention.forward(q, q, q, True, None, (3, -1), 0.0, block_rows=64)
-    finally:
-        blocked_attention._scores = real_scores
-    assert len(widths) == 16 and max(widths) == 64 + 3
+    monkeypatch.setattr(blocked_attention, "_scores", spy)
+    q = torch.randn(1, 2, 1000, 8)
+    out, lse = blocked_attention.forward(q, q, q, True, None, (3, -1), 0.0, block_rows=64)
+    blocked_attention.backward(q, q, q, q, out, lse, True, None, (3, -1), 0.0, block_rows=64)
+    assert len(widths) == 2 * 16 and max(widths) == 64 + 3
 
 
 def test_rows_that_see_no_key_give_zero_and_no_nan(monkeypatch):

@@ -116,9 +116,18 @@ def _check_block(shards, case, window, softcap, with_sinks):
     (AttentionCase(2, 2, 4, 4, 4, 8, 4, False, 0.4, "float32", seed=7), (2, 3), 2.0, False),
 ], ids=["window", "window+softcap+sinks", "bidirectional-window+softcap"])
 def test_compiled_variant_block(rank_pools, case, window, softcap, with_sinks, fuse):
-    """Under backend="upipe": the fused block where it can (sinks keep the plain op), exact."""
+    """Under backend="upipe": the fused block (or, with fuse_projections off, the plain op), exact."""
     shards = rank_pools(case.world).run(rank_jobs.compiled_variant_block_case, case, window, softcap, with_sinks, fuse)
     ops = shards[0][3]
-    expected = "upipe.attention_block.default" if fuse and not with_sinks else "upipe.attention.default"
+    expected = "upipe.attention_block.default" if fuse else "upipe.attention.default"
     assert expected in ops, ops
     _check_block(shards, case, window, softcap, with_sinks)
+
+
+def test_fused_sinks_with_recomputed_attention_output(rank_pools):
+    """recompute_attention_output: each stage's forward runs again in backward, sinks included."""
+    case = AttentionCase(4, 1, 8, 4, 3, 8, 4, True, None, "float32", seed=8, prefetch="both")
+    shards = rank_pools(4).run(rank_jobs.compiled_variant_block_case, case, (4, 0), 3.0, True, True, "aot_eager",
+                               True)
+    assert "upipe.attention_block.default" in shards[0][3]
+    _check_block(shards, case, (4, 0), 3.0, True)

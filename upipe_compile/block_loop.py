@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from upipe_compile import collectives, kernels
-from upipe_compile.stage_loop import InputPipeline, head_index, stage_kv
+from upipe_compile.sinks import apply_sinks, sink_gradient
+from upipe_compile.stage_loop import InputPipeline, head_index, my_heads, stage_kv
 from upipe_compile.block_region import BlockRegion
 from upipe_compile.documents import Documents
 from upipe_compile.schedule import StageSchedule, plan_stages
@@ -53,6 +54,14 @@ class BlockWeights:
 
     def projection(self, role: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return {"q": (self.wq, self.bq), "k": (self.wk, self.bk), "v": (self.wv, self.bv)}[role]
+
+
+def _stage_sinks(region: BlockRegion, weights: BlockWeights, stage, rank: int) -> Optional[torch.Tensor]:
+    """This rank's heads' sink logits in ``stage`` (None: the block has no sinks)."""
+    if region.sinks_extra < 0:
+        return None
+    sinks = weights.extras[region.sinks_extra]
+    return sinks.index_select(0, head_index(my_heads(stage, rank), sinks.device))
 
 
 def block_schedule(region: BlockRegion, world: int, heads_per_stage: int) -> StageSchedule:
@@ -112,7 +121,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     """``(y, o, lse)``: the block output ``[B, s, d_out]``, the local attention output of all
     heads ``[B, Hq, s, D]`` and the per-stage log-sum-exp (both kept for backward). With
     ``keep_output=False``, ``o`` is an empty tensor (backward recomputes each stage's)."""
-    world = collectives.group_from_name(group_name).size()
+    group = collectives.group_from_name(group_name)
+    world, rank = group.size(), group.rank()
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
@@ -139,6 +149,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
                                                documents, window=region.window, softcap=region.softcap)
         del k_stage, v_stage
+        if region.sinks_extra >= 0:
+            out_stage, lse_stage = apply_sinks(out_stage, lse_stage, _stage_sinks(region, weights, stage, rank))
         lse[index].copy_(lse_stage)
         del lse_stage
         inputs.after_kernel(index)
@@ -247,7 +259,8 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     cotangent, so per-stage contributions sum to the group's), so no KV group's dK/dV is
     accumulated over the full sequence, and the stage buffers are released before the
     gradients are formed."""
-    world = collectives.group_from_name(group_name).size()
+    group = collectives.group_from_name(group_name)
+    world, rank = group.size(), group.rank()
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
@@ -298,15 +311,23 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
 
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
+        sinks = _stage_sinks(region, weights, stage, rank)
         if o is None:
-            out_stage, _ = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale, documents,
-                                           window=region.window, softcap=region.softcap)
+            out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
+                                                   documents, window=region.window, softcap=region.softcap)
+            if sinks is not None:
+                out_stage, _ = apply_sinks(out_stage, lse_stage, sinks)
+            del lse_stage
         else:
             out_stage = buffers["out"]
         dq_stage, dk_stage, dv_stage = kernels.backward(
             buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], region.is_causal,
             region.scale, documents, window=region.window, softcap=region.softcap)
         del k_stage, v_stage
+        dsinks = grads.dextras[region.sinks_extra] if sinks is not None else None
+        if dsinks is not None:  # this rank's heads only: the ranks' gradients sum to the full one
+            dsinks.index_add_(0, head_index(my_heads(stage, rank), device),
+                              sink_gradient(buffers["dout"], out_stage, lse[index], sinks).to(dsinks.dtype))
         inputs.after_kernel(index)
         for role in ("q", "out", "dout"):  # refilled by the next stage (prefetched ones have landed)
             if inputs.landed != index + 1:

@@ -45,6 +45,9 @@ class BlockRegion:
     """Sliding window as flash-attn counts it (global positions; -1 = unbounded)."""
     softcap: float = 0.0
     """Attention-logit softcap (0 = off)."""
+    sinks_extra: int = -1
+    """Which of ``extras`` holds the per-query-head sink logits ``[Hq]`` (-1: no sinks); the
+    head fns do not read it, the stage loops slice it with each stage's heads."""
 
     def head_fn(self, role: str) -> HeadFn:
         return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]

@@ -170,29 +170,25 @@ class CpuKernels(PerDocumentKernels):
     def variant_problems(self, window, softcap: float) -> list[str]:
         return []
 
-    def _blocked(self, q, is_causal: bool, window, softcap: float):
-        """``(is_causal, window)`` for the blocked kernel, or None where aten's kernel is exact."""
-        is_causal, window = _effective(is_causal, window, q.shape[2])
-        if (window == NO_WINDOW and not softcap) or is_fake(q):
-            return None
-        return is_causal, window
+    @staticmethod
+    def _on_aten(q, window, softcap: float) -> bool:
+        """Whether aten's kernel is exact here (no variant left), or only shapes matter (fake)."""
+        return (window == NO_WINDOW and not softcap) or is_fake(q)
 
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
-        blocked = self._blocked(q, is_causal, window, softcap)
-        if blocked is not None:
-            return blocked_attention.forward(q, k, v, blocked[0], scale, blocked[1], softcap)
-        is_causal = _effective(is_causal, window, q.shape[2])[0]
-        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        is_causal, window = _effective(is_causal, window, q.shape[2])
+        if self._on_aten(q, window, softcap):
+            return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        return blocked_attention.forward(q, k, v, is_causal, scale, window, softcap)
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
                  softcap: float = 0.0):
-        blocked = self._blocked(q, is_causal, window, softcap)
-        if blocked is not None:
-            return blocked_attention.backward(dout, q, k, v, out, lse, blocked[0], scale, blocked[1], softcap)
-        is_causal = _effective(is_causal, window, q.shape[2])[0]
-        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
-        )
+        is_causal, window = _effective(is_causal, window, q.shape[2])
+        if self._on_aten(q, window, softcap):
+            return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
+            )
+        return blocked_attention.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
 
 
 class VarlenKernels:
@@ -270,9 +266,10 @@ class AtenCudaKernels(VarlenKernels):
     ``torch.use_deterministic_algorithms``.
 
     Windows go through ``aten::_flash_attention_forward/_backward`` and their keyword
-    ``window_size_left/right`` (in torch since early 2025 at the latest; checked on the
-    installed schemas, never dropped), dense as torch's own SDPA calls them: ``[B, S, H, D]``
-    views and no cumulative lengths. aten's flash has no softcap: that needs flash-attn."""
+    ``window_size_left/right`` (in torch's schemas since before 2.7, so in 2.11 to 2.13;
+    still checked on the installed schemas, never dropped), dense as torch's own SDPA calls
+    them: ``[B, S, H, D]`` views, no cumulative lengths (None) and the forward's philox
+    markers. aten's flash has no softcap: that needs flash-attn >= 2.6."""
 
     name = "aten-flash"
 
@@ -413,11 +410,13 @@ class FlashAttnKernels(VarlenKernels):
         have no parameter for it."""
         no_window, no_softcap = [], []
         for what, params in functions:
-            names = set() if params is None else {name for name, _ in params}
-            if params is not None and window != NO_WINDOW and "window_size" not in names and not (
+            if params is None:
+                continue
+            names = {name for name, _ in params}
+            if window != NO_WINDOW and "window_size" not in names and not (
                     {"window_size_left", "window_size_right"} <= names):
                 no_window.append(what)
-            if params is not None and softcap and "softcap" not in names:
+            if softcap and "softcap" not in names:
                 no_softcap.append(what)
         version = _flash_attn_version(self.interface)
         gaps = []
