@@ -130,16 +130,17 @@ def test_each_block_reads_only_the_keys_it_can_see(monkeypatch):
 def test_rows_that_see_no_key_give_zero_and_no_nan(monkeypatch):
     """No valid window leaves a row empty, but if masking ever does, the row's out is 0,
     its lse -inf, and the gradients are finite (that row contributes nothing)."""
-    real_visible = blocked_attention._visible
+    real_hidden = blocked_attention._hidden
 
-    def without_row_two(rows, keys, is_causal, window, device):
-        mask = real_visible(rows, keys, is_causal, window, device)
-        mask = torch.ones(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.bool) if mask is None else mask
+    def also_row_two(rows, keys, is_causal, window, device):
+        hidden = real_hidden(rows, keys, is_causal, window, device)
+        if hidden is None:
+            hidden = torch.zeros(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.bool)
         if rows.start <= 2 < rows.stop:
-            mask[2 - rows.start] = False
-        return mask
+            hidden[2 - rows.start] = True
+        return hidden
 
-    monkeypatch.setattr(blocked_attention, "_visible", without_row_two)
+    monkeypatch.setattr(blocked_attention, "_hidden", also_row_two)
     q, k, v, dout = (torch.randn(1, 2, 9, 8) for _ in range(4))
     out, lse = blocked_attention.forward(q, k, v, True, None, (4, 0), 5.0, block_rows=4)
     dq, dk, dv = blocked_attention.backward(dout, q, k, v, out, lse, True, None, (4, 0), 5.0, block_rows=4)

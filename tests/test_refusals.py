@@ -327,7 +327,7 @@ def test_flex_attention_refused(world):
     ("flex_attention", "integrations/flex_attention.py", "flex_attention_compiled("),
 ])
 def test_transformers_model_refused_with_register_fix(world, attn_implementation, file, code):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
     model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
@@ -418,3 +418,75 @@ def test_router_weight_must_be_a_parameter(world):
             return soft_moe(x, self.weight, expert_out)
 
     accepted(SoftMoE(), x, expert_out, group=world)
+
+
+# --- 5. transformers models through register(): what the attention function refuses ---------
+def _unsupported_from(call) -> str:
+    """Run ``call``; the UnsupportedAttention it raises (directly or as a compile failure's cause)."""
+    with pytest.raises(Exception) as info:
+        call()
+    error = info.value
+    while error is not None and not isinstance(error, UnsupportedAttention):
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    assert error is not None, repr(info.value)
+    return str(error)
+
+
+def _tiny_llama(**extra):
+    import transformers
+
+    from upipe_compile.integrations.transformers import register
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **extra)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=register())
+
+
+def test_unknown_attention_keyword_refused_with_line(world):
+    """A keyword the attention function does not understand is refused, not dropped: the
+    message names the model's attention forward (file:line) and what to do."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = _tiny_llama()
+    compiled = torch.compile(model, backend="upipe", options={"cp_mesh": world, "inner_backend": "eager"})
+    ids = torch.randint(0, 128, (1, 16))
+    message = _unsupported_from(lambda: compiled(ids, position_ids=torch.arange(16)[None], attention_bias_scale=2.0))
+    line = llama.LlamaAttention.forward.__code__.co_firstlineno
+    assert f"modeling_llama.py:{line} (LlamaAttention.forward)" in message
+    assert "['attention_bias_scale']" in message and "refuses rather than drop" in message
+
+
+def test_window_mask_disagreeing_with_layer_refused():
+    from upipe_compile.integrations.transformers import SlidingWindowMask, _upipe_attention_forward
+
+    q = torch.randn(1, 4, 8, 16)
+    module = torch.nn.Module()
+    message = _unsupported_from(lambda: _upipe_attention_forward(module, q, q, q, SlidingWindowMask(4),
+                                                                 sliding_window=6, scaling=0.25))
+    assert "sliding_window=6" in message and "window of 4" in message
+
+
+def test_chunked_attention_refused():
+    from upipe_compile.integrations.transformers import _causal_sdpa_mask
+
+    config = type("Config", (), {"attention_chunk_size": 8192})()
+    message = _unsupported_from(lambda: _causal_sdpa_mask(config=config, batch_size=1, q_length=8, kv_length=8))
+    assert "attention_chunk_size=8192" in message and "set attention_chunk_size=None" in message
+
+
+def test_sliding_window_reaches_the_op_from_the_mask_alone(world):
+    """A layer that relies on its mask for the window (passes no sliding_window=) still gets it."""
+    from upipe_compile.integrations.transformers import SlidingWindowMask, _upipe_attention_forward
+
+    backend = Capture(world)
+
+    def layer(q):
+        module = torch.nn.Module()
+        return _upipe_attention_forward(module, q, q, q, SlidingWindowMask(5), scaling=0.25)[0]
+
+    torch.compile(layer, backend=backend)(rand(1, 4, 8, 16))
+    (op,) = [n for g in backend.graphs for n in g.graph.nodes if n.target is torch.ops.upipe.attention.default]
+    from upipe_compile.ops import parse_op_arguments
+
+    settings = parse_op_arguments(op.args)[3]
+    assert (settings.window_left, settings.window_right, settings.is_causal) == (4, 4, True)

@@ -41,7 +41,7 @@ def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), soft
         qb = q5[:, :, :, rows].to(compute)
         scores, _ = _scores(qb, k[:, :, keys].to(compute), rows, keys, is_causal, window, scale, softcap)
         lse_b = scores.logsumexp(-1)
-        probs = torch.exp(scores - _finite(lse_b).unsqueeze(-1))
+        probs = scores.sub_(_finite(lse_b).unsqueeze(-1)).exp_()
         out[:, :, :, rows] = _rows_matmul(probs, v[:, :, keys].to(compute)).to(out.dtype)
         lse[:, :, :, rows] = lse_b.float()
     return out.flatten(1, 2), lse.flatten(1, 2)
@@ -66,16 +66,16 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, wind
         qb, dob = q5[:, :, :, rows].to(compute), dout5[:, :, :, rows].to(compute)
         kb, vb = k[:, :, keys].to(compute), v[:, :, keys].to(compute)
         scores, capped = _scores(qb, kb, rows, keys, is_causal, window, scale, softcap)
-        probs = torch.exp(scores - _finite(lse5[:, :, :, rows]).to(compute).unsqueeze(-1))
+        probs = scores.sub_(_finite(lse5[:, :, :, rows]).unsqueeze(-1)).exp_()
         dprobs = _rows_matmul(dob, vb.transpose(-1, -2))
-        dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
-        if capped is not None:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2
-            dscores = dscores * (1 - capped.square())
-        dscores = dscores * scale
-        dq[:, :, :, rows] = _rows_matmul(dscores, kb).to(dq.dtype)
+        dscores = dprobs.sub_((probs * dprobs).sum(-1, keepdim=True)).mul_(probs)
+        if capped is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+            dscores.mul_(capped.square_().neg_().add_(1))
+        # dS without the scale: it goes on the (smaller) dq block and on dk once at the end
+        dq[:, :, :, rows] = (_rows_matmul(dscores, kb) * scale).to(dq.dtype)
         dk[:, :, keys] += _stacked(dscores).transpose(-1, -2) @ _stacked(qb)
         dv[:, :, keys] += _stacked(probs).transpose(-1, -2) @ _stacked(dob)
-    return dq.flatten(1, 2), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.flatten(1, 2), dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -96,33 +96,33 @@ def _blocks(seq: int, is_causal: bool, window, block_rows: int | None):
 
 
 def _scores(qb, kb, rows: slice, keys: slice, is_causal: bool, window, scale: float, softcap: float):
-    """Masked (with -inf), scaled, soft-capped scores ``[B, Hkv, g, rows, keys]``, and the
-    tanh the cap applied (None without a cap) for the backward's chain rule."""
-    scores = _rows_matmul(qb, kb.transpose(-1, -2)) * scale
+    """Masked (with -inf), scaled, soft-capped scores ``[B, Hkv, g, rows, keys]`` (a new
+    tensor), and the tanh the cap applied (None without a cap) for the backward's chain
+    rule. The scale (over the cap) multiplies the q block, smaller than the scores."""
+    scores = _rows_matmul(qb * (scale / softcap if softcap else scale), kb.transpose(-1, -2))
     capped = None
     if softcap:
-        capped = torch.tanh(scores / softcap)
-        scores = softcap * capped
-    visible = _visible(rows, keys, is_causal, window, scores.device)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+        capped = scores.tanh_()
+        scores = capped * softcap
+    hidden = _hidden(rows, keys, is_causal, window, scores.device)
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
     return scores, capped
 
 
-def _visible(rows: slice, keys: slice, is_causal: bool, window, device):
-    """``[rows, keys]`` bool, True where query i may see key j; None when all may."""
+def _hidden(rows: slice, keys: slice, is_causal: bool, window, device):
+    """``[rows, keys]`` bool, True where query i may not see key j; None when it may see all."""
     left, right = window
     if is_causal:
         right = 0
     i = torch.arange(rows.start, rows.stop, device=device).unsqueeze(-1)
-    j = torch.arange(keys.start, keys.stop, device=device)
-    offset = j - i
-    visible = None
-    if left >= 0 and keys.start < rows.stop - 1 - left:  # some row's left edge falls inside the keys
-        visible = offset >= -left
-    if right >= 0 and keys.stop - 1 > rows.start + right:
-        visible = offset <= right if visible is None else visible & (offset <= right)
-    return visible
+    offset = torch.arange(keys.start, keys.stop, device=device) - i  # j - i
+    hidden = None
+    if left >= 0 and keys.start < rows.stop - 1 - left:  # the last row's left edge falls inside the keys
+        hidden = offset < -left
+    if right >= 0 and keys.stop - 1 > rows.start + right:  # the first row's right edge does
+        hidden = offset > right if hidden is None else hidden | (offset > right)
+    return hidden
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ sequences" from ``position_ids`` while tracing), so SDPA receives ``attn_mask=<l
 and upipe refuses it — rightly: that mask covers the local shard only.
 
 :func:`register` adds an attention implementation, ``"upipe"``, through transformers'
-own extension points:
+own extension points (a name without "sdpa": transformers refuses SDPA-named
+implementations for models it has no SDPA support for, such as Gemma2 and GPT-OSS):
 
 - attention: the stock SDPA attention function, or, when the model is called with document
   boundaries ``cu_seq_lens_q`` (transformers' name for them, as
@@ -19,6 +20,10 @@ own extension points:
   the op from all ranks' positions once per step. Positions counting straight through are
   one causal sequence (the dense kernels, as plain SDPA); positions restarting per document
   (``DataCollatorWithFlattening`` without flash kwargs) never attend across documents.
+- attention variants: the ``sliding_window`` (transformers counts the query itself:
+  ``window=(w - 1, w - 1)``), ``softcap`` and ``s_aux`` (sinks) keywords models pass go to
+  :func:`upipe_compile.document_sdpa`, per layer (Gemma3 and GPT-OSS mix windowed and full
+  layers). Any other keyword is refused, never dropped.
 - mask: None when there is no padding (SDPA then gets ``is_causal=True``,
   ``enable_gqa=True``, which upipe rewrites), including an all-ones ``attention_mask``
   (checked once per step, outside the compiled graph). A real padding mask goes to
@@ -77,6 +82,17 @@ _IGNORED_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_lo
                              "max_length_q", "max_length_k"})
 
 
+def _where(module) -> str:
+    """The model's attention forward, ``file:line (Class.forward)``, for messages."""
+    import inspect
+
+    cls = type(module)
+    try:
+        return f"{inspect.getsourcefile(cls)}:{cls.forward.__code__.co_firstlineno} ({cls.__name__}.forward)"
+    except (TypeError, AttributeError):
+        return cls.__name__
+
+
 def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                              sliding_window=None, softcap=None, s_aux=None, position_ids=None, cu_seq_lens_q=None,
                              cu_seq_lens_k=None, **kwargs):
@@ -88,15 +104,17 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
     unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
     if unknown:
         raise UnsupportedAttention(
-            f"{type(module).__name__} passes {unknown} to the attention function; the upipe attention does not know what "
-            "they change and refuses rather than drop them. Supported: sliding_window, softcap, s_aux (sinks), "
-            "position_ids, cu_seq_lens_q/k, scaling, dropout=0, is_causal"
+            f"{_where(module)} passes {unknown} to the attention function; upipe does not know what they change "
+            "and refuses rather than drop them. It understands sliding_window, softcap, s_aux (sinks), "
+            "position_ids, cu_seq_lens_q/k, scaling, dropout=0 and is_causal: train this model without context "
+            "parallelism, or without the feature behind those keywords"
         )
     if isinstance(attention_mask, SlidingWindowMask):
         if sliding_window is not None and sliding_window != attention_mask.size:
             raise UnsupportedAttention(
-                f"{type(module).__name__} passes sliding_window={sliding_window} but its mask was made for a window "
-                f"of {attention_mask.size}; upipe cannot tell which the model means"
+                f"{_where(module)} passes sliding_window={sliding_window} but its mask was made for a window of "
+                f"{attention_mask.size}; upipe cannot tell which the model means: make config.sliding_window and "
+                "the layer's window agree"
             )
         sliding_window, attention_mask = attention_mask.size, None
     variant = sliding_window is not None or softcap is not None or s_aux is not None
