@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from upipe_compile.kernels import cuda_problems
-from upipe_compile.kernels import variant_problems as variant_kernel_problems
-from upipe_compile.options import variant_problems
+from upipe_compile.kernels import cuda_problems, variant_problems
 from upipe_compile.passes.find import AttentionMatch
 from upipe_compile.schedule import shape_problems
 from upipe_compile.sinks import check_sinks
@@ -40,25 +38,22 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int)
     if not isinstance(match.enable_gqa, bool):
         reasons.append(f"enable_gqa must be a Python bool known at compile time, got {match.enable_gqa}")
 
+    q, k, v = (_example(x) for x in (match.query, match.key, match.value))
     window = (match.window_left, match.window_right)
     if any(isinstance(x, fx.Node) for x in (*window, match.softcap)):
         reasons.append(f"window {window} and softcap {match.softcap} must be Python numbers known at compile time")
-        window_problems = []
     else:
-        window_problems = variant_problems(window, match.softcap)
-        reasons += window_problems
+        device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+        reasons += variant_problems(device_type, window, match.softcap)
     if match.sinks is not None and not isinstance(match.sinks, fx.Node):
         reasons.append(f"sinks must be a tensor of one logit per query head, got {match.sinks!r}")
 
-    q, k, v = (_example(x) for x in (match.query, match.key, match.value))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
     reasons += shape_problems(q.shape, k.shape, v.shape, match.enable_gqa is not False, world, heads_per_stage)
     if isinstance(match.sinks, fx.Node):
         reasons += check_sinks(_example(match.sinks), q.shape[1])
-    if not window_problems and not isinstance(match.softcap, fx.Node):
-        reasons += variant_kernel_problems(q.device.type, window, match.softcap)
     if q.device.type == "cuda":
         reasons += cuda_problems(q.dtype, q.shape[-1])
     return reasons

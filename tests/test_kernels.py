@@ -294,13 +294,32 @@ def test_aten_cuda_varlen_calls_match_the_op_schemas(batch):
 # --- sliding window and softcap -------------------------------------------------------------
 
 def _variant_reference(q, k, v, dout, is_causal, scale, window, softcap, documents=None):
-    """The CPU kernel (exact: aten's or the blocked one) per document, as the flash adapters' reference."""
-    cpu = kernels.CpuKernels()
+    """(out, lse, dq, dk, dv) computed as the stand-ins compute them (aten's CPU kernel
+    without a variant, else the blocked kernel with their block size), per batch row and
+    document when packed, on the same views: the adapter has only to route the arguments
+    and results. (Two different fp32 kernels can differ by more than 1e-5 in small
+    gradients of near-one-hot softmaxes, so the reference is the same kernel.)"""
+    from upipe_compile import blocked_attention
+
+    def pair(q, k, v, dout):
+        if tuple(window) == (-1, -1) and not softcap:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
+                                                                                   scale=scale)
+            return out, lse, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+        out, lse = blocked_attention.forward(q, k, v, is_causal, scale, window, softcap, block_rows=16)
+        return out, lse, *blocked_attention.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap,
+                                                     block_rows=16)
+
     if documents is None:
-        out, lse = cpu.forward(q, k, v, is_causal, scale, window, softcap)
-        return (out, lse, *cpu.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap))
-    out, lse = cpu.forward_documents(q, k, v, documents, is_causal, scale, window, softcap)
-    return (out, lse, *cpu.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap))
+        return pair(q, k, v, dout)
+    results = [torch.empty_like(t) for t in (q, q[..., 0].float(), q, k, v)]
+    for row in range(q.shape[0]):
+        for a, b in documents.spans:
+            pieces = pair(*(t[row:row + 1, :, a:b] for t in (q, k, v, dout)))
+            for full, piece in zip(results, pieces):
+                full[row:row + 1, :, a:b] = piece
+    return results
 
 
 def _window_edges():
@@ -340,11 +359,7 @@ def test_flash_attn_adapter_passes_window_and_softcap(family, batch, kv_heads, g
         grads = flash.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap)
     expected = _variant_reference(q, k, v, dout, is_causal, scale, window, softcap, documents)
     for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected):
-        assert actual.shape == wanted.shape, f"{family} {name}"
-        if wanted.norm() < 1e-5:  # rows seeing one key: dq is 0, up to the dense kernel's rounding
-            assert actual.abs().max() < 1e-4, f"{family} {name}"
-        else:
-            assert relative_error(actual, wanted) < 1e-5, f"{family} {name}"
+        assert actual.shape == wanted.shape and relative_error(actual, wanted) < 1e-6, f"{family} {name}"
 
     for call in interface.calls:
         if family == "2.7/2.8":

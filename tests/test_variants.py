@@ -82,11 +82,13 @@ def test_variants_within_documents(rank_pools, drawn, cuts):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(window=(-2, 0)), "window left edge"),
-    (dict(window=(4,)), "window must be a"),
-    (dict(window=(1.5, 0)), "window left edge"),
-    (dict(softcap=0.0 - 1.0), "softcap must be"),
-    (dict(softcap=float("inf")), "softcap must be"),
+    (dict(window=(-2, 0)), r"window=\(-2, 0\): must be \(left, right\), each an int >= -1"),
+    (dict(window=(4,)), "must be \\(left, right\\)"),
+    (dict(window=(1.5, 0)), "each an int >= -1"),
+    (dict(window=(0, True)), "each an int >= -1"),
+    (dict(softcap=-1.0), "softcap=-1.0: must be > 0"),
+    (dict(softcap=0), "softcap=0: must be > 0"),
+    (dict(softcap=float("inf")), "softcap=inf: must be a finite number"),
     (dict(sinks=torch.zeros(3)), r"sinks must have shape \[4\]"),
     (dict(sinks=torch.zeros(4, dtype=torch.long)), "floating-point"),
 ])

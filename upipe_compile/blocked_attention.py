@@ -13,8 +13,9 @@ with the shapes of :mod:`upipe_compile.kernels`: q ``[B, Hq, S, D]``, k/v ``[B, 
 
 Queries go in blocks of :data:`BLOCK_ROWS` rows, each against only the keys some row of
 the block can see, so the scores held at once are ``B x Hq x block x keys-it-sees``, never
-``S x S``. The query heads of one KV head are stacked as rows of one matmul, so K/V are
-never repeated. Low-precision inputs are computed in float32 and returned in their dtype;
+``S x S`` (``block_rows=`` overrides the block size per call). The query heads of one KV
+head are stacked as rows of one matmul, so K/V are never repeated. Low-precision inputs
+are computed in float32 (float64 in float64) and returned in their dtype;
 the backward recomputes each block's probabilities from ``lse`` (as flash does) and sums
 dk/dv in float32. A row that sees no key (possible only through a caller's masking, never
 with valid windows) gets out 0, lse -inf and zero gradients.

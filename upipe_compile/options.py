@@ -4,7 +4,6 @@ op's scalar arguments are spelled out in one place)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Optional
 
@@ -13,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from upipe_compile.collectives import resolve_group
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.kernels import NO_WINDOW, check_variant
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -24,32 +24,14 @@ overlaps backward, at the cost of the next stage's q/out/dout (and K/V at a KV-g
 boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
 
 
-def variant_problems(window, softcap) -> list[str]:
-    """Why ``window`` ``(left, right)`` and ``softcap`` are not valid attention variants
-    (empty: they are). Edges are ints >= -1 (-1 = unbounded); softcap a finite number >= 0
-    (0 = off)."""
-    problems = []
-    if window is not None:
-        if not (isinstance(window, (tuple, list)) and len(window) == 2):
-            problems.append(f"window must be a (left, right) pair of ints, got {window!r}")
-        else:
-            for side, edge in zip(("left", "right"), window):
-                if isinstance(edge, bool) or not isinstance(edge, int) or edge < -1:
-                    problems.append(f"window {side} edge must be an int >= 0, or -1 for unbounded; got {edge!r}")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap < 0:
-            problems.append(f"softcap must be a finite number > 0 (or 0/None for none), got {softcap!r}")
-    return problems
-
-
 def normalised_variant(window, softcap) -> tuple[int, int, float]:
-    """``(window_left, window_right, softcap)`` as the op takes them, or UnsupportedAttention."""
-    problems = variant_problems(window, softcap)
-    if problems:
-        raise UnsupportedAttention("; ".join(problems))
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    return left, right, 0.0 if softcap is None else float(softcap)
+    """``(window_left, window_right, softcap)`` as the ops take them (None: no window / no
+    softcap), or UnsupportedAttention for bad values (:func:`upipe_compile.kernels.check_variant`;
+    a softcap the caller gives must be > 0: 0 is the ops' "off", spelled None here)."""
+    if softcap is not None and not isinstance(softcap, bool) and isinstance(softcap, (int, float)) and softcap <= 0:
+        raise UnsupportedAttention(f"softcap={softcap!r}: must be > 0 (None for no softcap)")
+    (left, right), softcap = check_variant(NO_WINDOW if window is None else window, 0.0 if softcap is None else softcap)
+    return left, right, softcap
 
 
 def check_prefetch(prefetch) -> None:
