@@ -93,7 +93,8 @@ class FusedAttentionLayer(AttentionLayer):
     projects, rotates and attends only its own heads and adds its share of ``wo``;
     ``recompute_output``: no attention output kept for backward."""
 
-    def __init__(self, preset: Preset, group, heads_per_stage: int, recompute_output: bool = False):
+    def __init__(self, preset: Preset, group, heads_per_stage: int, recompute_output: bool = False,
+                 window: tuple[int, int] = (-1, -1)):
         super().__init__(preset, None)
         self.group, self.heads_per_stage, self.recompute_output = group, heads_per_stage, recompute_output
 
@@ -104,7 +105,8 @@ class FusedAttentionLayer(AttentionLayer):
         def plain(p, n, positions):
             return p.view(p.shape[0], p.shape[1], n, HEAD_DIM).transpose(1, 2)
 
-        self.region = BlockRegion(preset.q_heads, preset.kv_heads, HEAD_DIM, rotated, rotated, plain, True, None)
+        self.region = BlockRegion(preset.q_heads, preset.kv_heads, HEAD_DIM, rotated, rotated, plain, True, None,
+                                  window=window)
 
     def forward(self, x, positions):
         return upipe_attention_block(
@@ -114,15 +116,16 @@ class FusedAttentionLayer(AttentionLayer):
         )
 
 
-def upipe(heads_per_stage: int, group):
-    settings = StageLoopSettings(True, None, heads_per_stage, group.size(), group.group_name)
+def upipe(heads_per_stage: int, group, window: tuple[int, int] = (-1, -1)):
+    settings = StageLoopSettings(True, None, heads_per_stage, group.size(), group.group_name,
+                                 window_left=window[0], window_right=window[1])
     return lambda q, k, v: StageLoopFunction.apply(q, k, v, settings)
 
 
 def measure_layer(preset: Preset, seq: int, world: int, attention, cuda_kernel: str | None) -> float:
     """Activation peak (bytes) of one rank's forward + backward of the layer;
-    ``attention``: an attention function, or ``("fused", group, U[, recompute_output])`` for
-    the fused block."""
+    ``attention``: an attention function, or ``("fused", group, U[, recompute_output[, window]])``
+    for the fused block."""
     s_local = seq // world
     with FakeTensorMode(), modelled_kernel(cuda_kernel):
         layer = FusedAttentionLayer(preset, *attention[1:]) if isinstance(attention, tuple) \
