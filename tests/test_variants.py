@@ -54,7 +54,7 @@ def _check(shards, expected, case):
         assert error < TOLERANCE[case.dtype], f"dsinks: relative error {error:.3e}"
 
 
-@settings(max_examples=int(os.environ.get("UPIPE_VARIANT_EXAMPLES", "120")), **SETTINGS)
+@settings(max_examples=int(os.environ.get("UPIPE_VARIANT_EXAMPLES", "60")), **SETTINGS)
 @given(drawn=variant_cases())
 # window smaller than a shard, with sinks and GQA across stages; window crossing a shard with
 # softcap, U > P; non-causal two-sided window; a window beyond the sequence with MQA.
@@ -69,7 +69,7 @@ def test_variants_match_full_sequence_attention(rank_pools, drawn):
     _check(shards, variant_reference(case, window, softcap, sinks), case)
 
 
-@settings(max_examples=int(os.environ.get("UPIPE_VARIANT_DOC_EXAMPLES", "40")), **SETTINGS)
+@settings(max_examples=int(os.environ.get("UPIPE_VARIANT_DOC_EXAMPLES", "25")), **SETTINGS)
 @given(drawn=variant_cases(), cuts=st.lists(st.floats(0.05, 0.95), min_size=1, max_size=3))
 def test_variants_within_documents(rank_pools, drawn, cuts):
     """A window never crosses a document; sinks and softcap per document row."""
