@@ -256,3 +256,20 @@ def compiled_variant_block_case(case: AttentionCase, window, softcap, with_sinks
     model = torch.compile(TinyVariantAttention(case, window, softcap, with_sinks), backend=backend)
     out, dx, grads = block_grads(model, x, dout)
     return out, dx, grads, sorted(set(seen))
+
+
+def variant_op_case_with_flash_standin(case: AttentionCase, family: str, window, softcap, with_sinks: bool):
+    """variant_op_case with the stage loop's kernels replaced by FlashAttnKernels over a CPU
+    stand-in of that flash-attn release's interface (the CUDA path's argument routing)."""
+    from flash_attn_standins import FAMILIES
+
+    from upipe_compile import kernels
+
+    cpu, interface = kernels._CPU, FAMILIES[family]()
+    kernels._CPU = kernels.FlashAttnKernels(interface)
+    try:
+        result = variant_op_case(case, window, softcap, with_sinks)
+    finally:
+        kernels._CPU = cpu
+    assert interface.calls, "the stage loop did not go through the flash-attn adapter"
+    return result

@@ -133,3 +133,18 @@ def test_fused_sinks_with_recomputed_attention_output(rank_pools):
                                True)
     assert "upipe.attention_block.default" in shards[0][3]
     _check_block(shards, case, (4, 0), 3.0, True)
+
+
+@pytest.mark.parametrize("family, softcap", [("2.5", None), ("2.6", 4.0), ("2.7/2.8", 4.0)])
+def test_variants_through_flash_attn_adapter(rank_pools, family, softcap):
+    """The stage loop through each flash-attn release's interface (CPU stand-ins): window
+    (and softcap from 2.6) reach the kernel and the answer is exact."""
+    case = AttentionCase(2, 1, 8, 2, 6, 16, 4, True, None, "float32", seed=9)
+    shards = rank_pools(2).run(rank_jobs.variant_op_case_with_flash_standin, case, family, (5, 0), softcap, True)
+    _check(shards, variant_reference(case, (5, 0), softcap, make_sinks(case)), case)
+
+
+def test_softcap_on_flash_attn_2_5_refused(rank_pools):
+    case = AttentionCase(2, 1, 8, 2, 6, 16, 4, True, None, "float32", seed=9)
+    with pytest.raises(Exception, match="no softcap parameter"):
+        rank_pools(2).run(rank_jobs.variant_op_case_with_flash_standin, case, "2.5", None, 4.0, False)
