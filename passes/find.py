@@ -5,6 +5,7 @@ and every ``upipe::document_sdpa`` (SDPA within packed documents, see
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -13,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+import upipe_compile
 import upipe_compile.document_sdpa  # noqa: F401  (registers upipe::document_sdpa)
 
 # Dynamo records F.scaled_dot_product_attention (the same object as
@@ -112,10 +114,17 @@ def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>[^\n]*)')
 
 
+# Frames inside torch (flex_attention records its node there) or upipe_compile itself
+# (document_sdpa, the transformers attention function) are not the user's line.
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(upipe_compile.__file__) + os.sep)
+
+
 def source_line(node: fx.Node) -> str:
-    """``file:line in function: code`` of the user's call, from the node's stack trace."""
+    """``file:line in function: code`` of the user's call (the innermost frame outside torch
+    and upipe_compile), from the node's stack trace."""
     frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
     if not frames:
         return f"<graph node {node.name}, no source line recorded>"
-    last = frames[-1]
+    outside = [frame for frame in frames if not frame["file"].startswith(_LIBRARY_DIRS)]
+    last = (outside or frames)[-1]
     return f'{last["file"]}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import operator
 import os
-import re
-import types
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -286,19 +284,8 @@ def _output_product(softmax: fx.Node, static: set[fx.Node]) -> fx.Node | None:
 
 
 # --- where -------------------------------------------------------------------------------
-_FRAME_START = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+', re.MULTILINE)
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
 def _user_source_line(node: fx.Node) -> tuple[str, bool]:
-    """The node's source line (:func:`~upipe_compile.passes.find.source_line`), from the last
-    frame outside torch itself (flex_attention's node is recorded inside torch), and whether
-    the call comes from a transformers model."""
+    """The node's source line (:func:`~upipe_compile.passes.find.source_line`: outside torch,
+    where flex_attention's node is recorded) and whether the call comes from a transformers model."""
     trace = node.meta.get("stack_trace") or ""
-    frames = list(_FRAME_START.finditer(trace))
-    transformers = any(f"{os.sep}transformers{os.sep}" in frame["file"] for frame in frames)
-    while frames and frames[-1]["file"].startswith(_TORCH_DIR):
-        trace = trace[:frames.pop().start()]
-    if frames:
-        node = types.SimpleNamespace(meta={"stack_trace": trace}, name=node.name)
-    return source_line(node), transformers
+    return source_line(node), f"{os.sep}transformers{os.sep}" in trace

@@ -490,3 +490,16 @@ def test_sliding_window_reaches_the_op_from_the_mask_alone(world):
 
     settings = parse_op_arguments(op.args)[3]
     assert (settings.window_left, settings.window_right, settings.is_causal) == (4, 4, True)
+
+
+def test_bad_variant_arguments_refused_at_compile_time(world):
+    """Under torch.compile document_sdpa's checks are the pass's: sinks of the wrong shape
+    are refused with the call's line, before anything runs."""
+    from upipe_compile import document_sdpa
+
+    def model(q, sinks):
+        return document_sdpa(q, q, q, None, is_causal=True, window=(3, 0), sinks=sinks)
+
+    message = refusal(model, rand(1, 4, 8, 8), torch.zeros(3), group=world)
+    assert "sinks must have shape [4]" in message
+    assert f"{THIS_FILE}:" in message and "return document_sdpa(q, q, q, None" in message
