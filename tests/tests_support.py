@@ -83,8 +83,12 @@ class TinyAttention(torch.nn.Module):
         q = self.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True)
+        out = self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def attend(self, q, k, v):
+        c = self.case
+        return F.scaled_dot_product_attention(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True)
 
 
 def make_block_inputs(case: AttentionCase):
@@ -215,18 +219,12 @@ class TinyVariantAttention(TinyAttention):
         self.window, self.softcap, self.reference = window, softcap, reference
         self.sinks = torch.nn.Parameter(make_sinks(case)) if with_sinks else None
 
-    def forward(self, x):
+    def attend(self, q, k, v):
         from upipe_compile import document_sdpa
 
-        b, s, _ = x.shape
         c = self.case
-        q = self.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
         if self.reference:
-            out = variant_math(q.double(), k.double(), v.double(), is_causal=c.is_causal, scale=c.scale,
-                               window=self.window, softcap=self.softcap, sinks=self.sinks).to(q.dtype)
-        else:
-            out = document_sdpa(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True, window=self.window,
-                                softcap=self.softcap, sinks=self.sinks)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+            return variant_math(q.double(), k.double(), v.double(), is_causal=c.is_causal, scale=c.scale,
+                                window=self.window, softcap=self.softcap, sinks=self.sinks).to(q.dtype)
+        return document_sdpa(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True, window=self.window,
+                             softcap=self.softcap, sinks=self.sinks)
