@@ -1,7 +1,9 @@
 """upipe_compile.offload: the checkpointed input of each block, and nothing else, goes to host
 memory after the block's forward and comes back for its recompute (the copy starts when the
 gradient of the block's output arrives, not earlier); results are bit-identical to no
-offload, eager or compiled; the host memory arithmetic and the node check."""
+offload, eager or compiled; each block's host buffer is exactly its input's size and reused
+every step; pinning and its fallback; the host memory arithmetic, the cgroup limit and the
+node check."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from upipe_compile.offload import (
-    BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, total_host_memory_bytes,
+    BlockInputOffloader, cgroup_memory_limit_bytes, host_bytes_per_rank, host_memory_problem, ranks_per_node,
+    total_host_memory_bytes, usable_host_memory,
 )
 
 DIM = 8
@@ -127,6 +130,117 @@ def test_no_grad_forward_is_left_alone():
         for block in blocks:
             h = block(h, torch.ones(3 * DIM))
     assert offloader.offloaded_last_step == 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_one_exact_size_host_buffer_per_block_reused_every_step(backend):
+    """Step 2 writes each block's input into the buffer step 1 made (same memory), which holds
+    exactly the input's bytes; a new shape gets a new buffer; results stay exact every step."""
+    scale = torch.rand(3 * DIM)
+    blocks, plain = make_blocks(3, backend), make_blocks(3, backend)
+    offloader = BlockInputOffloader(blocks)
+    pointers = []
+    for step, tokens in enumerate((12, 12, 7)):
+        x = torch.randn(2, tokens, DIM)
+        got, ref = run(blocks, x, scale), run(plain, x, scale)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+        buffers = [offloader.host_buffer(i) for i in range(3)]
+        assert [b.nbytes for b in buffers] == [2 * tokens * DIM * 4] * 3
+        assert [b.untyped_storage().nbytes() for b in buffers] == [2 * tokens * DIM * 4] * 3
+        assert sum(b.nbytes for b in buffers) == host_bytes_per_rank(3, 2 * tokens, DIM, torch.float32)
+        pointers.append([b.data_ptr() for b in buffers])
+    assert pointers[1] == pointers[0]  # reused
+    assert offloader.host_buffer(0).shape == (2, 7, DIM)  # reallocated for the new shape
+    offloader.remove()
+    assert offloader.host_buffer(0) is None
+
+
+def test_a_graph_still_alive_keeps_its_own_host_copies():
+    """Two forwards before their backwards (both graphs alive): the second must not overwrite
+    the first's host copies."""
+    scale = torch.rand(3 * DIM)
+    blocks, plain = make_blocks(2, "eager"), make_blocks(2, "eager")
+    BlockInputOffloader(blocks)
+    xs = [torch.randn(1, 6, DIM) for _ in range(2)]
+
+    def two_forwards_then_backwards(model):
+        outs = []
+        for x in xs:
+            h = x.clone().requires_grad_()
+            outs.append((h, h))
+            for block in model:
+                outs[-1] = (outs[-1][0], block(outs[-1][1], scale))
+        grads = []
+        for h, out in outs:
+            out.square().sum().backward()
+            grads.append(h.grad)
+        return grads
+
+    assert all(torch.equal(a, b) for a, b in zip(two_forwards_then_backwards(blocks),
+                                                 two_forwards_then_backwards(plain)))
+
+
+def test_buffers_are_pinned_once_and_unpinned_when_dropped():
+    """The pin function runs once per block buffer (not per step); the undo runs when the
+    offloader drops the buffers."""
+    pinned, unpinned = [], []
+
+    def pin(tensor):
+        pinned.append(tensor.data_ptr())
+        return lambda: unpinned.append(tensor.data_ptr())
+
+    blocks = make_blocks(3, "eager")
+    offloader = BlockInputOffloader(blocks, pin=pin)
+    for _ in range(2):
+        run(blocks, torch.randn(1, 5, DIM), torch.rand(3 * DIM))
+    assert pinned == [offloader.host_buffer(i).data_ptr() for i in range(3)]
+    offloader.remove()
+    import gc
+    gc.collect()
+    assert sorted(unpinned) == sorted(pinned)
+
+
+def test_refused_pinning_falls_back_to_pageable_memory_said_once(caplog):
+    calls = []
+
+    def refuse(tensor):
+        calls.append(tensor.nbytes)
+        raise RuntimeError("cudaHostRegister of 320 B failed with cudaError 2")
+
+    x, scale = torch.randn(2, 5, DIM), torch.rand(3 * DIM)
+    plain = make_blocks(3, "eager")
+    ref = [run(plain, x, scale) for _ in range(2)][-1]  # parameter gradients accumulate
+    blocks = make_blocks(3, "eager")
+    offloader = BlockInputOffloader(blocks, pin=refuse)
+    with caplog.at_level("WARNING", logger="upipe_compile.offload"):
+        got = [run(blocks, x, scale) for _ in range(2)][-1]
+    assert calls == [2 * 5 * DIM * 4]  # tried once, not for every block
+    warnings = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]
+    assert len(warnings) == 1 and "cudaError 2" in warnings[0]
+    assert all(not offloader._buffers[i].pinned for i in range(3))
+    assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+
+
+def test_cgroup_limit_read_from_v2_and_v1_files(tmp_path):
+    v2, v1, missing = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes", str(tmp_path / "none")
+    v2.write_text("max\n")
+    assert cgroup_memory_limit_bytes(str(v2), missing) is None  # "max": no limit
+    v2.write_text("68719476736\n")
+    assert cgroup_memory_limit_bytes(str(v2), missing) == 64 << 30
+    v1.write_text("34359738368\n")
+    assert cgroup_memory_limit_bytes(missing, str(v1)) == 32 << 30
+    assert cgroup_memory_limit_bytes(str(v2), str(v1)) == 32 << 30  # the smaller
+    assert cgroup_memory_limit_bytes(missing, missing) is None
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       134217728 kB\n")  # 128 GiB
+    assert usable_host_memory(str(meminfo), str(v2), missing) == (64 << 30, "the job's cgroup allows")
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    assert usable_host_memory(str(meminfo), missing, str(v1)) == (128 << 30, "the node has")
+    assert usable_host_memory(str(meminfo), missing, missing) == (128 << 30, "the node has")
+    problem = host_memory_problem(40 << 30, 2, 64 << 30, 1 << 30, "the job's cgroup allows")
+    assert problem.endswith("but the job's cgroup allows 64.0 GiB")
 
 
 def test_host_memory_arithmetic_and_node_check(tmp_path, monkeypatch):

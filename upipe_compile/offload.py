@@ -15,7 +15,17 @@ the block is built:
 - FSDP2 around either: its pre-forward hook hands the block an alias of the input (same
   data), and the unsharded parameters it saves are not the input.
 
-On CUDA the device-to-host copy runs on a side stream into pinned memory, overlapped with the
+Host memory: each block has one host buffer of exactly its input's size, made at the block's
+first offloaded forward and reused every step (written in the block's forward, read in its
+backward; a graph still alive at the next forward keeps its buffer and the step gets a new
+one). On CUDA it is plain CPU memory page-locked in place with ``cudaHostRegister``
+(:func:`cuda_host_register`), not torch's pinned allocator, which rounds every request up to a
+power of two (a 5 GiB input would take 8 GiB); when pinning is refused the buffers stay pageable
+(slower, synchronous copies; logged once). :func:`host_bytes_per_rank` is exactly what the
+buffers take, and :func:`usable_host_memory` what the node's ranks may use together (MemTotal,
+or the cgroup's limit where smaller).
+
+On CUDA the device-to-host copy runs on a side stream into the host buffer, overlapped with the
 block's own compute. The copy back starts when the gradient of the block's output arrives
 (block i+1's backward is done), overlapped with FSDP's all-gather of the block's parameters:
 starting it earlier, during block i+1's backward, would hold a second block input on the GPU
@@ -26,11 +36,11 @@ copies (what the tests exercise).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import weakref
-from contextlib import nullcontext
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -40,7 +50,8 @@ log = logging.getLogger(__name__)
 
 # --- how much host memory ------------------------------------------------------------------
 def host_bytes_per_rank(n_blocks: int, tokens_per_rank: int, dim: int, dtype: torch.dtype) -> int:
-    """Host memory the offloaded block inputs take on one rank: one [tokens, dim] input per block.
+    """Host memory the offloaded block inputs take on one rank: one [tokens, dim] input per block,
+    each in a buffer of exactly its size (all the offloader allocates on host).
     ``tokens_per_rank`` = local batch x seq_len / CP degree."""
     return n_blocks * tokens_per_rank * dim * torch.empty((), dtype=dtype).element_size()
 
@@ -57,77 +68,169 @@ def total_host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+CGROUP_V2_LIMIT = "/sys/fs/cgroup/memory.max"
+CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
+
+
+def cgroup_memory_limit_bytes(v2: str = CGROUP_V2_LIMIT, v1: str = CGROUP_V1_LIMIT) -> int | None:
+    """The memory limit of this process's cgroup: v2 ``memory.max`` ("max" = none) or v1
+    ``memory.limit_in_bytes``, the smaller where both are there; None when neither sets one."""
+    limits = []
+    for path in (v2, v1):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits, default=None)
+
+
+def usable_host_memory(meminfo: str = "/proc/meminfo", cgroup_v2: str = CGROUP_V2_LIMIT,
+                       cgroup_v1: str = CGROUP_V1_LIMIT) -> tuple[int, str]:
+    """What this node's ranks may use together, and what that is (for messages): the cgroup's
+    limit where it is below MemTotal (it covers every process in the cgroup, usually all of the
+    job's ranks on the node; cgroup v1 says "no limit" with a huge number), else MemTotal."""
+    total = total_host_memory_bytes(meminfo)
+    limit = cgroup_memory_limit_bytes(cgroup_v2, cgroup_v1)
+    if limit is not None and limit < total:
+        return limit, "the job's cgroup allows"
+    return total, "the node has"
+
+
 def ranks_per_node(default: int) -> int:
     """Processes sharing this node's RAM: torchrun's LOCAL_WORLD_SIZE, else ``default``."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
-def host_memory_problem(bytes_per_rank: int, ranks: int, total_bytes: int, reserve_bytes: int) -> str | None:
-    """Why the node cannot hold ``ranks`` x ``bytes_per_rank`` of offloaded inputs next to
-    ``reserve_bytes`` for everything else, or None."""
+def host_memory_problem(bytes_per_rank: int, ranks: int, total_bytes: int, reserve_bytes: int,
+                        what: str = "the node has") -> str | None:
+    """Why ``total_bytes`` (``what`` names it: see :func:`usable_host_memory`) cannot hold
+    ``ranks`` x ``bytes_per_rank`` of offloaded inputs next to ``reserve_bytes`` for everything
+    else, or None."""
     need = bytes_per_rank * ranks
     if need + reserve_bytes <= total_bytes:
         return None
     return (f"offloading block inputs needs {_size(bytes_per_rank)} of host memory per rank x {ranks} "
-            f"ranks per node = {_size(need)}, plus a reserve of {_size(reserve_bytes)}, but the "
-            f"node has {_size(total_bytes)}")
+            f"ranks per node = {_size(need)}, plus a reserve of {_size(reserve_bytes)}, but {what} "
+            f"{_size(total_bytes)}")
 
 
 def _size(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+# --- pinning -----------------------------------------------------------------------------------
+def cuda_host_register(tensor: torch.Tensor) -> Callable[[], None]:
+    """Page-lock ``tensor``'s memory where it is, exactly its bytes; returns the undo (which keeps
+    the tensor alive until called). Raises RuntimeError when CUDA refuses.
+
+    Not ``tensor.pin_memory()`` or ``torch.empty(..., pin_memory=True)``: both take a block from
+    torch's CachingHostAllocator, which rounds each request up to a power of two unless
+    ``pinned_max_round_threshold`` is configured (ATen/core/CachingHostAllocator.h), so a 5 GiB
+    input would hold 8 GiB of page-locked RAM. torch's own checkpoint stager pins this way too."""
+    cudart = torch.cuda.cudart()
+    storage = tensor.untyped_storage()
+    error = int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))
+    if error:
+        _clear_cuda_error()
+        raise RuntimeError(f"cudaHostRegister of {_size(storage.nbytes())} failed with cudaError {error}")
+
+    def unpin():
+        if int(cudart.cudaHostUnregister(storage.data_ptr())):
+            _clear_cuda_error()
+    return unpin
+
+
+def _clear_cuda_error() -> None:
+    # A failed runtime call stays the runtime's "last error" until read, and torch's next kernel
+    # launch check would raise it; torch.cuda.cudart() has no cudaGetLastError. Best effort:
+    # torch loads libcudart into the global symbol scope.
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):
+        log.warning("upipe offload: could not clear a failed cudaHostRegister's CUDA error")
+
+
+def _unpin_when_copies_done(stream, unpin) -> None:
+    if stream is not None:
+        stream.synchronize()  # the side stream's copies out of / into the buffer
+    unpin()
+
+
+class _HostBuffer:
+    """One block's host copy, kept by the offloader and reused every step. Pinned memory is
+    unpinned when the buffer is dropped, once the side stream's copies are done."""
+
+    def __init__(self, tensor: torch.Tensor, unpin: Callable[[], None] | None, stream):
+        self.tensor, self.pinned = tensor, unpin is not None
+        self.user: weakref.ref | None = None  # the _OffloadedInput whose data it holds
+        if unpin is not None:
+            weakref.finalize(self, _unpin_when_copies_done, stream, unpin).atexit = False
+
+    def reusable_for(self, tensor: torch.Tensor) -> bool:
+        # A graph kept alive (retain_graph, two forwards before a backward) still needs the
+        # data of the step that wrote it: the next step then gets a new buffer.
+        in_use = self.user is not None and self.user() is not None
+        return (not in_use and self.tensor.shape == tensor.shape and self.tensor.dtype == tensor.dtype
+                and self.tensor.stride() == tensor.stride())
+
+
 # --- the copies ------------------------------------------------------------------------------
 class _Copier:
-    """Device <-> host copies: on a side stream with events on CUDA, synchronous elsewhere."""
+    """Device <-> host copies: on a side stream with events on CUDA, synchronous elsewhere.
+    Every copy runs on the one side stream, so a host buffer's copies happen in the order issued
+    (a step's write into a reused buffer after the last step's read out of it)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def _on_side_stream(self):
-        return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
-
-    def start(self, src: torch.Tensor, dst_device: torch.device):
-        """Start copying ``src`` to ``dst_device``; returns (copy, event or None)."""
+    def copy(self, src: torch.Tensor, dst: torch.Tensor):
+        """Start copying ``src`` into ``dst`` (allocated by the caller on the current stream, so a
+        device tensor lives in that stream's pool); returns the event to wait for, None when done."""
         if not self.cuda:
-            return src.to(dst_device, copy=True), None
-        self.stream.wait_stream(torch.cuda.current_stream(src.device if src.is_cuda else None))
-        with self._on_side_stream():
-            pinned = dst_device.type == "cpu"
-            dst = torch.empty(src.shape, dtype=src.dtype, device=dst_device, pin_memory=pinned)
+            dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        # The caching allocator must not hand src's (or a device dst's) memory to another
-        # stream's work before the side stream is done with it.
+        # The caching allocator must not hand a device src's or dst's memory to other work
+        # before the side stream is done with it.
         for t in (src, dst):
             if t.is_cuda:
                 t.record_stream(self.stream)
-        return dst, event
+        return event
 
     def finish(self, dst: torch.Tensor, event) -> torch.Tensor:
         """Make the current stream wait for the copy into ``dst``."""
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
             if dst.is_cuda:
-                dst.record_stream(torch.cuda.current_stream())
+                dst.record_stream(torch.cuda.current_stream())  # no-op on the stream it came from
         return dst
 
 
 class _OffloadedInput:
-    """One block's saved input, on host between its forward and its recompute."""
+    """One block's saved input, in the block's host buffer between its forward and its recompute."""
 
     def __init__(self, offloader: "BlockInputOffloader", block_index: int, tensor: torch.Tensor):
         self.offloader, self.block_index = offloader, block_index
         self.device = tensor.device
-        self.host, self.host_event = offloader.copier.start(tensor, offloader.host_device)
+        self.buffer = offloader._host_buffer(block_index, tensor)
+        self.buffer.user = weakref.ref(self)
+        offloader.copier.copy(tensor, self.buffer.tensor)  # the copy back follows it on the side stream
         self.fetched = None  # (device tensor, event) once a prefetch has started
 
     def prefetch(self) -> None:
         if self.fetched is None:
-            self.offloader.copier.finish(self.host, self.host_event)  # D2H done before H2D
-            self.fetched = self.offloader.copier.start(self.host, self.device)
+            host = self.buffer.tensor
+            # Allocated here, on the current stream: not in the side stream's pool.
+            tensor = torch.empty_like(host, device=self.device)
+            self.fetched = tensor, self.offloader.copier.copy(host, tensor)
 
     def unpack(self) -> torch.Tensor:
         self.prefetch()
@@ -138,23 +241,30 @@ class _OffloadedInput:
 
 class BlockInputOffloader:
     """Installs the offload hooks on ``blocks`` (the modules the model calls in order, e.g.
-    the FSDP/compiled/checkpoint-wrapped transformer blocks). ``remove()`` uninstalls them.
-    ``host_device`` is where inputs wait ("cpu"; a memory estimate on fake tensors may pass
-    "meta" to keep host bytes apart from device bytes).
+    the FSDP/compiled/checkpoint-wrapped transformer blocks). ``remove()`` uninstalls them and
+    drops the host buffers. ``host_device`` is where inputs wait ("cpu"; a memory estimate on
+    fake tensors may pass "meta" to keep host bytes apart from device bytes).
+
+    ``pin(tensor)`` page-locks a new host buffer in place and returns the undo, raising when it
+    cannot; by default :func:`cuda_host_register` when the inputs are on CUDA, none otherwise.
+    After a refusal the buffers stay pageable (logged once).
 
     ``offloaded_last_step`` counts the tensors moved to host since the first block's last
     forward, and ``offloaded_bytes_last_step`` their bytes (what :func:`host_bytes_per_rank`
-    predicts)."""
+    predicts). :meth:`host_buffer` is block i's host buffer."""
 
-    def __init__(self, blocks: Sequence[nn.Module], host_device: torch.device | str = "cpu"):
+    def __init__(self, blocks: Sequence[nn.Module], host_device: torch.device | str = "cpu",
+                 pin: Callable[[torch.Tensor], Callable[[], None]] | None = None):
         self.blocks = list(blocks)
         if not self.blocks:
             raise ValueError("BlockInputOffloader needs at least one block")
         self.host_device = torch.device(host_device)
+        self._pin, self._pin_refused = pin, False
         self.copier = None
         self._current: tuple[int, torch.Tensor] | None = None  # (block index, its input) during a forward
         self._context = None
         self._by_block: dict[int, weakref.ref] = {}
+        self._buffers: dict[int, _HostBuffer] = {}
         self.offloaded_last_step = 0
         self.offloaded_bytes_last_step = 0
         self._handles = []
@@ -162,10 +272,37 @@ class BlockInputOffloader:
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._post_hook, always_call=True))
 
+    def host_buffer(self, index: int) -> torch.Tensor | None:
+        """Block ``index``'s host buffer (None before its first offloaded forward)."""
+        buffer = self._buffers.get(index)
+        return buffer.tensor if buffer is not None else None
+
+    def _host_buffer(self, index: int, tensor: torch.Tensor) -> _HostBuffer:
+        buffer = self._buffers.get(index)
+        if buffer is None or not buffer.reusable_for(tensor):
+            host = torch.empty_like(tensor, device=self.host_device)  # exactly the input's bytes
+            buffer = self._buffers[index] = _HostBuffer(host, self._pinned(host), self.copier.stream)
+        return buffer
+
+    def _pinned(self, host: torch.Tensor) -> Callable[[], None] | None:
+        """Pin ``host``; the undo, or None when pinning is off or refused (said once)."""
+        pin = self._pin or (cuda_host_register if self.copier.cuda else None)
+        if pin is None or self._pin_refused or self.host_device.type != "cpu":
+            return None
+        try:
+            return pin(host)
+        except RuntimeError as error:
+            self._pin_refused = True  # not again: the next block would be refused as well
+            log.warning("upipe offload: pinning %s of host memory failed (%s): offloaded block inputs "
+                        "stay in pageable memory, their copies are slower and do not overlap compute",
+                        _size(host.numel() * host.element_size()), error)
+            return None
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._buffers.clear()  # each unpinned once unused (a live graph keeps its own)
 
     def _pre_hook(self, index: int):
         def hook(module, args, kwargs):

@@ -25,7 +25,7 @@ from upipe_compile.chunked_loss import LazyOutputProjection, lazy_logits_cross_e
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.measurement import host_device
 from upipe_compile.offload import (
-    BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, total_host_memory_bytes,
+    BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, usable_host_memory,
 )
 from upipe_compile.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
 
@@ -128,16 +128,18 @@ def offload_host_bytes_per_rank(job_config, parallel_dims, model_args) -> int:
 
 def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_bytes: int | None = None,
                             ranks: int | None = None) -> None:
-    """Refuse to start when this node's RAM cannot hold every local rank's offloaded inputs."""
+    """Refuse to start when the host memory this node's ranks may use (MemTotal, or the cgroup's
+    limit where smaller; ``total_bytes`` overrides it) cannot hold every local rank's offloaded
+    inputs (exact-size buffers: all the stack allocates on host) next to the reserve."""
     from upipe_compile.errors import UnsupportedAttention
 
     per_rank = offload_host_bytes_per_rank(job_config, parallel_dims, model_args)
     if not per_rank:
         return
     ranks = ranks if ranks is not None else ranks_per_node(default=parallel_dims.world_size)
-    total = total_bytes if total_bytes is not None else total_host_memory_bytes()
+    total, what = (total_bytes, "the node has") if total_bytes is not None else usable_host_memory()
     reserve = int(upipe_config(job_config).host_memory_reserve_gib * (1 << 30))
-    problem = host_memory_problem(per_rank, ranks, total, reserve)
+    problem = host_memory_problem(per_rank, ranks, total, reserve, what)
     if problem:
         raise UnsupportedAttention(
             f"[upipe] offload_block_inputs = true: {problem}. Lower [training] seq_len, raise "
