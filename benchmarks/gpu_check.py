@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py                 # one GPU, about 3 minutes on an H100
     python benchmarks/gpu_check.py --quick         # small shapes; also runs on CPU (a smoke test)
 
-Five sections, each a table; a section that fails prints its traceback and the others still
+Six sections, each a table; a section that fails prints its traceback and the others still
 run; the exit status is non-zero when any check failed.
 
 1. kernels: benchmarks/kernel_check.py's checks on this device's kernels (aten flash;
@@ -23,6 +23,10 @@ run; the exit status is non-zero when any check failed.
    block inputs' size, step time.
 5. packed sequences: the kernels' varlen path (``Documents`` boundaries, single-token
    documents included) against SDPA run per document: out, lse, dq, dk, dv.
+6. offload host buffers: two steps of 2 offloaded blocks whose input is not a power of two
+   in bytes: each block's host buffer holds exactly the input's bytes, is pinned (CUDA), is
+   the same memory in step 2, and torch's pinned allocator (which rounds up to a power of
+   two) grew by nothing.
 """
 
 from __future__ import annotations
@@ -291,6 +295,52 @@ def section_packed(device, quick):
     return [(title, rows)], all(r["ok"] for r in rows)
 
 
+# --- 6 ---------------------------------------------------------------------------------------
+def section_offload_host_buffers(device, quick):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from upipe_compile.offload import BlockInputOffloader
+
+    dim, tokens = (128, 320) if quick else (4096, 20480)  # 80 KiB / 160 MiB: 5 x a power of two
+    blocks = [checkpoint_wrapper(MLPBlock(dim).to(device, torch.bfloat16)) for _ in range(2)]
+    input_bytes = tokens * dim * 2
+
+    def pinned_allocator_bytes():  # what torch's caching host allocator holds (None off CUDA)
+        if device.type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+            return None
+        stats = torch.cuda.host_memory_stats()
+        return stats.get("allocated_bytes.current", stats.get("allocated_bytes.all.current", 0))
+
+    before = pinned_allocator_bytes()
+    offloader = BlockInputOffloader(blocks)
+    pointers = []
+    try:
+        for _ in range(2):
+            h = torch.randn(1, tokens, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+            for block in blocks:
+                h = block(h)
+            h.float().square().mean().backward()
+            sync(device)
+            pointers.append([offloader.host_buffer(i).data_ptr() for i in range(len(blocks))])
+        buffers = [offloader.host_buffer(i) for i in range(len(blocks))]
+        after = pinned_allocator_bytes()
+        row = {
+            "block_input_bytes": input_bytes,
+            "buffer_bytes": str(sorted({b.untyped_storage().nbytes() for b in buffers})),
+            "pinned": all(b.is_pinned() for b in buffers) if device.type == "cuda" else None,
+            "same buffers step 2": pointers[1] == pointers[0],
+            "pinned allocator growth": None if before is None else after - before,
+            "power-of-two rounding would take": 1 << (input_bytes - 1).bit_length(),
+        }
+    finally:
+        offloader.remove()
+    row["ok"] = (all(b.untyped_storage().nbytes() == input_bytes for b in buffers) and row["same buffers step 2"]
+                 and row["pinned"] is not False and not row["pinned allocator growth"])
+    title = ("6. offload host buffers (2 blocks, bf16, 2 steps); ok: buffer = exactly the block input's bytes, "
+             "pinned on CUDA, reused in step 2, torch's rounding pinned allocator not used")
+    return [(title, [row])], row["ok"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test; runs on CPU too)")
@@ -309,6 +359,7 @@ def main(argv=None) -> int:
         (4, lambda: section_offload(device, args.quick, 8 if not args.quick else 3, 4096 if not args.quick else 128,
                                     32768 if not args.quick else 256, reps=3)),
         (5, lambda: section_packed(device, args.quick)),
+        (6, lambda: section_offload_host_buffers(device, args.quick)),
     ]
     lines = [f"# device: {device_line(device)}", f"# command: python benchmarks/gpu_check.py {' '.join(argv or sys.argv[1:])}".rstrip()]
     print("\n".join(lines), flush=True)
