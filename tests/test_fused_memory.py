@@ -23,16 +23,18 @@ def rows():
     return {r["preset"]: r for r in json.loads(result.stdout)}
 
 
-@pytest.mark.parametrize("preset, ratio", [("Llama3-8B", 0.45), ("Qwen3-32B", 0.35)])
+# The block sums y and dx over stages in fp32 (issue 21): one more x-sized bf16 tensor at the
+# peak than a bf16 sum (Llama3-8B 0.443 -> 0.505, Qwen3-32B 0.321 -> 0.367 measured).
+@pytest.mark.parametrize("preset, ratio", [("Llama3-8B", 0.51), ("Qwen3-32B", 0.37)])
 def test_fused_layer_against_ulysses(rows, preset, ratio):
     assert rows[preset]["fused / Ulysses"] <= ratio, rows[preset]
 
 
 def test_recomputed_output_brings_mha_to_about_a_quarter(rows):
-    # 64 q / 64 KV heads: x, y, dy, dx alone are 8 GiB (0.19 of Ulysses' 41.8 GiB) and one
-    # stage's flash-attn backward (q, k, v, out, dout, dq, dk, dv of one head over 1M tokens
-    # and its fp32 dq accumulator) another 2.5 GiB: 0.252 is measured.
-    assert rows["MHA-64"]["fused, output recomputed / Ulysses"] <= 0.26, rows["MHA-64"]
+    # 64 q / 64 KV heads: x, y, dy, dx alone are 8 GiB (0.19 of Ulysses' 41.8 GiB), dx's fp32
+    # accumulator 2 GiB more, and one stage's flash-attn backward (q, k, v, out, dout, dq, dk,
+    # dv of one head over 1M tokens and its fp32 dq accumulator) another 2.5 GiB: 0.309 is measured.
+    assert rows["MHA-64"]["fused, output recomputed / Ulysses"] <= 0.315, rows["MHA-64"]
     assert rows["MHA-64"]["fused, output recomputed / Ulysses"] < rows["MHA-64"]["fused / Ulysses"]
 
 

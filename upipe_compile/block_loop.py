@@ -129,7 +129,9 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
 
     o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
     lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
-    y = x.new_zeros((batch, s_local, weights.wo.shape[0]))
+    # y sums the stages' shares in fp32 where x is bf16/fp16 (one rounding, as one matmul
+    # over all heads): 2x a bf16 y during the loop, 3x at the final cast.
+    y = x.new_zeros((batch, s_local, weights.wo.shape[0]), dtype=_accumulation_dtype(x.dtype))
     buffers = {}
 
     def start(index):
@@ -160,12 +162,18 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         if keep_output:
             collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
         # y += o_s @ Wo[:, heads]ᵀ, in place: no y-sized temporary per stage
-        y.view(-1, y.shape[-1]).addmm_(_flat_heads(_heads_first(recv)).flatten(0, 1),
-                                       _output_columns(weights.wo, q_heads, dim).t())
+        _addmm_into(y.view(-1, y.shape[-1]), _flat_heads(_heads_first(recv)).flatten(0, 1),
+                    _output_columns(weights.wo, q_heads, dim).t())
         del recv
     if weights.bo is not None:
         y.add_(weights.bo)
-    return y, o, lse
+    return y.to(x.dtype), o, lse
+
+
+def _addmm_into(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` in place, in ``total``'s dtype (fp32 operands where ``total``
+    accumulates bf16 ones: copies the size of a stage's heads, not of ``total``)."""
+    total.addmm_(a.to(total.dtype), b.to(total.dtype))
 
 
 class _Recomputed:
@@ -200,10 +208,10 @@ class _Recomputed:
         flat = dprojected.flatten(0, 1)
         del dprojected
         # dx += dP @ W_rows, in place: no x-sized temporary per stage
-        grads.dx.view(-1, grads.dx.shape[-1]).addmm_(flat.to(grads.dx.dtype), self.w_rows)
+        _addmm_into(grads.dx.view(-1, grads.dx.shape[-1]), flat, self.w_rows)
         grads.dw[role].index_add_(0, self.rows, flat.t().mm(self.x.flatten(0, 1).to(flat.dtype)).to(grads.dw[role].dtype))
         if self.has_bias:
-            grads.db[role].index_add_(0, self.rows, flat.sum(0).to(grads.db[role].dtype))
+            grads.db[role].index_add_(0, self.rows, flat.sum(0, dtype=grads.db[role].dtype))
         diff = iter(dextras)
         for total, differentiable in zip(grads.dextras, self.differentiable):
             grad = next(diff) if differentiable else None
@@ -212,12 +220,16 @@ class _Recomputed:
 
 
 class _Gradients:
-    """The block's gradients, accumulated stage by stage."""
+    """The block's gradients, accumulated stage by stage: dx (three shares a stage) and
+    dWk/dWv (a KV group's stages) in fp32 where the block is bf16/fp16, as every add would
+    round again. Cost: dx in fp32 is 2x a bf16 dx (3x at the cast in :meth:`result`); the
+    weights' are weight-sized."""
 
     def __init__(self, x, weights: BlockWeights, extras_need_grad: list[bool]):
-        self.dx = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        self.dw = {role: torch.zeros_like(w) for role, w in (("q", weights.wq), ("k", weights.wk), ("v", weights.wv))}
-        self.db = {role: None if b is None else torch.zeros_like(b)
+        self.dx = torch.zeros_like(x, dtype=_accumulation_dtype(x.dtype), memory_format=torch.contiguous_format)
+        self.dw = {role: torch.zeros_like(w, dtype=_accumulation_dtype(w.dtype))
+                   for role, w in (("q", weights.wq), ("k", weights.wk), ("v", weights.wv))}
+        self.db = {role: None if b is None else torch.zeros_like(b, dtype=_accumulation_dtype(b.dtype))
                    for role, b in (("q", weights.bq), ("k", weights.bk), ("v", weights.bv))}
         # extras shared by all heads (QK-norm weights) sum over every stage: in fp32
         self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype)) if need else None
@@ -226,6 +238,15 @@ class _Gradients:
 
     def add(self, role: str, recomputed: _Recomputed, grad_local) -> None:
         recomputed.add_gradients(grad_local, self, role)
+
+    def result(self, x, weights: BlockWeights, dbo):
+        """``block_backward``'s tuple, each gradient in its input's dtype."""
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        out = [cast(self.dx, x)]
+        for role in ("q", "k", "v"):
+            weight, bias = weights.projection(role)
+            out += [cast(self.dw[role], weight), cast(self.db[role], bias)]
+        return (*out, self.dwo, dbo, [cast(g, e) for g, e in zip(self.dextras, weights.extras)])
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -353,8 +374,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         del dv_home
 
     dbo = None if weights.bo is None else dy.sum(dim=(0, 1)).to(weights.bo.dtype)
-    return (grads.dx, grads.dw["q"], grads.db["q"], grads.dw["k"], grads.db["k"], grads.dw["v"], grads.db["v"],
-            grads.dwo, dbo, [None if g is None else g.to(e.dtype) for g, e in zip(grads.dextras, weights.extras)])
+    return grads.result(x, weights, dbo)
 
 
 def _group_layout(grad: torch.Tensor, stage, kv_per_rank: int, device) -> torch.Tensor:
