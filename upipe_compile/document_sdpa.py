@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from upipe_compile import kernels
 from upipe_compile.documents import Documents, boundary_problems, bounds_from_positions
@@ -40,11 +41,24 @@ def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
             "document_sdpa: " + "; ".join(problems) + ". On sequence shards (context parallelism) it must run "
             "under torch.compile(backend='upipe'), which hands the full-sequence boundaries to UPipe"
         )
-    return Documents.from_bounds(cu_seqlens.tolist(), q.device)
+    return Documents.read(cu_seqlens, q.device)
+
+
+_read: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""boundaries tensor -> ((its version counter, seq, device), Documents): every layer's forward
+and backward of a step pass the same tensor, so it is read back (and copied) once, not per call."""
 
 
 def _documents(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor) -> Optional[Documents]:
-    return None if cu_seqlens is None else _local_documents(cu_seqlens, q)
+    if cu_seqlens is None:
+        return None
+    if torch._guards.detect_fake_mode() is not None:  # nothing cached: a fake tensor must not outlive its mode
+        return _local_documents(cu_seqlens, q)
+    key = (cu_seqlens._version, q.shape[2], q.device)
+    cached = _read.get(cu_seqlens)
+    if cached is None or cached[0] != key:
+        cached = _read[cu_seqlens] = (key, _local_documents(cu_seqlens, q))
+    return cached[1]
 
 
 @torch.library.custom_op("upipe::document_sdpa", mutates_args=())

@@ -16,7 +16,7 @@ one per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ class Documents:
 
     bounds: tuple[int, ...]
     cu_seqlens: torch.Tensor
+    _subsets: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -50,14 +51,32 @@ class Documents:
         return len(self.bounds) == 2
 
     def subset(self, first: int, last: int) -> "Documents":
-        """Documents ``[first, last)`` as a sequence of their own (boundaries from 0)."""
+        """Documents ``[first, last)`` as a sequence of their own (boundaries from 0). Derived
+        on the device from ``cu_seqlens`` (no host-to-device copy, no sync) and kept per
+        ``(first, last)``: the varlen backward asks for the same groups every stage and layer."""
+        if (first, last) == (0, len(self.bounds) - 1):
+            return self
         start = self.bounds[first]
-        return Documents.from_bounds([b - start for b in self.bounds[first:last + 1]], self.cu_seqlens.device)
+        bounds = tuple(b - start for b in self.bounds[first:last + 1])
+        if torch._guards.detect_fake_mode() is not None:  # nothing cached: a fake tensor must not outlive its mode
+            return Documents.from_bounds(bounds, self.cu_seqlens.device)
+        if (first, last) not in self._subsets:
+            self._subsets[first, last] = Documents(bounds, self.cu_seqlens[first:last + 1] - self.cu_seqlens[first])
+        return self._subsets[first, last]
 
     @classmethod
     def from_bounds(cls, bounds, device) -> "Documents":
         bounds = tuple(int(b) for b in bounds)
         return cls(bounds, torch.tensor(bounds, dtype=torch.int32, device=device))
+
+    @classmethod
+    def read(cls, cu_seqlens: torch.Tensor, device) -> "Documents":
+        """From a valid 1-D boundaries tensor: one read-back for the host bounds; the device
+        copy comes from the tensor (no host-to-device copy when it is already there)."""
+        bounds = tuple(cu_seqlens.tolist())
+        if torch._guards.detect_fake_mode() is not None:  # a real tensor cannot enter fake ops
+            return cls.from_bounds(bounds, device)
+        return cls(bounds, cu_seqlens.to(device=device, dtype=torch.int32, copy=True))
 
 
 def boundary_problems(cu_seqlens: torch.Tensor, seq: int) -> list[str]:
@@ -128,7 +147,7 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
             f"(per rank [count, first, last]: {[row[1:4] for row in rows]}; this rank's: {_preview(cu_seqlens)}); "
             "every rank must pass the boundaries of the same full sequence, not of its own shard"
         )
-    documents = Documents.from_bounds(cu_seqlens.tolist(), device)
+    documents = Documents.read(cu_seqlens, device)
     _checked[cu_seqlens] = (key, documents)
     return documents
 
