@@ -62,55 +62,54 @@ def op_case_with_flash_standin(case: AttentionCase, family: str, bounds: tuple[i
     return result
 
 
-def shape_checks_per_call(shapes: list[tuple[int, int]]):
-    """Run the op on local q of each (seq_local, heads) in turn; return how many cross-rank
-    shape checks (all-gathers) each call made, or the error it raised."""
-    from upipe_compile import collectives
+def shard_lengths_in_turn(path: str, lengths_by_rank: list[list[int]], dynamic: bool | None = False):
+    """Call ``path`` ("op": upipe_attention; "fused" / "unfused": a compiled TinyAttention
+    with or without fused projections) once per step with this rank's local length
+    ``lengths_by_rank[rank][step]``; per step "ok" or the error. A compiled graph is reused
+    on a rank whose length it has seen, and the shape check must still run there.
+    ``dynamic``: torch.compile's (None: a rank recompiles with a dynamic length, unfused, on
+    its first new length, so ranks can end up running different graphs)."""
+    from tests_support import AttentionCase, TinyAttention
 
-    gathers = []
-    real = collectives.all_gather
-
-    def counting(*args, **kwargs):
-        gathers.append(1)
-        return real(*args, **kwargs)
-
-    collectives.all_gather = counting
-    collectives._same_shape_checked.clear()
-    counts = []
-    try:
-        for seq_local, heads in shapes:
-            before = len(gathers)
-            q = torch.randn(1, heads, seq_local, 8)
-            try:
-                upipe_compile.upipe_attention(q, q, q, is_causal=True)
-                counts.append(len(gathers) - before)
-            except upipe_compile.UnsupportedAttention as error:
-                counts.append(str(error))
-    finally:
-        collectives.all_gather = real
-    return counts
-
-
-def uneven_then_even(seq_local: int):
-    """An even shape first (checked once), then one rank one token longer (refused on
-    every rank), then the even shape again (already checked: no all-gather)."""
     rank = dist.get_rank()
-    first = shape_checks_per_call([(seq_local, 2)])
-    assert first == [1], first
+    model = None
+    if path != "op":
+        torch._dynamo.reset()
+        case = AttentionCase(world=dist.get_world_size(), batch=1, q_heads=4, kv_heads=2, seq_local=4, head_dim=8,
+                             heads_per_stage=None, is_causal=True, scale=None, dtype="float32", seed=0)
+        model = torch.compile(TinyAttention(case), backend="upipe",
+                              options={"fuse_projections": path == "fused"}, dynamic=dynamic)
+    outcomes = []
+    for seq_local in lengths_by_rank[rank]:
+        try:
+            if model is None:
+                q = torch.randn(1, 4, seq_local, 8, requires_grad=True)
+                upipe_compile.upipe_attention(q, q, q, is_causal=True).sum().backward()
+            else:
+                model(torch.randn(1, seq_local, 32, requires_grad=True)).sum().backward()
+            outcomes.append("ok")
+        except upipe_compile.UnsupportedAttention as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def shape_check_tensors():
+    """The devices of the tensors the shape check all-gathers, and whether a gloo group is
+    its own host group."""
     from upipe_compile import collectives
 
-    checked = set(collectives._same_shape_checked)
-    counts = shape_checks_per_call([(seq_local + 1 + rank, 2)])
-    collectives._same_shape_checked.update(checked)
-    gathers = []
-    real = collectives.all_gather
-    collectives.all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    devices, real = set(), dist.all_gather
+
+    def recording(outs, inp, *args, **kwargs):
+        devices.update({inp.device.type, *(out.device.type for out in outs)})
+        return real(outs, inp, *args, **kwargs)
+
+    dist.all_gather = recording
     try:
-        q = torch.randn(1, 2, seq_local, 8)
-        upipe_compile.upipe_attention(q, q, q, is_causal=True)
+        collectives.check_same_local_shape((1, 4, 2, 5, 8), dist.group.WORLD)
     finally:
-        collectives.all_gather = real
-    return counts[0], len(gathers)
+        dist.all_gather = real
+    return devices, collectives.host_group(dist.group.WORLD) is dist.group.WORLD
 
 
 def packed_op_case(case: AttentionCase, bounds: tuple[int, ...], dtype: str = "int32"):

@@ -199,14 +199,39 @@ def test_stage_loop_through_flash_attn_adapter_equals_eager(rank_pools, family, 
             assert relative_error(actual, expected[i]) < TOLERANCE[dtype], f"{family} {dtype} {name}"
 
 
-def test_shape_check_runs_once_per_shape_and_still_refuses_uneven_shards(rank_pools):
-    per_rank = rank_pools(2).run(rank_jobs.shape_checks_per_call, [(4, 2), (4, 2), (6, 2), (4, 2), (6, 2)])
-    assert per_rank[0] == per_rank[1] == [1, 0, 1, 0, 0]
+@pytest.mark.parametrize("path", ["op", "unfused", "fused"])
+def test_uneven_shards_refused_on_every_rank_also_at_a_length_a_rank_has_seen(rank_pools, path):
+    """Step 1 even; step 2 rank 0 at the length it saw (its compiled graph is reused), rank 1
+    at a new one: both ranks refuse instead of one waiting in a check the other skipped (a
+    hang until the collective timeout); step 3 even again: the group still works."""
+    lengths = [[4, 4, 4], [4, 6, 4]]
+    per_rank = rank_pools(2).run(rank_jobs.shard_lengths_in_turn, path, lengths)
+    for rank, outcomes in enumerate(per_rank):
+        assert outcomes[0] == outcomes[2] == "ok", (rank, outcomes)
+        assert "equal, contiguous shard" in outcomes[1], (rank, outcomes)
+        shapes = {"op": "[[1, 4, 4, 4, 8], [1, 4, 4, 6, 8]]", "unfused": "[[1, 4, 2, 4, 8], [1, 4, 2, 6, 8]]",
+                  "fused": "[[1, 4, 32], [1, 6, 32]]"}[path]
+        assert f"local shapes per rank: {shapes}" in outcomes[1], (rank, outcomes)
 
-    # A new shape that differs across ranks is refused on every rank at once.
-    uneven = rank_pools(2).run(rank_jobs.uneven_then_even, 5)
-    for result in uneven:
-        assert "equal, contiguous shard" in result[0] and result[1] == 0
+
+def test_ranks_running_different_graphs_meet_in_the_shape_check(rank_pools):
+    """With automatic dynamic shapes the rank given a new length recompiles unfused while the
+    other keeps its fused graph: the plain loop's check and the fused block's still meet in
+    one all-gather (a mismatched collective would abort gloo or hang NCCL), and every rank
+    gets the same outcome at every step."""
+    per_rank = rank_pools(2).run(rank_jobs.shard_lengths_in_turn, "fused", [[4, 4, 4], [4, 6, 4]], None)
+    assert per_rank[0][0] == per_rank[1][0] == "ok"
+    for step in (1, 2):
+        assert all("equal, contiguous shard" in outcomes[step] for outcomes in per_rank), per_rank
+    assert "local shapes per rank: [[1, 4, 32], [1, 4, 2, 4, 8]]" in per_rank[0][2], per_rank
+
+
+def test_shape_check_gathers_host_integers_only(rank_pools):
+    """The check's all-gather takes host tensors over a host group, so on CUDA it neither
+    syncs with nor launches device work (a gloo group is its own host group)."""
+    per_rank = rank_pools(2).run(rank_jobs.shape_check_tensors)
+    for devices, same_group in per_rank:
+        assert devices == {"cpu"} and same_group
 
 
 @pytest.mark.parametrize("dtype, head_dim, expected", [

@@ -123,28 +123,47 @@ def values_of_every_rank(values, group: dist.ProcessGroup, device: torch.device)
     return all_gather(mine, group).view(group.size(), -1).tolist()
 
 
-_same_shape_checked: set[tuple[str, tuple[int, ...]]] = set()
+_host_groups: dict[str, dist.ProcessGroup] = {}
 
 
-def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup, device: torch.device) -> None:
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group over ``group``'s ranks whose collectives take host tensors: ``group`` itself
+    when it has a CPU backend (gloo, or "cpu:gloo,cuda:nccl"), else a gloo twin made on the
+    first call. Every member makes that first call together (it is the first upipe op of the
+    step on every rank), so the twin is created collectively; non-members need not join."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    twin = _host_groups.get(group.group_name)
+    if twin is None:
+        twin = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        _host_groups[group.group_name] = twin
+    return twin
+
+
+_SHAPE_SLOTS = 6
+
+
+def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup) -> None:
     """Refuse, on every rank at once, shards whose shapes differ across ranks.
 
     An even all-to-all over shards of different lengths would silently pair the wrong
-    chunks or hang; one tiny all-gather of the shapes turns that into a clear error.
-    The all-gather and its read-back are host syncs, so each (group, shape) is checked
-    once: a check that passed was entered by every rank with this same shape, so every
-    rank's record of checked shapes is the same, and a rank whose shape differs from the
-    others' finds it unchecked while theirs is too -- unless the others' shape was checked
-    before and this rank's was not (caught only by the collective timeout)."""
-    key = (group.group_name, tuple(shape))
-    if key in _same_shape_checked:
-        return
-    rows = values_of_every_rank(shape, group, device)
-    if any(row != rows[0] for row in rows):
+    chunks or hang; one tiny all-gather of the shapes turns that into a clear error. It runs
+    on every call: a check skipped on ranks that saw their shape before while another rank
+    (whose shape is new) waits in it would hang. The all-gather is of host integers over a
+    host group (:func:`host_group`), so on CUDA it neither waits for nor launches device work."""
+    if group.size() == 1 or dist.get_backend(group) == "fake":
+        return  # the fake group of memory measurements exchanges no data, so nothing to compare
+    # One fixed length for every caller: ranks whose graphs differ (the plain loop on one, the
+    # fused block on another, after a recompile on one rank only) still meet in one all-gather.
+    mine = torch.full((_SHAPE_SLOTS,), -1, dtype=torch.int64)
+    mine[:len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    rows = torch.empty((group.size(), _SHAPE_SLOTS), dtype=torch.int64)
+    dist.all_gather(list(rows.unbind()), mine, group=host_group(group))
+    if not bool((rows == mine).all()):
+        shapes = [[size for size in row if size >= 0] for row in rows.tolist()]
         raise UnsupportedAttention(
             "UPipe needs every rank to hold an equal, contiguous shard of the sequence "
-            f"(and equal batch/heads/head_dim); local q/k shapes [B, Hq, Hkv, S_local, D] per rank: {rows}. "
+            f"(and equal batch/heads/head_dim); local shapes per rank: {shapes}. "
             "Pad the sequence to a multiple of the context-parallel size before sharding "
             "(upipe_compile.shard_sequence refuses uneven lengths)."
         )
-    _same_shape_checked.add(key)

@@ -160,7 +160,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     group = collectives.group_from_name(group_name)
     world = group.size()
     if not is_fake(q):
-        collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group, q.device)
+        collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group)
     schedule = schedule_for(q, k, world, settings.heads_per_stage)
     batch, _, s_local, _ = q.shape
 
