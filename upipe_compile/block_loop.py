@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile import collectives, kernels
 from upipe_compile.sinks import apply_sinks, sink_gradient
@@ -123,6 +124,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     ``keep_output=False``, ``o`` is an empty tensor (backward recomputes each stage's)."""
     group = collectives.group_from_name(group_name)
     world, rank = group.size(), group.rank()
+    if not is_fake(x):
+        collectives.check_same_local_shape(tuple(x.shape), group)
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
