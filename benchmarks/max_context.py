@@ -1,11 +1,14 @@
-"""Max context on 80 GB H100s by the whole-step estimate: per method, with the whole
-long-context stack and with each piece removed in turn.
+"""Max context on 80 GB H100s and 2 TB nodes by the whole-step estimate: per method, with the
+whole long-context stack and with each piece removed in turn.
 
     python benchmarks/max_context.py [--jobs 2] [--only llama3_8b] [--report-only]
 
 Each row is one ``python -m upipe_compile.estimate --config <TOML> ... --max-context --json``
-(a search over seq_len, see docs/estimate.md), run in its own process and kept as JSON under
-``benchmarks/results/max_context/`` (an existing JSON is reused: delete it to rerun). Then it
+(a search over seq_len that must fit both the GPU and the node's host memory, see
+docs/estimate.md), run in its own process and kept as JSON under
+``benchmarks/results/max_context/`` (an existing JSON is reused: delete it to rerun; one
+from before the host bound is rerun when its host memory per node is over the host budget).
+Then it
 writes ``benchmarks/results/max_context.md`` (the table, with each row's command) and
 ``benchmarks/results/max_context.png`` (per-rank peak device memory against seq_len, the
 probes of each search, with the budget and the 80 GB lines).
@@ -23,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tabulate import tabulate
+
+from upipe_compile.estimate.host import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -95,7 +100,13 @@ def run(model: Model, u: int, variant: str) -> dict:
     path = run_path(model, u, variant)
     if os.path.exists(path):
         with open(path) as f:
-            return json.load(f)
+            result = json.load(f)
+        if "bound" in result:
+            return result
+        # Searched before the host bound: the device bound stopped it (the next grid step was
+        # probed and broke the device budget), valid as long as its host memory fits.
+        if result["host_gib_per_node"] <= HOST_BUDGET_GIB:
+            return {**result, "bound": "device"}
     cmd = [sys.executable, *command(model, u, variant)[1:]]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -116,7 +127,7 @@ def table(results) -> list[dict]:
             "model": model.name, "method": f"{method} ({u})", "stack": variant,
             "max seq_len": f"{r['max_context']:,}{stale}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
             "peak in": r["peak_phase"], "host GiB per node": f"{r['host_gib_per_node']:.0f}",
-            "probes": len(r["probes"]),
+            "bound": r["bound"] or "probes spent", "probes": len(r["probes"]),
         })
     return out
 
@@ -147,9 +158,35 @@ def plot(results, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def host_ceiling() -> list[str]:
+    """What one node can hold at most, whatever the GPU: the offloaded block inputs."""
+    llama = 32 * 4096 * 2  # bytes per token per node: 32 blocks, dim 4096, bf16, the whole sequence on 8 ranks
+    qwen = 64 * 5120 * 2 // 2  # 64 blocks, dim 5120, bf16, the sequence over 2 nodes
+    def most(per_token: int, step: int) -> str:
+        return f"{HOST_BUDGET_GIB * 2**30 // per_token // step * step:,}"
+    return [
+        "### What one node can hold at most, and why", "",
+        "With block-input offload, full AC keeps one hidden-size activation per token per block,",
+        "and the offload moves all of them to pinned host memory: host bytes per node = blocks x",
+        "tokens on the node x dim x 2 B (bf16), linear in seq_len, none of it on the GPU. For",
+        f"Llama3-8B on one node that is 32 x 4096 x 2 B = {llama // 1024} KiB per token, so "
+        f"{HOST_BUDGET_GIB:,} GiB hold at most",
+        f"{most(llama, 8192)} tokens (Qwen3-32B, CP = 16 over 2 nodes: 64 x 5120 x 2 B / 2 = {qwen // 1024} KiB",
+        f"per token per node, at most {most(qwen, 16384)}). Where the device allows more than that (Llama3-8B",
+        "with the recomputed attention output), the host stops the search. What moves the host",
+        "bound: more nodes (the bytes per node scale with the tokens per node, so CP over 2 nodes",
+        "halves them; the device bound is then per rank as before); fewer bytes per offloaded",
+        "activation (fp8 would halve them; not implemented, and the recompute would then start",
+        "from a rounded input); keeping some blocks' inputs on the GPU (each kept block moves",
+        "1/32 of the host bytes to the device, seq_len / 8 x 4096 x 2 B per rank, which pays only",
+        "where the device has that much left at the host bound); a node with more RAM",
+        "(`--host-gib`).",
+    ]
+
+
 def write_report(results) -> str:
     lines = [
-        "# Max context on 80 GB H100s (whole-step estimate)", "",
+        "# Max context on 80 GB H100s and 2 TB nodes (whole-step estimate)", "",
         "`python benchmarks/max_context.py` runs, per row, the estimate's max-context search on the",
         "shipped TOML with the row's overrides (the command column), on fake tensors over a fake",
         "process group (2-core CPU, torch 2.13 CPU). Every shipped TOML has the whole stack on",
@@ -159,13 +196,21 @@ def write_report(results) -> str:
         "allocation of the step (FSDP, AC, offload, the stage loops, tiled MLP and loss). Modelled,",
         "not measured: flash-attn's backward workspace (counted from its documented buffers),",
         "RMSNorm and RoPE as fused GPU kernels, and the reserve (2.5 GiB CUDA context / NCCL /",
-        "workspaces + 5 % fragmentation) that sets the 72.95 GiB budget on a 79.1 GiB H100.", "",
+        "workspaces + 5 % fragmentation) that sets the 72.95 GiB budget on a 79.1 GiB H100.",
+        "The host is a budget too: the offloaded block inputs of one node (exact-size pinned",
+        "buffers, one per block input, measured through the offloader; per rank x 8 ranks) must fit",
+        f"{HOST_BUDGET_GIB:,} GiB, a 2 TB node's {NODE_2TB_MEMTOTAL_GIB:,} GiB MemTotal less a "
+        f"{HOST_RESERVE_GIB} GiB reserve for the",
+        "OS, the 8 trainer processes, the dataloader and CUDA/NCCL host buffers (the same reserve",
+        "as `[upipe] host_memory_reserve_gib`'s default, which the job checks at start). \"bound\"",
+        "says which budget the next grid step breaks: device or host.", "",
         tabulate(table(results), headers="keys", tablefmt="github"), "",
     ]
     if any(r.get("code", 1) < CODE_VERSION for _, r in results):
         lines += ["\\* run by an earlier version of the code, whose peak was higher (the previous block's",
                   "input came back during this block's backward, and a fused block formed the RoPE table's",
                   "gradient): a lower bound. Delete its JSON and rerun to measure it again.", ""]
+    lines += host_ceiling(), ""
     lines += ["Commands (from the repository root):", "", "```"]
     for (model, method, u, variant), _ in results:
         lines.append(" ".join(command(model, u, variant)))
@@ -179,8 +224,12 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="only these models")
     parser.add_argument("--whole-stack-only", action="store_true", help="skip the rows that remove a piece")
     parser.add_argument("--report-only", action="store_true", help="only rows whose JSON exists; run nothing")
+    parser.add_argument("--rows", help="only rows whose 'model / method / stack' contains this text "
+                                       "(e.g. 'recomputed'); the report then lists only those")
     args = parser.parse_args(argv)
     todo = rows(args.only, args.whole_stack_only)
+    if args.rows:
+        todo = [row for row in todo if args.rows in f"{row[0].name} / {row[1]} ({row[2]}) / {row[3]}"]
     if args.report_only:
         todo = [row for row in todo if os.path.exists(run_path(row[0], row[2], row[3]))]
     with ThreadPoolExecutor(args.jobs) as pool:

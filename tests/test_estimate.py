@@ -63,7 +63,8 @@ def stack_estimate():
 
 def test_json_schema(debug_estimate):
     for key, kind in {"seq_len": int, "peak_device_gib": float, "budget_gib": float, "fits": bool,
-                      "host_gib_per_node": float, "breakdown": dict, "reserve_gib": float}.items():
+                      "fits_device": bool, "fits_host": bool, "host_gib_per_node": float,
+                      "host_budget_gib_per_node": float, "breakdown": dict, "reserve_gib": float}.items():
         assert isinstance(debug_estimate[key], kind), key
     assert debug_estimate["seq_len"] == SEQ and debug_estimate["world_size"] == 2
     assert debug_estimate["fits"] and debug_estimate["host_gib_per_node"] == 0.0  # no offload configured
@@ -74,6 +75,7 @@ def test_json_schema(debug_estimate):
     assert sum(b[k] for k in by_kind) == pytest.approx(debug_estimate["peak_device_gib"], abs=1e-5)
     assert debug_estimate["budget_gib"] == pytest.approx(79.1 - debug_estimate["reserve_gib"])
     assert debug_estimate["budget_gib"] == pytest.approx((79.1 - 2.5) / 1.05)  # 2.5 GiB + 5% fragmentation
+    assert debug_estimate["host_budget_gib_per_node"] == 1862 - 64  # a 2 TB node's MemTotal less the reserve
 
 
 def test_parameter_and_optimizer_terms_match_hand_arithmetic(debug_estimate, debug_model):
@@ -153,8 +155,8 @@ def test_impossible_seq_len_names_the_key():
     assert "[training] seq_len = 1001" in result.stderr
 
 
-def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0):
-    """Replace each probe's step estimate by a known memory curve."""
+def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0, host_gib_per_token=0.0):
+    """Replace each probe's step estimate by a known memory curve (device per rank, host per node)."""
     from types import SimpleNamespace
 
     from upipe_compile.estimate import search
@@ -162,10 +164,13 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0):
 
     probed = []
 
-    def probe(job_config, seq_len, gpu_gib, gpus_per_node, cuda_kernel):
+    def probe(job_config, seq_len, gpu_gib, gpus_per_node, host_gib, cuda_kernel):
         probed.append(seq_len)
         peak = base_gib + gib_per_token * seq_len + curve * (seq_len / 1e6) ** 2
-        return SimpleNamespace(peak_device_gib=peak, fits=peak <= budget_gib(gpu_gib), seq_len=seq_len)
+        host = host_gib_per_token * seq_len
+        fits_device, fits_host = peak <= budget_gib(gpu_gib), host <= host_gib
+        return SimpleNamespace(peak_device_gib=peak, host_gib_per_node=host, fits=fits_device and fits_host,
+                               fits_device=fits_device, fits_host=fits_host, seq_len=seq_len)
 
     monkeypatch.setattr(search, "_probe", probe)
     return probed
@@ -181,14 +186,34 @@ def test_max_context_search_finds_the_last_fitting_grid_point(monkeypatch, start
     probed = _linear_memory(monkeypatch, 12.0, 20.0 / (1 << 20), curve)  # 12 GiB + 20 GiB per 1M tokens
     config = SimpleNamespace(training=SimpleNamespace(seq_len=start),
                              parallelism=SimpleNamespace(context_parallel_degree=8))
-    found, result, probes = max_context(config, progress=False)
+    found, result, probes, bound = max_context(config, progress=False)
     step = 8 * 1024
 
     def fits(s):
         return 12.0 + 20.0 / (1 << 20) * s + curve * (s / 1e6) ** 2 <= (79.1 - 2.5) / 1.05
 
     assert found % step == 0 and fits(found) and not fits(found + step)
-    assert result.seq_len == found and len(probed) <= 8
+    assert result.seq_len == found and len(probed) <= 8 and bound == "device"
+
+
+@pytest.mark.parametrize("start", [8192, 1 << 20, 5 << 20])
+def test_max_context_search_stops_at_the_host_bound(monkeypatch, start):
+    """Host memory per node linear in seq_len (256 KiB per token: Llama3-8B's 32 bf16 block
+    inputs of 4096), a device curve that would allow far more: the search stops at the last
+    grid point within the host budget and says the host stopped it."""
+    from types import SimpleNamespace
+
+    from upipe_compile.estimate.search import max_context
+
+    per_token = 256 / (1 << 20)
+    probed = _linear_memory(monkeypatch, 12.0, 5.0 / (1 << 20), host_gib_per_token=per_token)
+    config = SimpleNamespace(training=SimpleNamespace(seq_len=start),
+                             parallelism=SimpleNamespace(context_parallel_degree=8))
+    found, result, probes, bound = max_context(config, progress=False, host_gib=1000.0)
+    step = 8 * 1024
+    assert bound == "host" and found % step == 0
+    assert found * per_token <= 1000.0 < (found + step) * per_token
+    assert result.fits_device and result.seq_len == found and len(probed) <= 8
 
 
 def test_max_context_refuses_when_nothing_fits(monkeypatch):
@@ -202,6 +227,29 @@ def test_max_context_refuses_when_nothing_fits(monkeypatch):
                              parallelism=SimpleNamespace(context_parallel_degree=8))
     with pytest.raises(JobError, match="does not fit"):
         max_context(config, progress=False)
+
+
+def test_max_context_host_bound_on_a_real_step():
+    """The debug model with its block inputs offloaded, on a host budget far below its GPU's:
+    the CLI search stops where the node's offloaded inputs (by hand arithmetic: layers x
+    seq_len x dim x 4 B, the whole sequence over the node's ranks) pass --host-gib, and
+    reports the host as the bound."""
+    from torchtitan_jobs import load_config
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import upipe_compile.integrations.torchtitan  # noqa: F401
+
+    config = load_config(DEBUG_TOML, "--training.seq_len", str(SEQ))
+    args = get_train_spec(config.model.name).model_args[config.model.flavor]
+    per_token = args.n_layers * config.training.local_batch_size * args.dim * 4 / GIB  # per node, all ranks on it
+    step = 2 * 1024
+    host_gib = (3 * step + step // 2) * per_token  # 3.5 grid steps: the host bound is 3 steps
+    result = run_estimate(*DEBUG_ARGS, "--upipe.offload_block_inputs", "--max-context", "--host-gib", repr(host_gib), "--json", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout)
+    assert found["bound"] == "host" and found["max_context"] == 3 * step, found
+    assert found["fits_device"] and found["fits_host"] and found["host_budget_gib_per_node"] == host_gib
+    assert found["host_gib_per_node"] == pytest.approx(3 * step * per_token, abs=1e-5)
 
 
 def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debug_model):

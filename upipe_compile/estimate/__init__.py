@@ -4,8 +4,9 @@ Builds the job as torchtitan's Trainer would (job.py), on fake CPU tensors over 
 process group of the job's world size, runs a real training step under a memory tracker
 (step.py) with the CUDA attention kernel's workspaces switched on
 (``upipe_compile.kernels.modelled_cuda_kernel``), and reports the per-rank device peak with a
-breakdown, the host memory of offloaded activations, and whether it fits a GPU after a
-stated reserve (gpu.py). See docs/estimate.md.
+breakdown, the host memory of offloaded activations, and whether the step fits both a GPU
+after a stated reserve (gpu.py) and the node's host memory after a stated reserve (host.py).
+See docs/estimate.md.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from upipe_compile import kernels
 from upipe_compile.memory import eager_calls
 from upipe_compile.estimate.gpu import GIB, budget_gib
+from upipe_compile.estimate.host import HOST_BUDGET_GIB
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step
@@ -23,7 +25,7 @@ from upipe_compile.estimate.step import StepMemory, run_step
 H100_80GB_GIB = 79.1
 """What torch reports as the total memory of an "80 GB" H100."""
 
-__all__ = ["H100_80GB_GIB", "Estimate", "JobError", "estimate", "load_job_config"]
+__all__ = ["H100_80GB_GIB", "HOST_BUDGET_GIB", "Estimate", "JobError", "estimate", "load_job_config"]
 
 
 @dataclass
@@ -42,8 +44,18 @@ class Estimate:
     budget_gib: float
     """What the peak must not exceed (gpu.budget_gib)."""
     fits: bool
+    """Both bounds: ``fits_device and fits_host``."""
+    fits_device: bool
+    """The device peak does not exceed ``budget_gib``."""
+    fits_host: bool
+    """The offloaded activations of one node do not exceed ``host_budget_gib_per_node``."""
     host_gib_per_rank: float
+    """Host memory one rank holds at its peak: the offloader's pinned buffers, one exact-size
+    buffer per offloaded block input (measured through the offloader on fake tensors)."""
     host_gib_per_node: float
+    """``host_gib_per_rank`` x the ranks on one node (min(world size, gpus_per_node))."""
+    host_budget_gib_per_node: float
+    """What ``host_gib_per_node`` must not exceed (host.HOST_BUDGET_GIB unless given)."""
     peak_phase: str
     breakdown: dict[str, float]
     block_recompute: dict[str, float]
@@ -62,7 +74,7 @@ class Estimate:
 
 
 def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
-             cuda_kernel: str = "flash-attn") -> Estimate:
+             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str = "flash-attn") -> Estimate:
     """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
     fake default process group: call it where no process group exists."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -89,11 +101,14 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB
+    host_per_node = host * min(world, gpus_per_node)
+    fits_device, fits_host = peak <= budget, host_per_node <= host_gib
     return Estimate(
         seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
         peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
-        budget_gib=round(budget, 6), fits=peak <= budget,
-        host_gib_per_rank=round(host, 6), host_gib_per_node=round(host * min(world, gpus_per_node), 6),
+        budget_gib=round(budget, 6), fits=fits_device and fits_host, fits_device=fits_device, fits_host=fits_host,
+        host_gib_per_rank=round(host, 6), host_gib_per_node=round(host_per_node, 6),
+        host_budget_gib_per_node=float(host_gib),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
         breakdown=_breakdown(memory), block_recompute=_block_recompute(memory),
         phase_peaks=_phase_peaks(memory), modelled=modelled, attention_calls=calls, seconds=round(time.time() - start, 1),

@@ -1,5 +1,5 @@
 """python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context]
-[--gpu-gib G] [--gpus-per-node N] [--cuda-kernel K] [--json]
+[--gpu-gib G] [--gpus-per-node N] [--host-gib H] [--cuda-kernel K] [--json]
 
 Every argument this command does not know is a torchtitan override (``--training.seq_len
 5242880``, ``--upipe.heads_per_stage 32``), parsed by torchtitan's own ConfigManager, which
@@ -16,20 +16,27 @@ from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.kernels import CUDA_BACKWARD_WORKSPACE
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
 from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
+from upipe_compile.estimate.host import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m upipe_compile.estimate",
-        description="Per-rank peak GPU memory of one training step of a torchtitan job, estimated on fake "
-                    "tensors. Unknown arguments are torchtitan overrides (--section.key value).",
+        description="Per-rank peak GPU memory and per-node host memory of one training step of a torchtitan "
+                    "job, estimated on fake tensors. Unknown arguments are torchtitan overrides "
+                    "(--section.key value).",
     )
     parser.add_argument("--config", required=True, help="the job TOML")
     parser.add_argument("--max-context", action="store_true",
-                        help="search the largest seq_len (a multiple of 1024 x CP degree) that fits")
+                        help="search the largest seq_len (a multiple of 1024 x CP degree) that fits both the GPU "
+                             "and the host budget, and say which bound stopped it")
     parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB,
                         help=f"GPU memory as torch reports it (default {H100_80GB_GIB}: an 80 GB H100)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for host memory per node")
+    parser.add_argument("--host-gib", type=float, default=HOST_BUDGET_GIB,
+                        help=f"host memory per node the offloaded activations may take (default {HOST_BUDGET_GIB}: "
+                             f"a 2 TB node's {NODE_2TB_MEMTOTAL_GIB} GiB MemTotal less a {HOST_RESERVE_GIB} GiB reserve "
+                             "for the OS, the trainer processes, the dataloader and CUDA/NCCL host buffers)")
     parser.add_argument("--cuda-kernel", choices=sorted(CUDA_BACKWARD_WORKSPACE), default="flash-attn",
                         help="the attention kernel whose GPU workspace is counted (default flash-attn; "
                              "aten-flash where flash-attn is not installed)")
@@ -49,7 +56,7 @@ def format_report(result: Estimate) -> str:
         f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the budget for "
         "allocator fragmentation)",
         f"  budget on a {result.gpu_gib} GiB GPU {result.budget_gib:8.2f} GiB   -> "
-        + ("fits" if result.fits else f"DOES NOT FIT (over by {result.peak_device_gib - result.budget_gib:.2f} GiB)"),
+        + ("fits" if result.fits_device else f"DOES NOT FIT (over by {result.peak_device_gib - result.budget_gib:.2f} GiB)"),
         "at the peak, by kind:",
     ]
     b = result.breakdown
@@ -77,6 +84,9 @@ def format_report(result: Estimate) -> str:
         lines.append(f"modelled, added to the peak: {key.replace('_', ' ')} {value:.2f} GiB")
     lines.append(f"host memory (offloaded activations): {result.host_gib_per_rank:.2f} GiB per rank, "
                  f"{result.host_gib_per_node:.2f} GiB per node")
+    lines.append(f"  host budget per node       {result.host_budget_gib_per_node:8.2f} GiB   -> "
+                 + ("fits" if result.fits_host else
+                    f"DOES NOT FIT (over by {result.host_gib_per_node - result.host_budget_gib_per_node:.2f} GiB)"))
     return "\n".join(lines)
 
 
@@ -87,14 +97,17 @@ def main(argv=None) -> int:
         if args.max_context:
             from upipe_compile.estimate.search import max_context
 
-            found, result, probes = max_context(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
-                                                progress=not args.json, cuda_kernel=args.cuda_kernel)
-            payload = {**result.as_json(), "max_context": found, "probes": probes}
-            text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB after the reserve "
-                    f"({len(probes)} probes)\n" + format_report(result))
+            found, result, probes, bound = max_context(
+                job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
+                progress=not args.json, cuda_kernel=args.cuda_kernel)
+            payload = {**result.as_json(), "max_context": found, "probes": probes, "bound": bound}
+            stopped = (f"the {bound} bound stopped it" if bound else "the probes ran out before a longer one failed")
+            text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB of GPU after its reserve and "
+                    f"{args.host_gib} GiB of host memory per node; {stopped} ({len(probes)} probes)\n"
+                    + format_report(result))
         else:
             result = estimate(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
-                              cuda_kernel=args.cuda_kernel)
+                              host_gib=args.host_gib, cuda_kernel=args.cuda_kernel)
             payload, text = result.as_json(), format_report(result)
     except (JobError, UnsupportedAttention) as error:
         print(f"error: {error}", file=sys.stderr)

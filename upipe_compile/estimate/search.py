@@ -1,16 +1,23 @@
-"""The largest seq_len that fits: few probes, because a step's memory is near-linear in seq_len.
+"""The largest seq_len that fits both the GPU and the node's host memory: few probes, because
+a step's device peak is near-linear in seq_len and its host memory (the offloaded block
+inputs) is linear in it.
 
-Two probes give a line; its crossing of the budget is probed next; then secant steps on the
-two probes nearest the boundary, one fitting and one not, until they are one grid step apart
-(the grid: multiples of 1024 x CP degree) or the probe budget is spent. The answer is always
-a probed seq_len that fits.
+"Fits" is both bounds: the per-rank device peak within the GPU's budget (gpu.py) and the
+offloaded activations of one node within the host budget (host.py). Two probes give a line
+per bound; the nearer of the lines' crossings of their budgets is probed next; then secant
+steps on the two probes nearest each budget, staying inside the bracket of a fitting and a
+non-fitting probe, until these are one grid step apart (the grid: multiples of 1024 x CP
+degree) or the probe budget is spent. The answer is always a probed seq_len that fits; the
+bound that stopped it is the one the smallest longer probe broke ("device", "host", or
+"device and host").
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
-from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate
+from upipe_compile.estimate import H100_80GB_GIB, HOST_BUDGET_GIB, Estimate, JobError, estimate
 from upipe_compile.estimate.gpu import budget_gib
 
 MAX_PROBES = 8
@@ -26,13 +33,22 @@ def _probe(job_config, seq_len: int, **kwargs) -> Estimate:
     return estimate(config, **kwargs)
 
 
-def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8, progress: bool = True,
-                max_probes: int = MAX_PROBES, cuda_kernel: str = "flash-attn"):
-    """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed)."""
+def bound_of(result) -> str:
+    """Which budget a probe that does not fit breaks."""
+    return " and ".join(name for name, ok in (("device", result.fits_device), ("host", result.fits_host)) if not ok)
+
+
+def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
+                host_gib: float = HOST_BUDGET_GIB, progress: bool = True, max_probes: int = MAX_PROBES,
+                cuda_kernel: str = "flash-attn"):
+    """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed, the bound
+    that stopped it: "device", "host", "device and host", or None when the probes ran out
+    before any longer probe failed)."""
     from tqdm import tqdm
 
     step = grid_step(job_config)
-    limit = budget_gib(gpu_gib)
+    limits = {"device": budget_gib(gpu_gib), "host": host_gib}
+    measures = {"device": lambda r: r.peak_device_gib, "host": lambda r: r.host_gib_per_node}
     first = max(step, job_config.training.seq_len // step * step)
     results: dict[int, Estimate] = {}
     bar = tqdm(total=max_probes, desc="max-context probes", unit="probe", disable=not progress)
@@ -41,16 +57,25 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         if seq_len not in results:
             bar.set_postfix_str(f"seq_len {seq_len:,}")
             results[seq_len] = _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
-                                      cuda_kernel=cuda_kernel)
+                                      host_gib=host_gib, cuda_kernel=cuda_kernel)
             bar.update(1)
         return results[seq_len]
 
-    def crossing(a: int, b: int) -> int:
-        pa, pb = results[a].peak_device_gib, results[b].peak_device_gib
-        slope = (pb - pa) / (b - a)
+    def crossing(kind: str) -> float:
+        """Where the line through the two probes nearest this bound's budget crosses it
+        (inf when the measure does not grow: no host memory without offload)."""
+        limit, measure = limits[kind], measures[kind]
+        near = sorted(results, key=lambda s: abs(measure(results[s]) - limit))[:2]
+        a, b = min(near), max(near)
+        slope = (measure(results[b]) - measure(results[a])) / (b - a)
         if slope <= 0:
-            raise JobError("memory does not grow with [training] seq_len; cannot search a maximum")
-        return max(step, int((a + (limit - pa) / slope) // step * step))
+            if kind == "device":
+                raise JobError("memory does not grow with [training] seq_len; cannot search a maximum")
+            return math.inf
+        return a + (limit - measure(results[a])) / slope
+
+    def describe() -> str:
+        return f"{gpu_gib} GiB of GPU and {host_gib} GiB of host memory per node"
 
     try:
         probe(first)
@@ -63,9 +88,10 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
             if lo is not None and hi is not None and hi - lo <= step:
                 break
             if lo is None and min(results) == step:
-                raise JobError(f"even [training] seq_len = {step} (1024 x CP) does not fit {gpu_gib} GiB")
-            near = sorted(results, key=lambda s: abs(results[s].peak_device_gib - limit))[:2]
-            guess = crossing(min(near), max(near))
+                raise JobError(f"even [training] seq_len = {step} (1024 x CP) does not fit {describe()} "
+                               f"(breaks the {bound_of(results[step])} budget)")
+            line = min(crossing("device"), crossing("host"))
+            guess = max(step, int(line // step * step)) if math.isfinite(line) else step
             if lo is not None and hi is not None:
                 guess = min(max(guess, lo + step), hi - step)  # stay strictly inside the bracket
             elif lo is not None:
@@ -79,7 +105,10 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         bar.close()
     fitting = [s for s, r in results.items() if r.fits]
     if not fitting:
-        raise JobError(f"no probed [training] seq_len fits {gpu_gib} GiB (smallest probed: {min(results):,})")
+        raise JobError(f"no probed [training] seq_len fits {describe()} (smallest probed: {min(results):,}, "
+                       f"which breaks the {bound_of(results[min(results)])} budget)")
     best = max(fitting)
+    longer = [s for s, r in results.items() if s > best and not r.fits]
+    bound = bound_of(results[min(longer)]) if longer else None
     probes = [(s, results[s].peak_device_gib) for s in sorted(results)]
-    return best, results[best], probes
+    return best, results[best], probes, bound
