@@ -204,6 +204,31 @@ def boundary_checks_per_call(bounds: tuple[int, ...], calls: int, modify_between
     return counts
 
 
+def boundaries_fresh_on_rank_1(bounds: tuple[int, ...], second_bounds: tuple[int, ...]):
+    """Two op calls; rank 0 passes one boundaries tensor both times (its check is remembered),
+    rank 1 a new tensor of ``second_bounds`` the second time: per call the count of
+    boundary all-gathers, or the error."""
+    from upipe_compile import collectives
+
+    q = torch.randn(1, 2, bounds[-1] // dist.get_world_size(), 8)
+    first = torch.tensor(bounds, dtype=torch.int64)
+    second = first if dist.get_rank() == 0 else torch.tensor(second_bounds, dtype=torch.int64)
+    gathers, real = [], collectives.all_gather
+    collectives.all_gather = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    outcomes = []
+    try:
+        for cu_seqlens in (first, second):
+            before = len(gathers)
+            try:
+                upipe_compile.upipe_attention(q, q, q, is_causal=True, cu_seqlens=cu_seqlens)
+                outcomes.append(len(gathers) - before)
+            except upipe_compile.UnsupportedAttention as error:
+                outcomes.append(str(error))
+    finally:
+        collectives.all_gather = real
+    return outcomes
+
+
 def variant_op_case(case: AttentionCase, window, softcap, with_sinks: bool, bounds=None):
     """upipe_attention with a window / softcap / sinks (and documents) on this rank's shard:
     (out, dq, dk, dv, dsinks) shards; dsinks is this rank's share (None without sinks)."""

@@ -81,6 +81,17 @@ def test_boundaries_are_checked_once_per_tensor(rank_pools, modify_between):
     assert counts == [[1, 1, 1] if modify_between else [1, 0, 0]] * 2
 
 
+def test_a_remembered_check_is_used_only_when_every_rank_remembers_it(rank_pools):
+    """Rank 0 reuses its checked boundaries tensor, rank 1 brings a new one: every rank checks
+    again (rather than rank 1 waiting in an all-gather rank 0 skips: a hang), and new
+    boundaries that differ are refused on both."""
+    same = rank_pools(2).run(rank_jobs.boundaries_fresh_on_rank_1, (0, 3, 8), (0, 3, 8))
+    assert same == [[1, 1], [1, 1]]
+    differ = rank_pools(2).run(rank_jobs.boundaries_fresh_on_rank_1, (0, 3, 8), (0, 5, 8))
+    for outcomes in differ:
+        assert outcomes[0] == 1 and "differ across the context-parallel ranks" in outcomes[1], differ
+
+
 @pytest.mark.parametrize(
     "case,bounds,inner",
     [

@@ -140,6 +140,25 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return twin
 
 
+def host_values_of_every_rank(values, group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's list of ``len(values)`` integers, by rank, all-gathered as host integers
+    over :func:`host_group`: on CUDA it neither waits for nor launches device work, so it can
+    run on every call. Every rank must pass the same count. The fake group of memory
+    measurements exchanges no data: every rank is taken to hold this rank's values."""
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    if group.size() == 1 or dist.get_backend(group) == "fake":
+        return [mine.tolist()] * group.size()
+    rows = torch.empty((group.size(), mine.numel()), dtype=torch.int64)
+    dist.all_gather(list(rows.unbind()), mine, group=host_group(group))
+    return rows.tolist()
+
+
+def every_rank_agrees(flag: bool, group: dist.ProcessGroup) -> bool:
+    """Whether ``flag`` is true on every rank (a host all-gather): a cache hit is used only
+    when it is a hit everywhere, so no rank skips a collective that another rank enters."""
+    return all(row[0] for row in host_values_of_every_rank([int(flag)], group))
+
+
 _SHAPE_SLOTS = 6
 
 
@@ -148,19 +167,15 @@ def check_same_local_shape(shape: tuple[int, ...], group: dist.ProcessGroup) -> 
 
     An even all-to-all over shards of different lengths would silently pair the wrong
     chunks or hang; one tiny all-gather of the shapes turns that into a clear error. It runs
-    on every call: a check skipped on ranks that saw their shape before while another rank
-    (whose shape is new) waits in it would hang. The all-gather is of host integers over a
-    host group (:func:`host_group`), so on CUDA it neither waits for nor launches device work."""
-    if group.size() == 1 or dist.get_backend(group) == "fake":
-        return  # the fake group of memory measurements exchanges no data, so nothing to compare
+    on every call (host integers, :func:`host_values_of_every_rank`): a check skipped on
+    ranks that saw their shape before while another rank (whose shape is new) waits in it
+    would hang."""
     # One fixed length for every caller: ranks whose graphs differ (the plain loop on one, the
     # fused block on another, after a recompile on one rank only) still meet in one all-gather.
-    mine = torch.full((_SHAPE_SLOTS,), -1, dtype=torch.int64)
-    mine[:len(shape)] = torch.tensor(shape, dtype=torch.int64)
-    rows = torch.empty((group.size(), _SHAPE_SLOTS), dtype=torch.int64)
-    dist.all_gather(list(rows.unbind()), mine, group=host_group(group))
-    if not bool((rows == mine).all()):
-        shapes = [[size for size in row if size >= 0] for row in rows.tolist()]
+    padded = list(shape) + [-1] * (_SHAPE_SLOTS - len(shape))
+    rows = host_values_of_every_rank(padded, group)
+    if any(row != padded for row in rows):
+        shapes = [[size for size in row if size >= 0] for row in rows]
         raise UnsupportedAttention(
             "UPipe needs every rank to hold an equal, contiguous shard of the sequence "
             f"(and equal batch/heads/head_dim); local shapes per rank: {shapes}. "

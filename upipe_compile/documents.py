@@ -10,8 +10,10 @@ The boundaries must be identical on every rank (each rank attends over the same 
 sequence), which only a collective can tell. :func:`documents_for` checks a boundaries
 tensor once -- locally, then one tiny all-gather of a fixed-size summary -- and remembers
 the answer on that tensor object (until it is modified in place), so the many layers of
-one step that share one ``cu_seqlens`` tensor pay one host sync and one collective, not
-one per layer.
+one step that share one ``cu_seqlens`` tensor pay one device read-back and one collective,
+not one per layer. Each call still all-gathers one host integer (no device work): the
+remembered answer is used only when every rank has one, so no rank skips a collective
+another rank enters.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from upipe_compile.collectives import all_gather, values_of_every_rank
+from upipe_compile.collectives import all_gather, every_rank_agrees, values_of_every_rank
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -125,7 +127,8 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
     :func:`documents_from_positions`)."""
     cached = _checked.get(cu_seqlens)
     key = (cu_seqlens._version, group.group_name, seq)
-    if cached is not None and cached[0] == key:
+    hit = cached is not None and cached[0] == key
+    if every_rank_agrees(hit, group):  # one rank's miss sends every rank through the collectives below
         return cached[1]
     if cu_seqlens.dim() == 2:
         documents = documents_from_positions(cu_seqlens, seq, group, device)
