@@ -3,7 +3,7 @@
     python benchmarks/gpu_check.py                 # one GPU, about 3 minutes on an H100
     python benchmarks/gpu_check.py --quick         # small shapes; also runs on CPU (a smoke test)
 
-Six sections, each a table; a section that fails prints its traceback and the others still
+Eight sections, each a table; a section that fails prints its traceback and the others still
 run; the exit status is non-zero when any check failed.
 
 1. kernels: benchmarks/kernel_check.py's checks on this device's kernels (aten flash;
@@ -27,6 +27,10 @@ run; the exit status is non-zero when any check failed.
    in bytes: each block's host buffer holds exactly the input's bytes, is pinned (CUDA), is
    the same memory in step 2, and torch's pinned allocator (which rounds up to a power of
    two) grew by nothing.
+7. varlen host syncs (CUDA): a second packed forward + backward (and a ``document_sdpa``
+   layer) under ``torch.cuda.set_sync_debug_mode("error")``: no blocking host<->device copy.
+8. fused block bf16: the fused attention block (one head a stage) on a one-rank group against
+   the plain block, both bf16, errors against float32: within 1.5x of the plain block's.
 """
 
 from __future__ import annotations
@@ -338,6 +342,104 @@ def section_offload_host_buffers(device, quick):
     return [(title, [row])], row["ok"]
 
 
+# --- 7 ---------------------------------------------------------------------------------------
+def section_varlen_syncs(device, quick):
+    """After one warm-up call (which may read the boundaries back and cache them), the varlen
+    forward + backward and a document_sdpa layer run under set_sync_debug_mode("error"): a
+    blocking host<->device copy (torch.tensor of a list, .tolist(), .item()) raises."""
+    if device.type != "cuda":
+        return [("7. varlen backward host syncs: skipped (needs CUDA)", [])], True
+    from upipe_compile.document_sdpa import document_sdpa
+
+    batch, q_heads, kv_heads, dim = 2, 8, 2, 128
+    seq = 4096 if quick else 65536
+    gen = torch.Generator().manual_seed(0)
+    bounds = [0, *sorted(torch.randperm(seq - 1, generator=gen)[: seq // 64].add(1).tolist()), seq]
+    documents = Documents.from_bounds(bounds, device)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    q, dout = (torch.randn(batch, q_heads, seq, dim, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, seq, dim, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+
+    def kernel_step():
+        out, lse = kernels.forward(q, k, v, True, None, documents)
+        return kernels.backward(dout, q, k, v, out, lse, True, None, documents)
+
+    def sdpa_layer():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        document_sdpa(*leaves, cu_seqlens, is_causal=True, enable_gqa=True).backward(dout)
+
+    rows = []
+    for name, step in (("kernels.forward + backward", kernel_step), ("document_sdpa forward + backward", sdpa_layer)):
+        step()
+        torch.cuda.synchronize()
+        previous, error = torch.cuda.get_sync_debug_mode(), ""
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        except RuntimeError as e:
+            error = str(e).splitlines()[0][:120]
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+        rows.append({"call": name, "documents": len(bounds) - 1, "blocking sync": error or "none", "ok": not error})
+    title = (f"7. varlen backward host syncs: {kernels.kernels_for(q).name}, B={batch} {q_heads}q/{kv_heads}kv "
+             f"D{dim} S{seq} bf16, second call under set_sync_debug_mode('error')")
+    return [(title, rows)], all(r["ok"] for r in rows)
+
+
+# --- 8 ---------------------------------------------------------------------------------------
+def section_fused_block_bf16(device, quick):
+    """The fused attention block in bf16 on a one-rank group (NCCL on CUDA, gloo elsewhere)
+    against the same block written plainly in float32 from the same bf16 inputs, beside the
+    plain block in bf16 (what an unfused model computes): the fused block's error must stay
+    within 1.5x of the plain bf16 block's, for y, dx and every weight gradient."""
+    import torch.distributed as dist
+
+    from upipe_compile.block_ops import upipe_attention_block
+    from upipe_compile.block_region import BlockRegion
+
+    if dist.is_initialized():
+        raise RuntimeError("section 8 needs a process without a default process group")
+    q_heads, kv_heads, dim = (8, 2, 64) if quick else (32, 8, 128)
+    seq, model = (256, q_heads * dim) if quick else (8192, q_heads * dim)
+    heads = lambda p, n: p.unflatten(-1, (n, dim)).transpose(1, 2)  # noqa: E731
+    region = BlockRegion(q_heads, kv_heads, dim, heads, heads, heads, True, None)
+    gen = torch.Generator().manual_seed(0)
+    x, dy = (torch.randn(1, seq, model, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    shapes = {"wq": q_heads * dim, "wk": kv_heads * dim, "wv": kv_heads * dim, "wo": model}
+    weights = {name: (torch.randn(rows, model, generator=gen) / model**0.5).to(device, torch.bfloat16)
+               for name, rows in shapes.items()}
+
+    def plain(x, wq, wk, wv, wo):
+        b, s, _ = x.shape
+        q, k, v = heads(x @ wq.T, q_heads), heads(x @ wk.T, kv_heads), heads(x @ wv.T, kv_heads)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, s, -1) @ wo.T
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, *weights.values())]
+        y = fn(*leaves)
+        y.backward(dy.to(dtype))
+        return [y.detach().float()] + [t.grad.float() for t in leaves]
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fused = grads(lambda x, wq, wk, wv, wo: upipe_attention_block(
+            x, wq, None, wk, None, wv, None, wo, None, [], region, heads_per_stage=1), torch.bfloat16)
+    finally:
+        dist.destroy_process_group()
+    stock, exact = grads(plain, torch.bfloat16), grads(plain, torch.float32)
+    rows = []
+    for name, f, s_, e in zip(["y", "dx", "dwq", "dwk", "dwv", "dwo"], fused, stock, exact):
+        ratio = rel(f, e) / max(rel(s_, e), 1e-12)
+        rows.append({"tensor": name, "fused err": rel(f, e), "plain bf16 err": rel(s_, e), "ratio": ratio,
+                     "ok": ratio < 1.5})
+    title = (f"8. fused block bf16 vs the plain block: {q_heads}q/{kv_heads}kv D{dim} S{seq}, {q_heads} stages "
+             "(U = 1 head a stage), errors against float32 from the same bf16 inputs")
+    return [(title, rows)], all(r["ok"] for r in rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test; runs on CPU too)")
@@ -357,6 +459,8 @@ def main(argv=None) -> int:
                                     32768 if not args.quick else 256, reps=3)),
         (5, lambda: section_packed(device, args.quick)),
         (6, lambda: section_offload_host_buffers(device, args.quick)),
+        (7, lambda: section_varlen_syncs(device, args.quick)),
+        (8, lambda: section_fused_block_bf16(device, args.quick)),
     ]
     lines = [f"# device: {device_line(device)}", f"# command: python benchmarks/gpu_check.py {' '.join(argv or sys.argv[1:])}".rstrip()]
     print("\n".join(lines), flush=True)
