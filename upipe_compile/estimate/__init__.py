@@ -11,6 +11,7 @@ See docs/estimate.md.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -74,9 +75,11 @@ class Estimate:
 
 
 def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
-             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str = "flash-attn") -> Estimate:
+             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = "flash-attn") -> Estimate:
     """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
-    fake default process group: call it where no process group exists."""
+    fake default process group: call it where no process group exists. ``cuda_kernel=None``:
+    the same job with CPU kernels (no GPU workspace; RMSNorm and RoPE as eager CPU torch runs
+    them), what a CPU run of the job allocates (benchmarks/estimate_check.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from upipe_compile.integrations.torchtitan.config import upipe_config
@@ -85,12 +88,12 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     start = time.time()
     world = world_size(job_config)
     eager_calls.clear()
-    with fake_process_group(world), private_sharding_fake_mode(), kernels.modelled_cuda_kernel(cuda_kernel), \
-            plain_stack_loops():
+    workspace = kernels.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
+    with fake_process_group(world), private_sharding_fake_mode(), workspace, plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         job = build_job(job_config, fake_mode)
-        memory = run_step(job, fake_mode)
+        memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
     heads_per_stage = upipe_config(job_config).heads_per_stage or cp
     calls = dict(eager_calls)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -165,13 +166,15 @@ class _SavedOnDevice:
         return sum(self.storages.values())
 
 
-def run_step(job: Job, fake_mode) -> StepMemory:
+def run_step(job: Job, fake_mode, fused_kernels: bool = True) -> StepMemory:
     """One training step measured with the optimizer state already there, as in every step of
-    a real run but the first."""
+    a real run but the first. ``fused_kernels``: RMSNorm and RoPE allocate what the GPU's
+    fused kernels do (plain_loops.py); off, what eager CPU torch allocates."""
     with fake_mode:
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
-        with fused_rms_norm(), fused_rope(), tracker:
+        fused = (fused_rms_norm(), fused_rope()) if fused_kernels else (nullcontext(), nullcontext())
+        with fused[0], fused[1], tracker:
             measured = _train_step(job, tracker)
     return measured
 

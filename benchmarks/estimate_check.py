@@ -1,0 +1,383 @@
+"""The whole-step memory estimate checked against a measurement it shares no code with.
+
+(a) ``upipe_compile.estimate.estimate`` for a CPU job, with CPU kernels (``cuda_kernel=None``:
+no GPU workspace, RMSNorm and RoPE as eager CPU torch allocates them), on fake tensors;
+(b) the same job for real: torchtitan's debug Llama3 scaled up, on P gloo ranks
+(:class:`upipe_compile.launch.RankPool`), the long-context stack on (full AC, block inputs
+offloaded to host, tiled MLP, chunked loss), blocks compiled with the "upipe" backend
+(aot_eager inside). One warm-up step (compile, optimizer state, the offloader's host
+buffers), then one step under ``torch.profiler`` with ``profile_memory=True``.
+
+What is measured, per rank: CPU has no caching allocator, so the allocator's peak is the
+maximum of live bytes over the step. The profiler reports every CPU allocation and free of
+the step as a ``[memory]`` event (bytes, negative for a free); their running sum is the live
+bytes relative to the step's start, its maximum the step's rise. The bytes live at the step's
+start are what persists between steps, counted from the real tensors: parameters (local
+shards), optimizer state, model buffers and the offloader's host buffers (gradients are
+dropped by ``zero_grad`` before the step, as the Trainer's step starts). Measured peak =
+start + rise.
+
+What it is compared with: on CPU the offloaded block inputs are CPU allocations too, so the
+measured peak includes them; the estimate keeps them apart (host memory). The estimate's
+figure for the same moment is therefore the device peak + the host bytes per rank (all host
+buffers exist from the end of forward on, and every peak of these jobs is in backward).
+The estimate's own rise is that figure less its parameters, optimizer state and model buffers
+at the peak (constant through the step) and less the host buffers (measured from the start
+in the real step, where they are reused from the warm-up step).
+
+    python benchmarks/estimate_check.py            # the documented size (a few minutes)
+    python benchmarks/estimate_check.py --small    # the test's size
+
+Writes benchmarks/results/estimate_check.md (not with --small or --no-write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # run as a script: make `benchmarks` and `upipe_compile` importable
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+DEBUG_TOML = os.path.join(ROOT, "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
+FLAVOR = "estimate_check"
+GIB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """The debug model scaled: model args changed and the job's sequence."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    mlp_tile_tokens: int
+    loss_chunk_tokens: int
+    batch: int = 1
+    cp: int = 2
+
+    def overrides(self) -> list[str]:
+        return [
+            f"--model.flavor={FLAVOR}", f"--training.seq_len={self.seq_len}", f"--training.local_batch_size={self.batch}",
+            f"--parallelism.context_parallel_degree={self.cp}", "--parallelism.data_parallel_shard_degree=1",
+            "--activation_checkpoint.mode=full", "--upipe.offload_block_inputs",
+            f"--upipe.mlp_tile_tokens={self.mlp_tile_tokens}", f"--upipe.loss_chunk_tokens={self.loss_chunk_tokens}",
+            "--upipe.host_memory_reserve_gib=1",  # this machine's RAM is small, not the inputs
+        ]
+
+
+# Activations of a few GiB over the two ranks, in a few minutes on 2 shared CPU cores: many
+# tokens per rank (48 rows x 1,024), a short sequence (attention's cost grows with it, its
+# memory does not), a narrow model (the matmuls' cost grows with dim squared).
+FULL = Size(dim=256, n_layers=4, n_heads=8, vocab_size=2048, seq_len=2048, batch=48, mlp_tile_tokens=8192,
+            loss_chunk_tokens=8192)
+# The test's size: seconds of compute; activations still dominate the peak.
+SMALL = Size(dim=256, n_layers=4, n_heads=8, vocab_size=2048, seq_len=8192, mlp_tile_tokens=1024,
+             loss_chunk_tokens=1024)
+
+
+def register_flavor(size: Size) -> None:
+    """Add the scaled debug model as the flavor FLAVOR of the integration's "llama3" spec."""
+    import upipe_compile.integrations.torchtitan  # noqa: F401  (registers the specs)
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = get_train_spec("llama3").model_args
+    args[FLAVOR] = dataclasses.replace(args["debugmodel"], dim=size.dim, n_layers=size.n_layers,
+                                       n_heads=size.n_heads, vocab_size=size.vocab_size,
+                                       max_seq_len=max(size.seq_len, 2048))
+
+
+def job_config(size: Size):
+    from upipe_compile.estimate.job import load_job_config
+
+    register_flavor(size)
+    return load_job_config(DEBUG_TOML, size.overrides())
+
+
+# --- (a) the estimate -------------------------------------------------------------------------
+
+def estimated(size: Size) -> dict:
+    """The estimate with CPU kernels, in bytes: device peak, host, and the step-constant terms."""
+    from upipe_compile.estimate import estimate
+
+    result = estimate(job_config(size), cuda_kernel=None)
+    b = result.breakdown
+    constant = (b["sharded_params"] + b["optimizer_state"] + b["model_buffers"]) * GIB
+    return {"device": result.peak_device_gib * GIB, "host": result.host_gib_per_rank * GIB, "constant": constant,
+            "breakdown": b, "phase": result.peak_phase, "block": result.block_recompute,
+            "phase_peaks": result.phase_peaks, "seconds": result.seconds}
+
+
+# --- (b) the measurement, on each rank ----------------------------------------------------------
+
+def _storages_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def live_bytes_timeline(prof) -> list[tuple[int, int]]:
+    """(time ns, live CPU bytes relative to the profile's start) after each allocation or free
+    the profiler saw, in time order."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    live, timeline = 0, []
+    for t, nbytes in events:
+        live += nbytes
+        timeline.append((t, live))
+    return timeline
+
+
+def _path(event, depth: int = 4) -> str:
+    """The names of the ops around an allocation, outermost first (up to ``depth`` of them)."""
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.parent
+    names = [n for n in reversed(names) if n]
+    return " > ".join(names[:depth]) + (f" > ... > {names[-1]}" if len(names) > depth else "")
+
+
+def live_by_op(prof, at_ns: int | None) -> dict[str, int]:
+    """The CPU allocations of the profile still live at time ``at_ns`` (None: at its end),
+    grouped by the ops that made them: what the rise is made of."""
+    from torch._C._profiler import _EventType
+
+    stack, live = list(prof.profiler.kineto_results.experimental_event_tree()), {}
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag != _EventType.Allocation or (at_ns is not None and event.start_time_ns > at_ns):
+            continue
+        fields = event.extra_fields
+        if str(fields.device) != "cpu":
+            continue
+        if fields.alloc_size > 0:
+            live[(fields.ptr, event.start_time_ns)] = (fields.alloc_size, _path(event.parent))
+        else:
+            live[(fields.ptr, event.start_time_ns)] = (fields.alloc_size, None)
+    # match frees to the latest earlier allocation at the same address
+    by_ptr: dict[int, list] = {}
+    for (ptr, t), value in sorted(live.items(), key=lambda kv: kv[0][1]):
+        if value[1] is None:
+            if by_ptr.get(ptr):
+                by_ptr[ptr].pop()
+        else:
+            by_ptr.setdefault(ptr, []).append(value)
+    groups: dict[str, int] = {}
+    for values in by_ptr.values():
+        for size, path in values:
+            groups[path] = groups.get(path, 0) + size
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def measure_step(size: Size, explain: bool = False) -> dict:
+    """On every rank of the pool: build the job as the Trainer does, one warm-up step, then one
+    profiled step. Returns bytes at the step's start (by kind), the step's rise, and more."""
+    import importlib
+
+    import torch.distributed as dist
+    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.estimate.job import torchtitan_on_cpu
+
+    torchtitan_on_cpu()
+    torch._dynamo.reset()
+    config = job_config(size)
+    importlib.import_module(config.experimental.custom_import)
+    p = config.parallelism
+    dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
+                        world_size=dist.get_world_size())
+    dims.build_mesh()
+    spec = get_train_spec(config.model.name)
+    model_args = dataclasses.replace(spec.model_args[config.model.flavor])
+    model_args.update_from_config(config)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, dims, config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = spec.build_optimizers_fn([model], config.optimizer, dims)
+    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, config.lr_scheduler, 2)
+    loss_fn = spec.build_loss_fn(config, parallel_dims=dims)
+    offloader = model.upipe_offloader
+
+    def train_step(seed: int) -> float:
+        # torchtitan 0.2.2's Trainer.train_step, one microbatch, no PP.
+        optimizers.zero_grad()
+        gen = torch.Generator().manual_seed(seed)
+        inputs = torch.randint(0, model_args.vocab_size, (size.batch, size.seq_len), generator=gen)
+        labels = torch.randint(0, model_args.vocab_size, (size.batch, size.seq_len), generator=gen)
+        global_valid_tokens = labels.numel() * torch.ones((), dtype=torch.float32)
+        inputs, labels, extra = prepare_context_parallel_input(
+            inputs, labels, {}, dims.get_mesh("cp"), torch.device("cpu"), config.parallelism.context_parallel_load_balancer)
+        pred = model(inputs, **extra)
+        loss = loss_fn(pred, labels) / global_valid_tokens
+        del pred
+        loss.backward()
+        dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
+        optimizers.step()
+        lr_schedulers.step()
+        return float(loss.detach())
+
+    start = time.time()
+    train_step(1)  # compiles; creates the optimizer state and the host buffers
+    warmup_s = time.time() - start
+    optimizers.zero_grad()  # the gradients of step 1 go, as the next step's zero_grad does
+    gc.collect()
+    params = list(model.parameters())
+    states = [v for opt in optimizers.optimizers for s in opt.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor)]
+    start_bytes = {
+        "params": _storages_bytes(params),
+        "optimizer_state": _storages_bytes(states),
+        "buffers": _storages_bytes(list(model.buffers())),
+        "host_buffers": _storages_bytes([offloader.host_buffer(i) for i in range(len(offloader.blocks))]),
+    }
+    dist.barrier()
+    start = time.time()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = train_step(2)
+    step_s = time.time() - start
+    timeline = live_bytes_timeline(prof)
+    rise, peak_ns = max(((live, t) for t, live in timeline), default=(0, None))
+    grads = _storages_bytes([q.grad for q in params])
+    explained = {"at peak": live_by_op(prof, peak_ns), "at end": live_by_op(prof, None)} if explain else {}
+    return {"explain": explained,"start": start_bytes, "rise": rise, "end": timeline[-1][1] if timeline else 0, "grads": grads,
+            "events": len(timeline), "loss": loss, "warmup_s": round(warmup_s, 1), "step_s": round(step_s, 1),
+            "offloaded": offloader.offloaded_bytes_last_step}
+
+
+def measured(size: Size, pool=None, explain: bool = False) -> list[dict]:
+    from upipe_compile.launch import RankPool
+
+    if pool is not None:
+        return pool.run(measure_step, size, explain)
+    with RankPool(size.cp, threads=1, timeout_s=1800) as own:
+        return own.run(measure_step, size, explain)
+
+
+# --- the comparison -----------------------------------------------------------------------------
+
+def compare(size: Size, pool=None, explain: bool = False) -> tuple[dict, list[dict], list[dict]]:
+    """Both sides and, per rank, the rows of the table (GiB)."""
+    est = estimated(size)
+    ranks = measured(size, pool, explain)
+    rows = []
+    est_total = est["device"] + est["host"]
+    est_rise = est_total - est["constant"] - est["host"]
+    for rank, m in enumerate(ranks):
+        start = sum(m["start"].values())
+        total = start + m["rise"]
+        rows.append({
+            "rank": rank,
+            "estimated peak (device + host)": est_total / GIB, "measured peak": total / GIB,
+            "ratio": est_total / total,
+            "estimated rise": est_rise / GIB, "measured rise": m["rise"] / GIB, "rise ratio": est_rise / m["rise"],
+            "start: params + opt + buffers (measured / est.)": f"{(start - m['start']['host_buffers']) / GIB:.3f} / "
+                                                                f"{est['constant'] / GIB:.3f}",
+            "host buffers (measured / est.)": f"{m['start']['host_buffers'] / GIB:.3f} / {est['host'] / GIB:.3f}",
+        })
+    return est, ranks, rows
+
+
+def table(rows: list[dict]) -> str:
+    from tabulate import tabulate
+
+    return tabulate(rows, headers="keys", tablefmt="github", floatfmt=".3f")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="the test's size")
+    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/estimate_check.md")
+    args = parser.parse_args(argv)
+    size = SMALL if args.small else FULL
+    t0 = time.time()
+    est, ranks, rows = compare(size, explain=True)
+    text = table(rows)
+    print(text)
+    print("estimate:", {k: v for k, v in est.items() if k not in ("device", "host", "constant")})
+    for rank, m in enumerate(ranks):
+        print(f"rank {rank}:", {k: v for k, v in m.items() if k != "explain"})
+        print(explanation(m))
+    if not (args.small or args.no_write):
+        write_results(size, est, ranks, text, time.time() - t0)
+    return 0
+
+
+def explanation(m: dict, top: int = 20) -> str:
+    lines = []
+    for when, groups in m.get("explain", {}).items():
+        lines.append(f"live {when}: {sum(groups.values()) / 2 ** 20:.1f} MiB")
+        lines += [f"  {b / 2 ** 20:9.2f}  {path}" for path, b in list(groups.items())[:top] if b >= 2 ** 16]
+    return "\n".join(lines)
+
+
+def write_results(size: Size, est: dict, ranks: list[dict], text: str, seconds: float) -> None:
+    path = os.path.join(HERE, "results", "estimate_check.md")
+    b = est["breakdown"]
+    lines = [
+        "# The estimate checked against a measured CPU step",
+        "",
+        "Made by `python benchmarks/estimate_check.py` (torch "
+        f"{torch.__version__}, 2 shared CPU cores, {seconds:.0f} s in all). See docs/estimate.md, "
+        "\"Checked against a measurement\", and the script's docstring for what is measured.",
+        "",
+        f"Job: `integrations/torchtitan/debug_model_upipe_cpu.toml`, its debug Llama3 scaled to dim {size.dim}, "
+        f"{size.n_layers} layers, {size.n_heads} heads, vocab {size.vocab_size}; seq_len {size.seq_len:,} on "
+        f"CP = {size.cp} gloo ranks (FSDP over them), fp32, full AC, block inputs offloaded, MLP tiles of "
+        f"{size.mlp_tile_tokens} tokens, loss chunks of {size.loss_chunk_tokens}. Overrides: "
+        f"`{' '.join(size.overrides())}`.",
+        "",
+        "Per rank, GiB. Estimated: `estimate(job, cuda_kernel=None)` (CPU kernels), device peak + host "
+        "per rank. Measured: bytes live at the step's start (real tensors) + the step's rise "
+        "(running sum of the profiler's CPU `[memory]` events).",
+        "",
+        text,
+        "",
+        f"Estimate: peak in `{est['phase']}`; at the peak {', '.join(f'{k} {v:.3f}' for k, v in b.items())}; "
+        f"host {est['host'] / GIB:.3f}; phase peaks {est['phase_peaks']}; block {est['block']}; "
+        f"{est['seconds']} s.",
+        "",
+        "Measured, per rank: " + "; ".join(
+            f"rank {r}: start {', '.join(f'{k} {v / GIB:.3f}' for k, v in m['start'].items())}, rise "
+            f"{m['rise'] / GIB:.3f}, live at the step's end {m['end'] / GIB:.3f} (gradients {m['grads'] / GIB:.3f}), "
+            f"{m['events']} memory events, warm-up step {m['warmup_s']} s, profiled step {m['step_s']} s"
+            for r, m in enumerate(ranks)) + ".",
+        "",
+        "What the measured rise is made of, per rank: the step's allocations live at the peak and at the "
+        "step's end, by the ops that made them (MiB; the largest groups):",
+        "",
+        *(f"Rank {r}:\n\n```\n{explanation(m)}\n```\n" for r, m in enumerate(ranks)),
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
