@@ -46,11 +46,17 @@ class Model:
     toml: str
     q_heads: int
     cp: int
+    layers: int
+    dim: int
+
+    def host_bytes_per_token(self) -> int:
+        """Offloaded block inputs per token of the sequence, on one node (8 ranks): bf16."""
+        return self.layers * self.dim * 2 * min(self.cp, 8) // self.cp
 
 
 MODELS = {
-    "llama3_8b": Model("llama3_8b", "Llama3-8B, 8 ranks", "llama3_8b_upipe_5m.toml", 32, 8),
-    "qwen3_32b": Model("qwen3_32b", "Qwen3-32B, 16 ranks", "qwen3_32b_upipe.toml", 64, 16),
+    "llama3_8b": Model("llama3_8b", "Llama3-8B, 8 ranks", "llama3_8b_upipe_5m.toml", 32, 8, 32, 4096),
+    "qwen3_32b": Model("qwen3_32b", "Qwen3-32B, 16 ranks", "qwen3_32b_upipe.toml", 64, 16, 64, 5120),
 }
 # Each piece of the stack, and the override that removes it from the shipped TOML (which has all on).
 VARIANTS = {
@@ -158,30 +164,45 @@ def plot(results, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def host_ceiling() -> list[str]:
+def host_ceiling(results) -> list[str]:
     """What one node can hold at most, whatever the GPU: the offloaded block inputs."""
-    llama = 32 * 4096 * 2  # bytes per token per node: 32 blocks, dim 4096, bf16, the whole sequence on 8 ranks
-    qwen = 64 * 5120 * 2 // 2  # 64 blocks, dim 5120, bf16, the sequence over 2 nodes
-    def most(per_token: int, step: int) -> str:
-        return f"{HOST_BUDGET_GIB * 2**30 // per_token // step * step:,}"
-    return [
+    llama, qwen = MODELS["llama3_8b"], MODELS["qwen3_32b"]
+
+    def most(model: Model) -> str:
+        step = 1024 * model.cp
+        return f"{HOST_BUDGET_GIB * 2**30 // model.host_bytes_per_token() // step * step:,}"
+
+    lines = [
         "### What one node can hold at most, and why", "",
         "With block-input offload, full AC keeps one hidden-size activation per token per block,",
         "and the offload moves all of them to pinned host memory: host bytes per node = blocks x",
         "tokens on the node x dim x 2 B (bf16), linear in seq_len, none of it on the GPU. For",
-        f"Llama3-8B on one node that is 32 x 4096 x 2 B = {llama // 1024} KiB per token, so "
+        f"Llama3-8B on one node that is 32 x 4096 x 2 B = {llama.host_bytes_per_token() // 1024} KiB per token, so "
         f"{HOST_BUDGET_GIB:,} GiB hold at most",
-        f"{most(llama, 8192)} tokens (Qwen3-32B, CP = 16 over 2 nodes: 64 x 5120 x 2 B / 2 = {qwen // 1024} KiB",
-        f"per token per node, at most {most(qwen, 16384)}). Where the device allows more than that (Llama3-8B",
-        "with the recomputed attention output), the host stops the search. What moves the host",
-        "bound: more nodes (the bytes per node scale with the tokens per node, so CP over 2 nodes",
-        "halves them; the device bound is then per rank as before); fewer bytes per offloaded",
-        "activation (fp8 would halve them; not implemented, and the recompute would then start",
-        "from a rounded input); keeping some blocks' inputs on the GPU (each kept block moves",
-        "1/32 of the host bytes to the device, seq_len / 8 x 4096 x 2 B per rank, which pays only",
-        "where the device has that much left at the host bound); a node with more RAM",
+        f"{most(llama)} tokens whatever the GPU (Qwen3-32B, CP = 16 over 2 nodes: 64 x 5120 x 2 B / 2 =",
+        f"{qwen.host_bytes_per_token() // 1024} KiB per token per node, at most {most(qwen)}).",
+    ]
+    for (model, method, u, variant), r in results:
+        if r.get("bound") == "host":
+            left = r["budget_gib"] - r["peak_device_gib"]
+            block = r["max_context"] // model.cp * model.dim * 2 / 2**30
+            lines += [
+                f"{model.name.split(',')[0]}, {method} ({u}), {variant}: the host stops it at "
+                f"{r['max_context']:,} tokens, where the GPU",
+                f"still has {left:.1f} GiB of its budget left, less than one block's input per rank "
+                f"({block:.1f} GiB): keeping",
+                "a block's input on the GPU instead of offloading it cannot lengthen the context there.",
+            ]
+    lines += [
+        "What moves the host bound: more nodes (the bytes per node scale with the tokens per node,",
+        "so CP over 2 nodes halves them; the device bound stays per rank); fewer bytes per",
+        "offloaded activation (fp8 would halve them; not implemented, and the recompute would then",
+        "start from a rounded input); keeping some blocks' inputs on the GPU (each kept block moves",
+        "1/blocks of the host bytes to the device, seq_len / ranks x dim x 2 B per rank, which pays",
+        "only where the device has that much left at the host bound); a node with more RAM",
         "(`--host-gib`).",
     ]
+    return lines
 
 
 def write_report(results) -> str:
@@ -210,11 +231,10 @@ def write_report(results) -> str:
         lines += ["\\* run by an earlier version of the code, whose peak was higher (the previous block's",
                   "input came back during this block's backward, and a fused block formed the RoPE table's",
                   "gradient): a lower bound. Delete its JSON and rerun to measure it again.", ""]
-    lines += host_ceiling(), ""
     lines += ["Commands (from the repository root):", "", "```"]
     for (model, method, u, variant), _ in results:
         lines.append(" ".join(command(model, u, variant)))
-    lines += ["```", "", "![peak memory against seq_len](max_context.png)", ""]
+    lines += ["```", "", "![peak memory against seq_len](max_context.png)", "", *host_ceiling(results), ""]
     return "\n".join(lines)
 
 
