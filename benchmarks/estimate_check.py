@@ -155,37 +155,51 @@ def _path(event, depth: int = 4) -> str:
     return " > ".join(names[:depth]) + (f" > ... > {names[-1]}" if len(names) > depth else "")
 
 
-def live_by_op(prof, at_ns: int | None) -> dict[str, int]:
-    """The CPU allocations of the profile still live at time ``at_ns`` (None: at its end),
-    grouped by the ops that made them: what the rise is made of."""
+def live_allocations(prof, at_ns: int | None) -> dict[tuple[int, int], tuple[int, str]]:
+    """The CPU allocations of the profile still live at time ``at_ns`` (None: at its end):
+    (address, time allocated) -> (bytes, the ops that made it)."""
     from torch._C._profiler import _EventType
 
-    stack, live = list(prof.profiler.kineto_results.experimental_event_tree()), {}
+    stack, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         if event.tag != _EventType.Allocation or (at_ns is not None and event.start_time_ns > at_ns):
             continue
-        fields = event.extra_fields
-        if str(fields.device) != "cpu":
-            continue
-        if fields.alloc_size > 0:
-            live[(fields.ptr, event.start_time_ns)] = (fields.alloc_size, _path(event.parent))
-        else:
-            live[(fields.ptr, event.start_time_ns)] = (fields.alloc_size, None)
-    # match frees to the latest earlier allocation at the same address
-    by_ptr: dict[int, list] = {}
-    for (ptr, t), value in sorted(live.items(), key=lambda kv: kv[0][1]):
-        if value[1] is None:
-            if by_ptr.get(ptr):
-                by_ptr[ptr].pop()
-        else:
-            by_ptr.setdefault(ptr, []).append(value)
+        if str(event.extra_fields.device) == "cpu":
+            events.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size, event))
+    live: dict[int, tuple[int, int, str]] = {}
+    for t, ptr, size, event in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            live[ptr] = (t, size, _path(event.parent))
+        else:  # a free: of the latest allocation at this address
+            live.pop(ptr, None)
+    return {(ptr, t): (size, path) for ptr, (t, size, path) in live.items()}
+
+
+def by_op(allocations: dict) -> dict[str, int]:
     groups: dict[str, int] = {}
-    for values in by_ptr.values():
-        for size, path in values:
-            groups[path] = groups.get(path, 0) + size
+    for size, path in allocations.values():
+        groups[path] = groups.get(path, 0) + size
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
+    """The measured rise at the peak by kind, as the estimate's breakdown names them (bytes):
+    gradients (FSDP's reduce-scatter outputs: the sharded gradients), FSDP buffers (its
+    all-gathers), and activations and temporaries (the rest), of which "retained" is what was
+    allocated before the peak and is still live at the step's end (not a gradient)."""
+    terms = {"sharded_grads": 0, "fsdp_buffers": 0, "activations_and_temps": 0, "retained": 0}
+    for key, (size, path) in at_peak.items():
+        if "FSDP::post_backward_reduce" in path:
+            terms["sharded_grads"] += size
+        elif "FSDP::" in path:
+            terms["fsdp_buffers"] += size
+        else:
+            terms["activations_and_temps"] += size
+            if key in at_end:
+                terms["retained"] += size
+    return terms
 
 
 def measure_step(size: Size, explain: bool = False) -> dict:
@@ -266,8 +280,9 @@ def measure_step(size: Size, explain: bool = False) -> dict:
     timeline = live_bytes_timeline(prof)
     rise, peak_ns = max(((live, t) for t, live in timeline), default=(0, None))
     grads = _storages_bytes([q.grad for q in params])
-    explained = {"at peak": live_by_op(prof, peak_ns), "at end": live_by_op(prof, None)} if explain else {}
-    return {"explain": explained,"start": start_bytes, "rise": rise, "end": timeline[-1][1] if timeline else 0, "grads": grads,
+    at_peak, at_end = live_allocations(prof, peak_ns), live_allocations(prof, None)
+    explained = {"at peak": by_op(at_peak), "at end": by_op(at_end)} if explain else {}
+    return {"explain": explained, "terms": terms_at_peak(at_peak, at_end),"start": start_bytes, "rise": rise, "end": timeline[-1][1] if timeline else 0, "grads": grads,
             "events": len(timeline), "loss": loss, "warmup_s": round(warmup_s, 1), "step_s": round(step_s, 1),
             "offloaded": offloader.offloaded_bytes_last_step}
 
@@ -284,24 +299,35 @@ def measured(size: Size, pool=None, explain: bool = False) -> list[dict]:
 # --- the comparison -----------------------------------------------------------------------------
 
 def compare(size: Size, pool=None, explain: bool = False) -> tuple[dict, list[dict], list[dict]]:
-    """Both sides and, per rank, the rows of the table (GiB)."""
+    """Both sides and, per rank, the rows of the table (GiB; the terms in MiB)."""
     est = estimated(size)
     ranks = measured(size, pool, explain)
     rows = []
+    b = est["breakdown"]
     est_total = est["device"] + est["host"]
     est_rise = est_total - est["constant"] - est["host"]
+    est_terms = {"sharded_grads": b["sharded_grads"] * GIB, "fsdp_buffers": b["fsdp_buffers"] * GIB,
+                 "activations_and_temps": (b["activations_and_temps"] + b["inputs"]) * GIB}
     for rank, m in enumerate(ranks):
         start = sum(m["start"].values())
         total = start + m["rise"]
-        rows.append({
+        retained = m["terms"]["retained"]
+        row = {
             "rank": rank,
             "estimated peak (device + host)": est_total / GIB, "measured peak": total / GIB,
             "ratio": est_total / total,
-            "estimated rise": est_rise / GIB, "measured rise": m["rise"] / GIB, "rise ratio": est_rise / m["rise"],
-            "start: params + opt + buffers (measured / est.)": f"{(start - m['start']['host_buffers']) / GIB:.3f} / "
-                                                                f"{est['constant'] / GIB:.3f}",
-            "host buffers (measured / est.)": f"{m['start']['host_buffers'] / GIB:.3f} / {est['host'] / GIB:.3f}",
-        })
+            "retained by gloo": retained / GIB,
+            "ratio without it": est_total / (total - retained),
+            "estimated rise": est_rise / GIB, "measured rise": m["rise"] / GIB,
+            "rise ratio without it": est_rise / (m["rise"] - retained),
+        }
+        for term, value in est_terms.items():  # term by term at the peak: estimated - measured (MiB)
+            measured_term = m["terms"][term] - (retained if term == "activations_and_temps" else 0)
+            row[f"{term} est./meas. (MiB)"] = f"{value / 2 ** 20:.1f} / {measured_term / 2 ** 20:.1f}"
+        row["params+opt+buffers est./meas. (MiB)"] = (f"{est['constant'] / 2 ** 20:.1f} / "
+                                                      f"{(start - m['start']['host_buffers']) / 2 ** 20:.1f}")
+        row["host est./meas. (MiB)"] = f"{est['host'] / 2 ** 20:.1f} / {m['start']['host_buffers'] / 2 ** 20:.1f}"
+        rows.append(row)
     return est, ranks, rows
 
 
