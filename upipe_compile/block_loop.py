@@ -174,9 +174,20 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
 
 
 def _addmm_into(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``total += a @ b`` in place, in ``total``'s dtype (fp32 operands where ``total``
-    accumulates bf16 ones: copies the size of a stage's heads, not of ``total``)."""
-    total.addmm_(a.to(total.dtype), b.to(total.dtype))
+    """``total += a @ b`` in place, in ``total``'s dtype. Where ``total`` is fp32 and the
+    operands bf16/fp16: on CUDA one bf16 tensor-core GEMM whose epilogue adds into the fp32
+    total (``addmm.dtype_out``, beta = 1), as fast as the bf16 add it replaces; elsewhere
+    fp32 copies of the operands (the size of a stage's heads, not of ``total``)."""
+    if total.dtype == a.dtype:
+        total.addmm_(a, b)
+    elif total.is_cuda and _ADDMM_OUT_DTYPE is not None:
+        _ADDMM_OUT_DTYPE(total, a, b, total.dtype, out=total)
+    else:
+        total.addmm_(a.to(total.dtype), b.to(total.dtype))
+
+
+# aten::addmm.dtype_out (bf16 inputs, fp32 output), CUDA only; absent from older torches
+_ADDMM_OUT_DTYPE = getattr(torch.ops.aten.addmm, "dtype_out", None)
 
 
 class _Recomputed:
