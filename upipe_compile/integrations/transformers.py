@@ -76,10 +76,13 @@ def _causal_sdpa_mask(*, attention_mask=None, local_size=None, config=None, **kw
     return sdpa_mask(attention_mask=attention_mask, local_size=local_size, config=config, **kwargs)
 
 
-# Keywords transformers' models pass that change nothing here: cache and output flags, and
-# the longest document (upipe derives it from the boundaries).
+# Keywords transformers' models pass that change nothing here: cache and output flags, the
+# longest document (upipe derives it from the boundaries), the loss's keywords that a causal
+# LM's forward hands its backbone along with the rest (Trainer's ``num_items_in_batch``,
+# context parallelism's ``shift_labels``) and TRL's per-token document index ``seq_idx``
+# (for linear attention's convolutions; softmax attention reads cu_seq_lens).
 _IGNORED_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits", "cache_position",
-                             "max_length_q", "max_length_k"})
+                             "max_length_q", "max_length_k", "num_items_in_batch", "shift_labels", "seq_idx"})
 
 
 def _where(module) -> str:
@@ -170,3 +173,16 @@ def packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, cp_mesh=No
               dict(input_ids=input_ids, position_ids=position_ids, **per_token).items()}
     kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)
     return kwargs
+
+
+_TRAINER_NAMES = ("UPipeTrainer", "UPipeSFTTrainer", "UPipeTrainerMixin", "upipe_batch")
+
+
+def __getattr__(name: str):
+    # The trainer side lives in hf_trainer (it imports accelerate, and trl for UPipeSFTTrainer,
+    # only when asked for).
+    if name in _TRAINER_NAMES:
+        from upipe_compile.integrations import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

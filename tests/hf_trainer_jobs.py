@@ -1,0 +1,223 @@
+"""A real ``transformers.Trainer`` and TRL ``SFTTrainer`` with UPipe on P gloo ranks, and the
+same trainer on one process over the full sequences: tiny seeded fp32 Llama, SGD,
+gradient accumulation 2. Module-level for spawned RankPool workers."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+VOCAB = 64
+SEQ = 32
+INNER = {"inner_backend": "aot_eager"}
+
+
+def build_model(family: str = "llama", attention_dropout: float = 0.0):
+    """Seeded random fp32 weights, identical on every process; ``"sdpa"`` (the trainer
+    switches it to ``"upipe"``)."""
+    if family != "llama":
+        from hf_families_jobs import build_model as family_model
+
+        return family_model(family, "eager")  # the reference: transformers' own attention (Gemma2, GPT-OSS have no sdpa)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attention_dropout=attention_dropout, tie_word_embeddings=False, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(noise / p.shape[1] ** 0.5)
+            else:
+                p.copy_(noise)
+    return model
+
+
+def lm_dataset(samples: int = 8, seq: int = SEQ, vocab: int = VOCAB):
+    """Rows of ``seq`` tokens, a different number of unlabelled (-100) prompt tokens in each
+    (so that micro-batches hold different numbers of labelled tokens)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(samples):
+        ids = torch.randint(0, vocab, (seq,), generator=gen)
+        labels = ids.clone()
+        labels[: 3 + 5 * i % (seq - 4)] = -100
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return rows
+
+
+def sft_dataset(samples: int = 12, vocab: int = VOCAB):
+    """Pre-tokenised documents of 5 to 15 tokens (TRL packs them padding-free)."""
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(5, 16, (samples,), generator=gen).tolist()
+    return Dataset.from_list([{"input_ids": torch.randint(2, vocab, (n,), generator=gen).tolist()} for n in lengths])
+
+
+def tokenizer(vocab: int = VOCAB):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t1")
+
+
+class _Record:
+    """A TrainerCallback recording every logged training loss."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Record(TrainerCallback):
+            def __init__(self):
+                self.losses = []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.losses.append(float(logs["loss"]))
+
+        return Record()
+
+
+def _common(out: str) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=1,
+                learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    # A pool worker runs many jobs: what Dynamo learnt from another model (floats it saw
+    # change become symbolic) must not reach this one.
+    torch._dynamo.reset()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _distributed_env():
+    """accelerate's MULTI_CPU reads the layout from the environment; the pool's process group
+    is already up (accelerate then leaves it alone)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+
+
+def _result(trainer, record):
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return record.losses, params
+
+
+def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dropout: float = 0.0,
+                samples: int = 8, mask_fn=None):
+    """Train with ``transformers.Trainer`` (``upipe``: UPipeTrainer on this pool's ranks);
+    returns (logged losses, final parameters)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    _reset_accelerate()
+    if upipe:
+        _distributed_env()
+    try:
+        model = build_model(family, attention_dropout)
+        vocab = model.config.vocab_size
+        data = lm_dataset(samples, seq, vocab)
+        if mask_fn is not None:
+            data = [mask_fn(i, row) for i, row in enumerate(data)]
+        record = _Record()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(**_common(out))
+            if upipe:
+                from upipe_compile.integrations.hf_trainer import UPipeTrainer
+
+                trainer = UPipeTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                                       callbacks=[record], upipe_options=INNER)
+            else:
+                trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                                  callbacks=[record])
+            if upipe:
+                from tests_support import attention_events
+
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    trainer.train()
+                return (*_result(trainer, record), dict(attention_events(prof)))
+            trainer.train()
+        return _result(trainer, record)
+    finally:
+        _reset_accelerate()
+
+
+def right_padded(i: int, row: dict) -> dict:
+    """Every third row right-padded by 2 + i tokens (pad id 0, labels -100); all rows get an
+    attention_mask."""
+    n = len(row["input_ids"])
+    pad = 2 + i if i % 3 == 0 else 0
+    mask = [1] * (n - pad) + [0] * pad
+    ids = row["input_ids"][: n - pad] + [0] * pad
+    labels = row["labels"][: n - pad] + [-100] * pad
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def left_padded(i: int, row: dict) -> dict:
+    mask = [0] * 2 + [1] * (len(row["input_ids"]) - 2)
+    return {**row, "labels": [-100] * 2 + row["labels"][2:], "attention_mask": mask}
+
+
+def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):
+    """TRL's SFTTrainer, padding-free packing (one row of 2 documents per micro-batch,
+    positions restarting per document)."""
+    from trl import SFTConfig, SFTTrainer
+
+    _reset_accelerate()
+    if upipe:
+        _distributed_env()
+    try:
+        model = build_model()
+        record = _Record()
+        with tempfile.TemporaryDirectory() as out:
+            args = SFTConfig(**_common(out), padding_free=True, pad_to_multiple_of=pad_to_multiple_of, bf16=False,
+                             max_length=None, dataset_num_proc=None)
+            kwargs = dict(model=model, args=args, train_dataset=sft_dataset(), processing_class=tokenizer(),
+                          callbacks=[record])
+            if upipe:
+                from upipe_compile.integrations.hf_trainer import UPipeSFTTrainer
+
+                trainer = UPipeSFTTrainer(**kwargs, upipe_options=INNER)
+            else:
+                trainer = SFTTrainer(**kwargs)
+            trainer.train()
+        return _result(trainer, record)
+    finally:
+        _reset_accelerate()
+
+
+def refused(job, *args, **kwargs):
+    """Run a job that must be refused; returns (type name, message) of the error, or raises
+    if it trained."""
+    try:
+        job(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the test checks the type and message
+        chain, e = [], error
+        while e is not None:
+            chain.append((type(e).__name__, str(e)))
+            e = e.__cause__ or e.__context__
+        return chain
+    raise AssertionError("trained without an error")

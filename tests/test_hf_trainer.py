@@ -1,0 +1,126 @@
+"""transformers' Trainer and TRL's SFTTrainer with UPipe (upipe_compile.integrations.hf_trainer)
+on 2 gloo ranks (DDP over gloo, context parallelism over both ranks), against the stock trainer
+on one process over the full sequences with stock "sdpa" attention: a tiny seeded fp32 model,
+SGD, gradient accumulation 2, gradient clipping on. Every logged loss and every final parameter
+must agree within 1e-5; see tests/hf_trainer_jobs.py."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import hf_trainer_jobs as jobs  # noqa: E402
+from upipe_compile.errors import UnsupportedAttention  # noqa: E402
+from upipe_compile.integrations.hf_trainer import upipe_batch  # noqa: E402
+
+TOLERANCE = 1e-5
+WORLD = 2
+
+
+def _compare(ranks, ref, family="llama"):
+    ref_losses, ref_params = ref
+    assert len(ref_losses) >= 2  # several optimizer steps, each of 2 accumulated micro-batches
+    start = dict(jobs.build_model(family).named_parameters())
+    for rank, (losses, params, *_) in enumerate(ranks):
+        assert len(losses) == len(ref_losses), (rank, losses, ref_losses)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        assert loss_diff <= TOLERANCE, (rank, losses, ref_losses)
+        assert set(params) == set(ref_params)
+        param_diff = max((params[k] - ref_params[k]).abs().max().item() for k in params)
+        assert param_diff <= TOLERANCE, (rank, param_diff)
+    # not vacuous: training moved the weights
+    assert max((ref_params[k] - start[k]).abs().max().item() for k in ref_params) > 1e-2
+
+
+def test_trainer_matches_one_process(rank_pools):
+    """Trainer at P = 2 (rows of 32 tokens, every third right-padded with a mask, different
+    numbers of labelled tokens per row) equals Trainer on one process."""
+    ranks = rank_pools(WORLD).run(jobs.run_trainer, True, mask_fn=jobs.right_padded, samples=12)
+    ref = jobs.run_trainer(False, mask_fn=jobs.right_padded, samples=12)
+    _compare(ranks, ref)
+    layers = jobs.build_model().config.num_hidden_layers
+    for rank, (*_, counts) in enumerate(ranks):
+        # Attention ran as upipe's fused block on every rank, never as plain SDPA on a shard:
+        # at least 2 layers x 6 micro-batches, forward and backward (the profiler also sees
+        # the ops traced while compiling).
+        assert "plain sdpa outside upipe" not in counts, (rank, counts)
+        assert counts["upipe::attention_block"] >= 6 * layers, (rank, counts)
+        assert counts["upipe::attention_block_backward"] >= 6 * layers, (rank, counts)
+
+
+def test_sft_padding_free_matches_one_process(rank_pools):
+    """TRL SFTTrainer with padding_free=True: one packed row of 2 documents per micro-batch,
+    positions restarting per document, attending within documents (and SFTConfig's gradient
+    checkpointing, TRL's fused LM head)."""
+    ranks = rank_pools(WORLD).run(jobs.run_sft, True)
+    _compare(ranks, jobs.run_sft(False))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_attention_variants_train_exactly(rank_pools, family):
+    """Sliding window across the shard boundary (Mistral), softcap (Gemma2), sinks (GPT-OSS)."""
+    ranks = rank_pools(WORLD).run(jobs.run_trainer, True, family=family)
+    _compare(ranks, jobs.run_trainer(False, family=family), family)
+
+
+def _refusal(chain, *words):
+    names = [name for name, _ in chain]
+    message = " ".join(text for _, text in chain)
+    assert "UnsupportedAttention" in names or "UnsupportedAttention" in message, chain
+    for word in words:
+        assert word in message, (word, chain)
+
+
+def test_uneven_length_is_refused_with_the_fix(rank_pools):
+    for chain in rank_pools(WORLD).run(jobs.refused, jobs.run_trainer, True, seq=31):
+        _refusal(chain, "not divisible", "pad_to_multiple_of=2")
+
+
+def test_left_padding_is_refused(rank_pools):
+    for chain in rank_pools(WORLD).run(jobs.refused, jobs.run_trainer, True, mask_fn=jobs.left_padded):
+        _refusal(chain, "not right padding", "padding_free=True")
+
+
+def test_attention_upipe_cannot_rewrite_is_refused_on_every_rank(rank_pools):
+    """attention dropout: refused when the first step compiles, on both ranks."""
+    for chain in rank_pools(WORLD).run(jobs.refused, jobs.run_trainer, True, attention_dropout=0.1):
+        _refusal(chain, "dropout")
+
+
+def _row(length=8):
+    ids = torch.arange(length)[None]
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_batch_checks_before_any_collective():
+    """upipe_batch refuses on the full sequence, before it shards (no process group here)."""
+    mid = _row()
+    mid["attention_mask"] = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]])
+    with pytest.raises(UnsupportedAttention, match="not right padding"):
+        upipe_batch(mid, world=2)
+    labelled_pad = _row()
+    labelled_pad["attention_mask"] = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    with pytest.raises(UnsupportedAttention, match="padded positions carry labels"):
+        upipe_batch(labelled_pad, world=2)
+    with pytest.raises(UnsupportedAttention, match="pad_to_multiple_of=4"):
+        upipe_batch(_row(6), world=4)
+    with pytest.raises(UnsupportedAttention, match="inputs_embeds"):
+        upipe_batch({**_row(), "inputs_embeds": torch.zeros(1, 8, 4)}, world=2)
+
+
+def test_deepspeed_sp_is_refused():
+    """ParallelismConfig(sp_size > 1) is DeepSpeed's Ulysses: refused before training."""
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+
+    from upipe_compile.integrations.hf_trainer import UPipeTrainerMixin
+
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    fake = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=pc))
+    with pytest.raises(UnsupportedAttention, match="sp_size=2.*DeepSpeed"):
+        UPipeTrainerMixin._upipe_setup(fake)

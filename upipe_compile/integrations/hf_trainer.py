@@ -1,0 +1,372 @@
+"""Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` with UPipe context parallelism.
+
+Two or three added lines turn a working training script into a context-parallel one::
+
+    from upipe_compile.integrations.hf_trainer import UPipeSFTTrainer   # or UPipeTrainer
+    trainer = UPipeSFTTrainer(model=model, args=SFTConfig(..., padding_free=True), train_dataset=ds,
+                              upipe_options={"heads_per_stage": 8})
+    trainer.train()
+
+What the mixin (:class:`UPipeTrainerMixin`, placed before the trainer class) does:
+
+- attention: registers ``attn_implementation="upipe"`` (:func:`upipe_compile.integrations.
+  transformers.register`) and switches the model to it, then compiles the model's backbone
+  (``model.base_model``) in place with ``backend="upipe"`` over the context-parallel group.
+  The LM head and the loss stay eager (transformers' loss, or TRL's fused LM head).
+- data: every context-parallel rank gets the SAME batch; each batch is validated on the full
+  sequence, labels are shifted on the full sequence (``shift_labels``, last position -100)
+  and then every per-token tensor is cut into contiguous shards (rank r holds tokens
+  ``[r S/P, (r + 1) S/P)``, as :func:`upipe_compile.shard_sequence`); position ids are
+  kept (global positions, or per document for packed rows), and the documents' boundaries
+  ``cu_seq_lens_q/k`` come from the full sequence's position ids and are never sharded.
+- loss: each rank's loss is the sum of its tokens' losses over the number of labelled tokens
+  in the whole optimizer step (all micro-batches of gradient accumulation, all data-parallel
+  replicas, each counted once although P ranks see it), through Trainer's own
+  ``num_items_in_batch``. Trainer multiplies it by the number of processes and DDP/FSDP
+  average gradients over them, so the gradient is the token-weighted mean over the global
+  batch, and the logged loss (the mean over processes) is the full sequence's loss.
+
+Process layouts:
+
+- CPU or GPUs without ``ParallelismConfig``: DDP over all processes (accelerate's
+  MULTI_CPU/MULTI_GPU), P = ``cp_size`` (default: all of them), data-parallel degree
+  world / P; consecutive ranks form a context-parallel group. Tested on CPU with gloo.
+- GPUs with accelerate's ``ParallelismConfig(cp_size=P)`` and FSDP2: upipe runs over
+  ``accelerator.torch_device_mesh["cp"]`` and accelerate's own context parallelism (torch's
+  ring attention and its mask hooks) is not installed. Not tested here (no GPU).
+
+Refused, with the fix in the message, before any rank enters a collective: a padding mask
+other than right padding, a sequence length that P does not divide (``pad_to_multiple_of=P``;
+:class:`UPipeSFTTrainer` sets it on ``SFTConfig`` itself), ``inputs_embeds``, label smoothing,
+a ``compute_loss_func``, ``average_tokens_across_devices=False``, a model whose loss is not
+a causal LM's, DeepSpeed Ulysses SP (``ParallelismConfig(sp_size>1)``), tensor parallelism,
+and FSDP or DeepSpeed without ``ParallelismConfig(cp_size=P)``. Attention upipe cannot
+rewrite is refused by the backend when the first step compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from upipe_compile.errors import UnsupportedAttention
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+def _right_padded(mask: torch.Tensor) -> bool:
+    """Each row is ones then zeros (and starts with a one)."""
+    if mask.dim() != 2:
+        return False
+    m = mask.to(torch.int64)
+    return bool((m[:, 0] == 1).all()) and bool((m[:, 1:] <= m[:, :-1]).all()) and bool(((m == 0) | (m == 1)).all())
+
+
+def shift_labels_of(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``shift_labels[t] = labels[t + 1]``, the last position ``ignore_index``: what a causal LM's
+    loss does inside, done once on the full sequence so that the token at a shard's end keeps the
+    label of the next shard's first token."""
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> dict:
+    """This rank's model kwargs from one full-sequence batch (the same on every
+    context-parallel rank), as Trainer's collators make it: ``input_ids`` ``[B, S]`` and
+    optionally ``labels``, ``attention_mask``, ``position_ids``, ``shift_labels``,
+    ``cu_seq_lens_q/k`` and other per-token ``[B, S]`` tensors.
+
+    Checks the batch (padding, divisibility), shifts the labels on the full sequence into
+    ``shift_labels``, makes position ids when there are none, derives the documents'
+    boundaries of a packed row from its position ids, and returns every per-token tensor's
+    contiguous shard, the boundaries unsharded. Pure function of the batch and the rank."""
+    from upipe_compile.collectives import resolve_group
+    from upipe_compile.documents import cu_seqlens_from_position_ids
+    from upipe_compile.sharding import shard_sequence
+
+    if world is None:
+        world = resolve_group(cp_mesh).size()
+    inputs = dict(inputs)
+    if inputs.get("inputs_embeds") is not None:
+        raise UnsupportedAttention(
+            "upipe's trainer shards input_ids; a batch with inputs_embeds is not supported: pass input_ids")
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise UnsupportedAttention(
+            f"upipe's trainer needs input_ids [batch, sequence] in every batch, got "
+            f"{None if ids is None else tuple(getattr(ids, 'shape', ()))}")
+    batch, length = ids.shape
+
+    mask = inputs.pop("attention_mask", None)
+    labels = inputs.get("labels")
+    if mask is not None and not bool(mask.all()):
+        if not _right_padded(mask):
+            raise UnsupportedAttention(
+                "the batch has a padding mask that is not right padding (a zero before a one in a row: left "
+                "padding, or padding between documents); under context parallelism a token would attend over "
+                "padding that upipe cannot mask. Pad on the right (tokenizer.padding_side='right', the collators' "
+                "default), or pack without padding: SFTConfig(padding_free=True), or DataCollatorWithFlattening")
+        if labels is not None and bool((labels[mask == 0] != IGNORE_INDEX).any()):
+            raise UnsupportedAttention(
+                f"padded positions carry labels: set labels to {IGNORE_INDEX} where attention_mask is 0 (TRL's "
+                "collators and DataCollatorForLanguageModeling do), so that padding never enters the loss")
+        # Right padding needs no mask under causal attention: no real token attends to a later
+        # padded one, and padded positions carry no label.
+    if length % world:
+        raise UnsupportedAttention(
+            f"sequence length {length} is not divisible by the context-parallel size {world}: pad every batch to a "
+            f"multiple of {world}: SFTConfig(pad_to_multiple_of={world}), "
+            f"DataCollatorForLanguageModeling(..., pad_to_multiple_of={world}) or "
+            f"DataCollatorWithPadding(..., pad_to_multiple_of={world}) (padding goes on the right, labels "
+            f"{IGNORE_INDEX})")
+
+    if labels is not None and "shift_labels" not in inputs:
+        inputs["shift_labels"] = shift_labels_of(labels)
+
+    positions = inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=ids.device).expand(batch, length)
+        inputs["position_ids"] = positions
+    elif positions.shape != ids.shape:
+        raise UnsupportedAttention(
+            f"position_ids {tuple(positions.shape)} do not match input_ids {tuple(ids.shape)}")
+    if batch == 1:
+        # One (possibly packed) row: the documents' boundaries over the full sequence, made
+        # once per step from the full position ids (a collator's own are replaced by them).
+        # Only cu_seq_lens_q: the attention reads k's as q's (self-attention), and a second
+        # keyword for the same tensor loses its identity under activation checkpointing's
+        # tracing (the attention could no longer tell that they agree).
+        cu = cu_seqlens_from_position_ids(positions).to(ids.device)
+        inputs.pop("cu_seq_lens_k", None)
+        if cu.numel() > 2 or "cu_seq_lens_q" in inputs:
+            inputs["cu_seq_lens_q"] = cu
+    elif "cu_seq_lens_q" in inputs or "cu_seq_lens_k" in inputs:
+        raise UnsupportedAttention(
+            f"cu_seq_lens_q/k with {batch} rows: packed batches are one row (TRL's padding_free, "
+            "DataCollatorWithFlattening)")
+
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, length) \
+                and not name.startswith("cu_seq_lens"):
+            out[name] = shard_sequence(value, cp_mesh, dim=1) if world > 1 else value
+        else:
+            out[name] = value
+    return out
+
+
+def _lcm(a: int, b: int) -> int:
+    import math
+
+    return a * b // math.gcd(a, b)
+
+
+class UPipeTrainerMixin:
+    """Put before ``transformers.Trainer`` (or a subclass such as TRL's ``SFTTrainer``) in the
+    bases: ``class MyTrainer(UPipeTrainerMixin, Trainer)``. Extra keyword arguments:
+
+    - ``upipe_options``: the backend's options (``heads_per_stage``, ``inner_backend``, ...;
+      ``cp_mesh`` is set here).
+    - ``cp_size``: P, the context-parallel size, without ``ParallelismConfig`` (default: the
+      number of processes; data parallelism over the rest). With ``ParallelismConfig`` its
+      ``cp_size`` is P.
+    """
+
+    def __init__(self, *args, upipe_options: Optional[dict[str, Any]] = None, cp_size: Optional[int] = None,
+                 **kwargs):
+        self._upipe_options = dict(upipe_options or {})
+        if "cp_mesh" in self._upipe_options:
+            raise UnsupportedAttention("upipe_options['cp_mesh'] is set by the trainer from its process layout; "
+                                       "pass cp_size=P (or ParallelismConfig(cp_size=P)) instead")
+        self._upipe_cp_size = cp_size
+        self._upipe_world = 1  # P once set up; 1 = upipe inactive
+        self._upipe_mesh = None
+        self._upipe_own_layout = False
+        super().__init__(*args, **kwargs)
+        self._upipe_setup()
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _upipe_plan_size(self, args) -> int:
+        """P as known before the trainer is built (for collator settings)."""
+        pc = getattr(args, "parallelism_config", None)
+        if pc is not None and getattr(pc, "cp_size", 1) and pc.cp_size > 1:
+            return pc.cp_size
+        if self._upipe_cp_size is not None:
+            return self._upipe_cp_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        import os
+
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _upipe_setup(self) -> None:
+        from accelerate.utils import DistributedType
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, register
+
+        acc = self.accelerator
+        pc = getattr(acc, "parallelism_config", None)
+        if pc is not None and getattr(pc, "sp_size", 1) > 1:
+            raise UnsupportedAttention(
+                f"ParallelismConfig(sp_size={pc.sp_size}, sp_backend={pc.sp_backend!r}) is DeepSpeed's Ulysses "
+                "sequence parallelism, which upipe replaces: use ParallelismConfig(cp_size=P) with FSDP2 on GPUs, "
+                "or no ParallelismConfig (cp_size= on the trainer) with DDP")
+        if pc is not None and getattr(pc, "tp_size", 1) > 1:
+            raise UnsupportedAttention(
+                f"ParallelismConfig(tp_size={pc.tp_size}): tensor parallelism with upipe's context parallelism is "
+                "not supported yet")
+        if pc is not None and pc.cp_enabled:
+            if self._upipe_cp_size not in (None, pc.cp_size):
+                raise UnsupportedAttention(
+                    f"cp_size={self._upipe_cp_size} but ParallelismConfig(cp_size={pc.cp_size}): give P once")
+            world, mesh = pc.cp_size, acc.torch_device_mesh["cp"]
+            # Not torch's ring attention and accelerate's mask hooks: upipe is the context parallelism.
+            acc._prepare_cp = lambda *objs: objs
+        else:
+            processes = acc.num_processes
+            world = self._upipe_cp_size or processes
+            if processes % world:
+                raise UnsupportedAttention(
+                    f"cp_size={world} does not divide the {processes} processes")
+            if world > 1 and acc.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+                raise UnsupportedAttention(
+                    f"upipe's trainer runs under DDP (MULTI_CPU/MULTI_GPU) or accelerate's "
+                    f"ParallelismConfig(cp_size=P) with FSDP2; got {acc.distributed_type}: with FSDP2 pass "
+                    f"TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=..., cp_size={world}))")
+            mesh = None
+            if world > 1:
+                device_type = "cpu" if acc.device.type == "cpu" else acc.device.type
+                mesh = init_device_mesh(device_type, (processes // world, world), mesh_dim_names=("dp", "cp"))["cp"]
+                self._upipe_own_layout = True
+        self._upipe_world, self._upipe_mesh = world, mesh
+
+        args = self.args
+        if world > 1:
+            if getattr(args, "label_smoothing_factor", 0) > 0:
+                raise UnsupportedAttention(
+                    "label_smoothing_factor > 0 shifts labels inside each shard; not supported with upipe's context "
+                    "parallelism: set label_smoothing_factor=0")
+            if self.compute_loss_func is not None:
+                raise UnsupportedAttention(
+                    "compute_loss_func receives one shard's unshifted labels under context parallelism; not "
+                    "supported with upipe: use the model's loss (shift_labels and num_items_in_batch reach it)")
+            if not args.average_tokens_across_devices:
+                raise UnsupportedAttention(
+                    "average_tokens_across_devices=False would weight each rank's shard by its own token count: "
+                    "set average_tokens_across_devices=True")
+            if not getattr(self, "_loss_shifts_labels", False) or not self.model_accepts_loss_kwargs:
+                raise UnsupportedAttention(
+                    f"{type(self.model).__name__} is not a causal LM whose loss takes shift_labels and "
+                    "num_items_in_batch (transformers' ForCausalLMLoss): upipe's trainer supports causal LMs")
+
+        model = acc.unwrap_model(self.model)
+        if world > 1 or dist.is_initialized():
+            register()
+            if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+                logger.info("upipe: switching %s from attn_implementation=%r to %r", type(model).__name__,
+                            model.config._attn_implementation, ATTN_IMPLEMENTATION)
+                model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if world == 1:
+            logger.warning("upipe: context-parallel size 1, training without context parallelism")
+            return
+        if acc.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+            # Dynamo's DDPOptimizer would split the compiled graph at DDP's bucket boundaries,
+            # cutting attention blocks apart; DDP then all-reduces after backward, unoverlapped.
+            torch._dynamo.config.optimize_ddp = False
+        backbone = getattr(model, "base_model", model)
+        if getattr(backbone, "_compiled_call_impl", None) is None:
+            backbone.compile(backend="upipe", options={**self._upipe_options, "cp_mesh": mesh})
+
+    # ---- Trainer hooks ----------------------------------------------------------------------
+    def get_cp_size(self) -> int:
+        # Trainer divides its token count, gathered over all processes, by this: each batch is
+        # counted once per context-parallel rank.
+        return self._upipe_world if self._upipe_own_layout else super().get_cp_size()
+
+    def _get_dataloader(self, *args, **kwargs):
+        """Without ParallelismConfig, accelerate would give each process different samples:
+        shard the data over the data-parallel replicas only, the same batches on every
+        context-parallel rank."""
+        if not self._upipe_own_layout:
+            return super()._get_dataloader(*args, **kwargs)
+        acc = self.accelerator
+        prepare = acc.prepare
+        replicas = acc.num_processes // self._upipe_world
+        replica = acc.process_index // self._upipe_world
+
+        def prepare_replica(loader, *rest, **kw):
+            from accelerate.data_loader import prepare_data_loader
+
+            if rest or kw or not isinstance(loader, torch.utils.data.DataLoader):
+                return prepare(loader, *rest, **kw)
+            prepared = prepare_data_loader(
+                loader, acc.device, num_processes=replicas, process_index=replica, split_batches=acc.split_batches,
+                put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
+                dispatch_batches=acc.dispatch_batches, even_batches=acc.even_batches,
+                use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
+                non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
+            acc._dataloaders.append(prepared)
+            return prepared
+
+        acc.prepare = prepare_replica
+        try:
+            return super()._get_dataloader(*args, **kwargs)
+        finally:
+            del acc.prepare
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        if self._upipe_world == 1:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        return contextlib.nullcontext, upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world)
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_class():
+    from transformers import Trainer
+
+    class UPipeTrainer(UPipeTrainerMixin, Trainer):
+        """``transformers.Trainer`` with UPipe context parallelism (see :class:`UPipeTrainerMixin`)."""
+
+    UPipeTrainer.__qualname__ = "UPipeTrainer"
+    return UPipeTrainer
+
+
+@functools.lru_cache(maxsize=None)
+def _sft_trainer_class():
+    from trl import SFTTrainer
+
+    class UPipeSFTTrainer(UPipeTrainerMixin, SFTTrainer):
+        """TRL's ``SFTTrainer`` with UPipe context parallelism (see :class:`UPipeTrainerMixin`).
+        Sets ``SFTConfig.pad_to_multiple_of`` to a multiple of P, so that every batch divides."""
+
+        def __init__(self, *args, **kwargs):
+            cfg = kwargs.get("args", args[1] if len(args) > 1 else None)
+            self._upipe_cp_size = kwargs.get("cp_size")
+            if cfg is not None:
+                size = self._upipe_plan_size(cfg)
+                if size > 1:
+                    multiple = cfg.pad_to_multiple_of or 1
+                    if multiple % size:
+                        cfg.pad_to_multiple_of = _lcm(multiple, size)
+                        logger.info("upipe: SFTConfig.pad_to_multiple_of=%d (a multiple of P=%d)",
+                                    cfg.pad_to_multiple_of, size)
+            super().__init__(*args, **kwargs)
+
+    UPipeSFTTrainer.__qualname__ = "UPipeSFTTrainer"
+    return UPipeSFTTrainer
+
+
+def __getattr__(name: str):
+    # transformers and trl are imported only when these classes are asked for.
+    if name == "UPipeTrainer":
+        return _trainer_class()
+    if name == "UPipeSFTTrainer":
+        return _sft_trainer_class()
+    raise AttributeError(name)
