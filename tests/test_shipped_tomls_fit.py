@@ -1,5 +1,6 @@
-"""Every TOML this project ships fits an 80 GB H100 by the whole-step memory estimate, at its
-own seq_len (each estimate runs in its own process: it needs its own fake default group)."""
+"""Every TOML this project ships fits an 80 GB H100 and a 2 TB node's host budget by the
+whole-step memory estimate, at its own seq_len (each estimate runs in its own process: it
+needs its own fake default group); every max-context row shipped fits the host budget too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from upipe_compile.estimate.host import HOST_BUDGET_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOML_DIR = os.path.join(ROOT, "integrations", "torchtitan")
@@ -23,8 +26,10 @@ def test_shipped_toml_fits_by_the_estimate(toml):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     estimate = json.loads(result.stdout)
-    assert estimate["fits"], estimate
+    assert estimate["fits"] and estimate["fits_device"] and estimate["fits_host"], estimate
     assert 0 < estimate["peak_device_gib"] <= estimate["budget_gib"] < 79.1, estimate
+    assert estimate["host_budget_gib_per_node"] == HOST_BUDGET_GIB, estimate
+    assert estimate["host_gib_per_node"] <= HOST_BUDGET_GIB, estimate
 
 
 def test_llama3_8b_fits_six_million_tokens_on_one_node():
@@ -40,3 +45,17 @@ def test_llama3_8b_fits_six_million_tokens_on_one_node():
     assert estimate["seq_len"] == 6291456 and estimate["world_size"] == 8, estimate
     assert estimate["attention_calls"].get("fused block", 0) > 0, estimate
     assert estimate["fits"] and estimate["peak_device_gib"] <= estimate["budget_gib"], estimate
+    assert estimate["fits_host"] and estimate["host_gib_per_node"] <= HOST_BUDGET_GIB, estimate
+
+
+def test_max_context_rows_fit_the_host_budget():
+    """benchmarks/results/max_context.md (which the README quotes) states only lengths whose
+    offloaded inputs fit one node's host budget, and says which bound stopped each."""
+    with open(os.path.join(ROOT, "benchmarks", "results", "max_context.md")) as f:
+        lines = [line for line in f if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip().strip("|").split("|")]
+    rows = [dict(zip(header, (cell.strip() for cell in line.strip().strip("|").split("|")))) for line in lines[2:]]
+    assert rows
+    for row in rows:
+        assert float(row["host GiB per node"]) <= HOST_BUDGET_GIB, row
+        assert row["bound"] in ("device", "host", "device and host"), row
