@@ -128,7 +128,7 @@ def _result(trainer, record):
 
 
 def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dropout: float = 0.0,
-                samples: int = 8, mask_fn=None):
+                samples: int = 8, mask_fn=None, cp_size: int | None = None):
     """Train with ``transformers.Trainer`` (``upipe``: UPipeTrainer on this pool's ranks);
     returns (logged losses, final parameters)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
@@ -149,7 +149,7 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
                 from upipe_compile.integrations.hf_trainer import UPipeTrainer
 
                 trainer = UPipeTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                                       callbacks=[record], upipe_options=INNER)
+                                       callbacks=[record], upipe_options=INNER, cp_size=cp_size)
             else:
                 trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                                   callbacks=[record])
@@ -179,6 +179,13 @@ def right_padded(i: int, row: dict) -> dict:
 def left_padded(i: int, row: dict) -> dict:
     mask = [0] * 2 + [1] * (len(row["input_ids"]) - 2)
     return {**row, "labels": [-100] * 2 + row["labels"][2:], "attention_mask": mask}
+
+
+def left_padded_on_the_second_replica(i: int, row: dict) -> dict:
+    """Left padding on ranks 2 and 3 only (the second data-parallel replica at P = 2)."""
+    import torch.distributed as dist
+
+    return left_padded(i, row) if dist.get_rank() // 2 == 1 else row
 
 
 def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):

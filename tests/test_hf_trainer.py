@@ -85,6 +85,18 @@ def test_left_padding_is_refused(rank_pools):
         _refusal(chain, "not right padding", "padding_free=True")
 
 
+def test_a_batch_refused_on_one_replica_stops_every_process(rank_pools):
+    """4 processes, P = 2: two data-parallel replicas see different batches; the second's are
+    left-padded. Its ranks raise the refusal, the first replica's ranks raise naming them,
+    instead of waiting for them in the next collective."""
+    chains = rank_pools(4).run(jobs.refused, jobs.run_trainer, True, cp_size=2,
+                               mask_fn=jobs.left_padded_on_the_second_replica)
+    for chain in chains[2:]:
+        _refusal(chain, "not right padding")
+    for chain in chains[:2]:
+        _refusal(chain, "refused on process(es) [2, 3]")
+
+
 def test_attention_upipe_cannot_rewrite_is_refused_on_every_rank(rank_pools):
     """attention dropout: refused when the first step compiles, on both ranks."""
     for chain in rank_pools(WORLD).run(jobs.refused, jobs.run_trainer, True, attention_dropout=0.1):

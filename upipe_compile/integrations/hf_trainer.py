@@ -324,7 +324,25 @@ class UPipeTrainerMixin:
     def _prepare_context_parallel_inputs(self, model, inputs):
         if self._upipe_world == 1:
             return super()._prepare_context_parallel_inputs(model, inputs)
-        return contextlib.nullcontext, upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world)
+        if self.accelerator.num_processes == self._upipe_world:
+            # one context-parallel group: every rank checks the same batch and raises alike
+            return contextlib.nullcontext, upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world)
+        # Data-parallel replicas check different batches: a refusal on one replica is raised on
+        # every process (one host all-gather), not left to hang the others in the next collective.
+        from upipe_compile.collectives import host_values_of_every_rank
+
+        try:
+            batch, error = upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world), None
+        except UnsupportedAttention as e:
+            batch, error = None, e
+        refused = [rank for rank, (flag,) in enumerate(host_values_of_every_rank([error is not None],
+                                                                                  dist.group.WORLD)) if flag]
+        if error is not None:
+            raise error
+        if refused:
+            raise UnsupportedAttention(f"the batch was refused on process(es) {refused} (their error says why); "
+                                       "every process stops with them")
+        return contextlib.nullcontext, batch
 
 
 @functools.lru_cache(maxsize=None)
