@@ -503,3 +503,38 @@ def test_bad_variant_arguments_refused_at_compile_time(world):
     message = refusal(model, rand(1, 4, 8, 8), torch.zeros(3), group=world)
     assert "sinks must have shape [4]" in message
     assert f"{THIS_FILE}:" in message and "return document_sdpa(q, q, q, None" in message
+
+
+# --- dynamo's fallbacks to running a frame uncompiled ------------------------------------------
+def _sdpa_model(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_recompile_limit_is_an_error_not_an_uncompiled_frame(world):
+    """Past the recompile limit dynamo would run the frame as written: SDPA on the local
+    shard. Under backend="upipe" (P > 1) that is an error."""
+    limit = torch._dynamo.config.recompile_limit
+    fail = torch._dynamo.config.fail_on_recompile_limit_hit
+    torch._dynamo.config.recompile_limit = 2
+    try:
+        compiled = torch.compile(_sdpa_model, backend="upipe", dynamic=False, options={"cp_mesh": world})
+        for s_local in (4, 6):
+            compiled(*(rand(1, 2, s_local, 8) for _ in range(3)))
+        with pytest.raises(Exception, match="recompile"):
+            compiled(*(rand(1, 2, 8, 8) for _ in range(3)))
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.config.fail_on_recompile_limit_hit = fail
+
+
+def test_suppressed_compile_errors_still_refuse(world):
+    """suppress_errors=True would run a refused frame uncompiled (hand-written attention on
+    the local shard): the refusal still reaches the user."""
+    suppress = torch._dynamo.config.suppress_errors
+    torch._dynamo.config.suppress_errors = True
+    try:
+        q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+        with pytest.raises(Exception, match="hand-written attention is not rewritten by upipe"):
+            torch.compile(bmm_attention, backend="upipe", options={"cp_mesh": world})(q, k, v)
+    finally:
+        torch._dynamo.config.suppress_errors = suppress

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 
 from upipe_compile.errors import UnsupportedAttention
@@ -65,6 +66,19 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     return gm
 
 
+def _never_fall_back_to_eager() -> None:
+    """Dynamo runs a frame uncompiled when it hits the recompile limit, and when a compile
+    error is suppressed (``suppress_errors``): under context parallelism that frame's
+    attention would see the local shard only, a silent wrong answer. Both become errors."""
+    config = torch._dynamo.config
+    if getattr(config, "suppress_errors", False):
+        log.warning("upipe: torch._dynamo.config.suppress_errors set to False: a frame that failed to compile "
+                    "would run its attention on the local shard only")
+        config.suppress_errors = False
+    if hasattr(config, "fail_on_recompile_limit_hit") and not config.fail_on_recompile_limit_hit:
+        config.fail_on_recompile_limit_hit = True
+
+
 def _inner_backend(name: str):
     if name == "eager":
         return lambda gm, example_inputs: gm.forward
@@ -78,5 +92,7 @@ def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
     if unused.get("mode") not in (None, "default"):
         raise UnsupportedAttention(f"backend='upipe' takes options=..., not mode={unused['mode']!r}")
     opts = UPipeOptions.from_user(options)
+    if opts.group.size() > 1:
+        _never_fall_back_to_eager()
     gm = apply_upipe_passes(gm, opts)
     return _inner_backend(opts.inner_backend)(gm, example_inputs)
