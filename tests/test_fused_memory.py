@@ -23,9 +23,9 @@ def rows():
     return {r["preset"]: r for r in json.loads(result.stdout)}
 
 
-# The block sums y and dx over stages in fp32 (issue 21): one more x-sized bf16 tensor at the
-# peak than a bf16 sum (Llama3-8B 0.443 -> 0.505, Qwen3-32B 0.321 -> 0.367 measured).
-@pytest.mark.parametrize("preset, ratio", [("Llama3-8B", 0.51), ("Qwen3-32B", 0.37)])
+# Past 4 stages the block sums y and dx in fp32: one more x-sized bf16 tensor at the peak
+# (Qwen3-32B at P = 8: 8 stages, 0.321 -> 0.367 measured); Llama3-8B (4 stages) sums in bf16.
+@pytest.mark.parametrize("preset, ratio", [("Llama3-8B", 0.45), ("Qwen3-32B", 0.37)])
 def test_fused_layer_against_ulysses(rows, preset, ratio):
     assert rows[preset]["fused / Ulysses"] <= ratio, rows[preset]
 

@@ -132,9 +132,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
 
     o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
     lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
-    # y sums the stages' shares in fp32 where x is bf16/fp16 (one rounding, as one matmul
-    # over all heads): 2x a bf16 y during the loop, 3x at the final cast.
-    y = x.new_zeros((batch, s_local, weights.wo.shape[0]), dtype=_accumulation_dtype(x.dtype))
+    # y sums the stages' shares in fp32 past a few stages (_activation_sum_dtype)
+    y = x.new_zeros((batch, s_local, weights.wo.shape[0]), dtype=_activation_sum_dtype(x.dtype, len(schedule.stages)))
     buffers = {}
 
     def start(index):
@@ -234,13 +233,14 @@ class _Recomputed:
 
 
 class _Gradients:
-    """The block's gradients, accumulated stage by stage: dx (three shares a stage) and
-    dWk/dWv (a KV group's stages) in fp32 where the block is bf16/fp16, as every add would
-    round again. Cost: dx in fp32 is 2x a bf16 dx (3x at the cast in :meth:`result`); the
-    weights' are weight-sized."""
+    """The block's gradients, accumulated stage by stage: dWq/k/v, their biases and the
+    shared extras' in fp32 where the block is bf16/fp16 (every add would round again; they
+    are weight-sized), dx (three shares a stage) in fp32 past a few stages
+    (:func:`_activation_sum_dtype`)."""
 
-    def __init__(self, x, weights: BlockWeights, extras_need_grad: list[bool]):
-        self.dx = torch.zeros_like(x, dtype=_accumulation_dtype(x.dtype), memory_format=torch.contiguous_format)
+    def __init__(self, x, weights: BlockWeights, extras_need_grad: list[bool], stages: int):
+        self.dx = torch.zeros_like(x, dtype=_activation_sum_dtype(x.dtype, stages),
+                                   memory_format=torch.contiguous_format)
         self.dw = {role: torch.zeros_like(w, dtype=_accumulation_dtype(w.dtype))
                    for role, w in (("q", weights.wq), ("k", weights.wk), ("v", weights.wv))}
         self.db = {role: None if b is None else torch.zeros_like(b, dtype=_accumulation_dtype(b.dtype))
@@ -265,6 +265,18 @@ class _Gradients:
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# Stages up to which y and dx are summed in the block's own bf16/fp16: their error stays at the
+# stock (unfused) block's (measured 1.0-1.26x of it at 4 stages), and an fp32 sum of these
+# x-sized tensors would cost 2x a bf16 x at the long-context peak (U = P: Hq / P stages, 4
+# for Llama3-8B and Qwen3-32B). Past it each add's rounding grows the error (2.3x at 32
+# stages): fp32.
+BF16_ACTIVATION_SUM_MAX_STAGES = 4
+
+
+def _activation_sum_dtype(dtype: torch.dtype, stages: int) -> torch.dtype:
+    return dtype if stages <= BF16_ACTIVATION_SUM_MAX_STAGES else _accumulation_dtype(dtype)
 
 
 def _differentiable(t) -> bool:
@@ -302,7 +314,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     # Extras enter vjp as primals; those taking no gradient (integer positions, the RoPE
     # table) are closed over.
     extras_need_grad = extras_needing_grad(weights.extras, extras_need_grad)  # None: all that can
-    grads = _Gradients(x, weights, extras_need_grad)
+    grads = _Gradients(x, weights, extras_need_grad, len(schedule.stages))
     dy = dy.contiguous()
     buffers = {}
 
