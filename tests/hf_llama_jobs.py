@@ -57,6 +57,21 @@ class LlamaCase:
         return self.seq_local * self.world
 
 
+def seeded_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every weight drawn from a seeded generator (the same on every process), larger than
+    HF's init (std 0.02) so that attention is not near-uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(noise / p.shape[1] ** 0.5)
+            else:
+                p.copy_(noise)
+
+
 def build_model(case: LlamaCase, attn_implementation: str) -> LlamaForCausalLM:
     """Random fp32 weights from a seeded generator: identical on every process and for every
     attention implementation. Larger than HF's init (std 0.02) so attention is not near-uniform."""
@@ -70,16 +85,7 @@ def build_model(case: LlamaCase, attn_implementation: str) -> LlamaForCausalLM:
     torch.manual_seed(case.seed)
     model = LlamaForCausalLM(config).float()
     assert model.config._attn_implementation == attn_implementation
-    gen = torch.Generator().manual_seed(case.seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * noise)
-            elif p.dim() == 2 and "embed_tokens" not in name:
-                p.copy_(noise / p.shape[1] ** 0.5)
-            else:
-                p.copy_(noise)
+    seeded_weights(model, case.seed + 1)
     model.train()  # dropout is 0 anyway; training mode is what context parallelism is for
     return model
 

@@ -31,16 +31,9 @@ def build_model(family: str = "llama", attention_dropout: float = 0.0):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * noise)
-            elif p.dim() == 2 and "embed_tokens" not in name:
-                p.copy_(noise / p.shape[1] ** 0.5)
-            else:
-                p.copy_(noise)
+    from hf_llama_jobs import seeded_weights
+
+    seeded_weights(model, 1)
     return model
 
 
