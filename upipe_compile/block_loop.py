@@ -233,17 +233,18 @@ class _Recomputed:
 
 
 class _Gradients:
-    """The block's gradients, accumulated stage by stage: dWq/k/v, their biases and the
-    shared extras' in fp32 where the block is bf16/fp16 (every add would round again; they
-    are weight-sized), dx (three shares a stage) in fp32 past a few stages
-    (:func:`_activation_sum_dtype`)."""
+    """The block's gradients, accumulated stage by stage: the shared extras' (QK-norm
+    weights, every stage adds) in fp32; dx (three shares a stage), dWq/k/v and their biases
+    (a KV group's stages add into the same rows) in fp32 past a few stages
+    (:func:`_activation_sum_dtype`), in the block's dtype below, where that is as accurate
+    as the stock block and the peak stays where it was."""
 
     def __init__(self, x, weights: BlockWeights, extras_need_grad: list[bool], stages: int):
         self.dx = torch.zeros_like(x, dtype=_activation_sum_dtype(x.dtype, stages),
                                    memory_format=torch.contiguous_format)
-        self.dw = {role: torch.zeros_like(w, dtype=_accumulation_dtype(w.dtype))
+        self.dw = {role: torch.zeros_like(w, dtype=_activation_sum_dtype(w.dtype, stages))
                    for role, w in (("q", weights.wq), ("k", weights.wk), ("v", weights.wv))}
-        self.db = {role: None if b is None else torch.zeros_like(b, dtype=_accumulation_dtype(b.dtype))
+        self.db = {role: None if b is None else torch.zeros_like(b, dtype=_activation_sum_dtype(b.dtype, stages))
                    for role, b in (("q", weights.bq), ("k", weights.bk), ("v", weights.bv))}
         # extras shared by all heads (QK-norm weights) sum over every stage: in fp32
         self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype)) if need else None
@@ -267,11 +268,11 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-# Stages up to which y and dx are summed in the block's own bf16/fp16: their error stays at the
-# stock (unfused) block's (measured 1.0-1.26x of it at 4 stages), and an fp32 sum of these
-# x-sized tensors would cost 2x a bf16 x at the long-context peak (U = P: Hq / P stages, 4
-# for Llama3-8B and Qwen3-32B). Past it each add's rounding grows the error (2.3x at 32
-# stages): fp32.
+# Stages up to which y, dx and dW are summed in the block's own bf16/fp16: their error stays at
+# the stock (unfused) block's (measured 1.0-1.26x of it at 4 stages), and an fp32 sum of the
+# x-sized ones would cost 2x a bf16 x at the long-context peak (U = P: Hq / P stages, 4 for
+# Llama3-8B and Qwen3-32B). Past it each add's rounding grows the error (2.3x at 32 stages):
+# fp32.
 BF16_ACTIVATION_SUM_MAX_STAGES = 4
 
 
