@@ -1,4 +1,4 @@
-"""The fused attention block's memory claim, measured as the README's table is
+"""The fused attention block's memory claim, measured as docs/results.md's table is
 (benchmarks/fused_memory.py: one rank's attention layer, fake tensors over a fake process
 group of 8, 1M tokens, bf16, head_dim 128, flash-attn workspace counted; run in its own
 process because it needs its own fake default process group)."""

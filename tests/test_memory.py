@@ -1,5 +1,5 @@
 """The memory claim, measured: fake tensors + fake process group at P=8, 1M tokens, bf16,
-head_dim 128 (the same script the README's table comes from, run in its own process
+head_dim 128 (the same script docs/results.md's table comes from, run in its own process
 because it needs its own fake default process group)."""
 
 import json

@@ -1,13 +1,18 @@
-"""The README's measured tables agree with the results files they cite.
+"""docs/results.md's measured tables, and the README's headline figures, agree with the
+results files they cite.
 
-A README table cites the last `benchmarks/results/<name>.md` named in the text between the
-previous table (or heading) and itself. Every row of a citing table must be a row of a
-table in that file: equal cells in every column the README shows. A README column the
-file's table lacks must equal the title of the section the file's table sits under (for
-example memory.md's "### Llama3-8B" tables, shown in the README with a "preset" column).
-Tables that cite nothing (the options table) are not checked. The citing text must also
-name, in the same README section, the script that wrote the file (from the command on
-the file's first line).
+A table cites the last `benchmarks/results/<name>.md` named in the text between the previous
+table (or heading) and itself. Every row of a citing table must be a row of a table in that
+file: equal cells in every column the table shows. A column the file's table lacks must equal
+the title of the section the file's table sits under (for example memory.md's "### Llama3-8B"
+tables, shown in docs/results.md with a "preset" column). Tables that cite nothing (the
+README's options table) are not checked. The citing text must also name, in the same section,
+the script that wrote the file (from the command on the file's first line). The README and
+docs/results.md are checked by the same rules.
+
+Each bullet of the README's "Headline numbers" cites one results file, names the script that
+wrote it (same rule) and links to docs/results.md; every measured figure it quotes (a number
+with a decimal point or thousands commas, outside `code`) stands in that file.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+RESULTS = os.path.join(ROOT, "docs", "results.md")
+FIGURE = re.compile(r"\d{1,3}(?:,\d{3})+|\d+\.\d+")
 CITATION = re.compile(r"benchmarks/results/[\w.-]+\.md")
 SCRIPT = re.compile(r"[\w/.-]+\.py\b")
 
@@ -58,10 +65,10 @@ def tables(text: str):
     return found
 
 
-def disagreements(readme_text: str, root: str = ROOT) -> tuple[list[str], set[str]]:
-    """What the README's citing tables get wrong, and which results files they cite."""
+def disagreements(text: str, root: str = ROOT) -> tuple[list[str], set[str]]:
+    """What a document's citing tables get wrong, and which results files they cite."""
     problems, cited = [], set()
-    for before, in_section, _, header, rows in tables(readme_text):
+    for before, in_section, _, header, rows in tables(text):
         citations = CITATION.findall(before)
         if not citations:
             continue
@@ -71,32 +78,83 @@ def disagreements(readme_text: str, root: str = ROOT) -> tuple[list[str], set[st
             source = f.read()
         script = SCRIPT.search(source.splitlines()[0])
         if script and script.group(0) not in in_section:
-            problems.append(f"{path}: the README does not name {script.group(0)}, which wrote it")
-        # The file's tables that have every README column but (at most) the section one.
+            problems.append(f"{path}: the text does not name {script.group(0)}, which wrote it")
+        # The file's tables that have every column shown but (at most) the section one.
         candidates = [(section, file_rows) for _, _, section, file_header, file_rows in tables(source)
                       if sum(column not in file_header for column in header) <= 1]
         if not candidates:
-            problems.append(f"{path}: no table of the file has the README's columns {header}")
+            problems.append(f"{path}: no table of the file has the columns {header}")
         for row in rows:
             if not any(all(file_row.get(column, section) == value for column, value in row.items())
                        for section, file_rows in candidates for file_row in file_rows):
-                problems.append(f"{path}: no row of the file matches the README's {row}")
+                problems.append(f"{path}: no row of the file matches {row}")
     return problems, cited
 
 
-def test_readme_tables_match_their_results_files():
-    with open(README) as f:
-        problems, cited = disagreements(f.read())
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_results_tables_match_their_results_files():
+    problems, cited = disagreements(_read(RESULTS))
     assert not problems, "\n".join(problems)
     assert cited == {f"benchmarks/results/{name}.md"
-                     for name in ("op_memory", "memory", "fused_block_memory", "max_context", "throughput", "demo")}
+                     for name in ("op_memory", "memory", "fused_block_memory", "window_memory", "max_context",
+                                  "throughput", "demo")}
 
 
-@pytest.mark.parametrize("path", ["op_memory", "memory", "throughput", "demo"])
+def test_readme_tables_match_their_results_files():
+    """The README keeps no measured table (they are in docs/results.md); any that cites a file is checked."""
+    problems, _ = disagreements(_read(README))
+    assert not problems, "\n".join(problems)
+
+
+def headline_bullets(readme_text: str) -> list[str]:
+    section = readme_text[readme_text.index("\n## Headline numbers\n"):]
+    section = section[:section.index("\n## ", 1)]
+    return [bullet.strip() for bullet in re.split(r"\n- ", section)[1:]]
+
+
+def headline_problems(readme_text: str, root: str = ROOT) -> list[str]:
+    problems = []
+    for bullet in headline_bullets(readme_text):
+        citations = CITATION.findall(bullet)
+        if len(set(citations)) != 1:
+            problems.append(f"a headline cites {sorted(set(citations))}, not one results file: {bullet!r}")
+            continue
+        path = citations[0]
+        source = _read(os.path.join(root, path))
+        script = SCRIPT.search(source.splitlines()[0])
+        if script and script.group(0) not in bullet:
+            problems.append(f"{path}: the headline does not name {script.group(0)}, which wrote it")
+        if "](docs/results.md#" not in bullet:
+            problems.append(f"{path}: the headline does not link to its table in docs/results.md")
+        for figure in FIGURE.findall(re.sub(r"`[^`]*`", "", bullet)):
+            if figure not in source:
+                problems.append(f"{path}: the headline's {figure} is not in the file")
+    return problems
+
+
+def test_readme_headline_figures_stand_in_their_results_files():
+    text = _read(README)
+    assert len(headline_bullets(text)) >= 3
+    problems = headline_problems(text)
+    assert not problems, "\n".join(problems)
+
+
+def test_an_edited_headline_figure_is_caught():
+    text = _read(README)
+    start = text.index("\n## Headline numbers\n")
+    at = start + text[start:].index("6,856,704")
+    problems = headline_problems(text[:at] + "6,856,705" + text[at + len("6,856,704"):])
+    assert any("6,856,705" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("path", ["op_memory", "memory", "fused_block_memory", "window_memory", "max_context", "throughput", "demo"])
 def test_an_edited_number_is_caught(path):
-    """Change one number in the first README table citing each file: the check must fail."""
-    with open(README) as f:
-        text = f.read()
+    """Change one number in the first docs/results.md table citing each file: the check must fail."""
+    text = _read(RESULTS)
     start = text.index(f"benchmarks/results/{path}.md")
     table_at = text.index("\n|", start) + 1
     row_at = text.index("\n", text.index("\n", table_at) + 1) + 1  # first row after the rule

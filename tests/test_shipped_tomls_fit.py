@@ -49,7 +49,7 @@ def test_llama3_8b_fits_six_million_tokens_on_one_node():
 
 
 def test_max_context_rows_fit_the_host_budget():
-    """benchmarks/results/max_context.md (which the README quotes) states only lengths whose
+    """benchmarks/results/max_context.md (which docs/results.md and the README quote) states only lengths whose
     offloaded inputs fit one node's host budget, and says which bound stopped each."""
     with open(os.path.join(ROOT, "benchmarks", "results", "max_context.md")) as f:
         lines = [line for line in f if line.startswith("|")]
