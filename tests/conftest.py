@@ -12,6 +12,23 @@ JOB_TIMEOUT_S = float(os.environ.get("UPIPE_TEST_JOB_TIMEOUT", "180"))
 
 _pools: dict[int, RankPool] = {}
 
+# The fast tier (`bash scripts/test.sh --fast`, about 2 minutes on 2 cores): graph passes,
+# refusals, kernels, schedules and small numerics over gloo ranks. Everything else (models,
+# torchtitan jobs, the estimate, benchmarks, hypothesis sweeps) runs in the full suite only;
+# a new file is in the full suite until it is added here.
+FAST_FILES = {
+    "test_graph.py", "test_fuse_graph.py", "test_refusals.py", "test_blocked_attention.py",
+    "test_find_block_alloc.py", "test_varlen_copies.py", "test_varlen_groups.py", "test_kernels.py",
+    "test_block_accumulation.py", "test_block_loop.py", "test_chunked_loss.py", "test_tiled_mlp.py",
+    "test_offload.py", "test_launch.py", "test_readme_results.py", "test_docs_layout.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in FAST_FILES:
+            item.add_marker(pytest.mark.fast)
+
 
 @pytest.fixture(scope="session")
 def rank_pools():
