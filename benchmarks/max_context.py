@@ -144,7 +144,9 @@ def plot(results, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({m.key for (m, *_), _ in results})
+    models = sorted({m.key for (m, _, _, variant), _ in results if variant == "whole stack"})
+    if not models:  # a --rows run without whole-stack rows: nothing to draw
+        return
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
     for ax, key in zip(axes[0], models):
         for (model, method, u, variant), r in results:
