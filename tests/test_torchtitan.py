@@ -62,11 +62,11 @@ def test_h100_toml_parallel_dims_for_world_size_8():
     with pytest.raises(Exception, match="attn_type"):
         check_job(config, dims, spec.model_args["8B_flex"])
     assert config.upipe.prefetch == "forward"
-    with pytest.raises(Exception, match=r"\[upipe\] prefetch = 'always' is not one of"):
+    with pytest.raises(Exception, match=r"\[upipe\] prefetch='always' is not one of"):
         config.upipe.prefetch = "always"
         check_job(config, dims, args)
     config.upipe.prefetch = "forward"
-    with pytest.raises(Exception, match=r"\[upipe\] recompute_attention_output = true acts on fused blocks only"):
+    with pytest.raises(Exception, match=r"\[upipe\] recompute_attention_output=True acts on fused attention blocks only"):
         config.upipe.fuse_projections, config.upipe.recompute_attention_output = False, True
         check_job(config, dims, args)
     config.upipe.fuse_projections, config.upipe.recompute_attention_output = True, False

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from upipe_compile import collectives, kernels
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.ops import attention_op, op_arguments
-from upipe_compile.options import StageLoopSettings, check_prefetch, normalised_variant
+from upipe_compile.options import (
+    DEFAULT_PREFETCH, StageLoopSettings, normalised_variant, option_problems, resolved_heads_per_stage,
+)
 from upipe_compile.schedule import shape_problems
 from upipe_compile.sinks import check_sinks
 
@@ -20,7 +22,7 @@ from upipe_compile.sinks import check_sinks
 def upipe_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
-    cp_mesh=None, heads_per_stage: Optional[int] = None, prefetch: str = "forward",
+    cp_mesh=None, heads_per_stage: Optional[int] = None, prefetch: str = DEFAULT_PREFETCH,
     cu_seqlens: Optional[torch.Tensor] = None, window: Optional[tuple[int, int]] = None,
     softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
@@ -44,13 +46,14 @@ def upipe_attention(
     head joining every row's softmax with no value (GPT-OSS). Each rank's ``sinks.grad`` holds
     the heads that rank computed: sum it over the ranks, as any replicated parameter's.
     """
-    check_prefetch(prefetch)
     window_left, window_right, softcap = normalised_variant(window, softcap)
     if sink_problems := check_sinks(sinks, q.shape[1]):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(sink_problems))
     group = collectives.resolve_group(cp_mesh)
     world = group.size()
-    heads_per_stage = world if heads_per_stage is None else heads_per_stage
+    if problems := option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch):
+        raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
+    heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     problems = shape_problems(q.shape, k.shape, v.shape, enable_gqa, world, heads_per_stage)
     problems += kernels.variant_problems(q.device.type, (window_left, window_right), softcap)
     if q.device.type == "cuda":

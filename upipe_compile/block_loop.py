@@ -35,6 +35,7 @@ from upipe_compile.sinks import apply_sinks, sink_gradient
 from upipe_compile.stage_loop import InputPipeline, head_index, my_heads, stage_kv
 from upipe_compile.block_region import BlockRegion
 from upipe_compile.documents import Documents
+from upipe_compile.options import DEFAULT_PREFETCH, prefetches
 from upipe_compile.schedule import StageSchedule, plan_stages
 
 
@@ -118,7 +119,7 @@ def _flat_heads(heads_first: torch.Tensor) -> torch.Tensor:
 
 
 def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage: int, group_name: str,
-                  prefetch: str = "forward", documents: Optional[Documents] = None, keep_output: bool = True):
+                  prefetch: str = DEFAULT_PREFETCH, documents: Optional[Documents] = None, keep_output: bool = True):
     """``(y, o, lse)``: the block output ``[B, s, d_out]``, the local attention output of all
     heads ``[B, Hq, s, D]`` and the per-stage log-sum-exp (both kept for backward). With
     ``keep_output=False``, ``o`` is an empty tensor (backward recomputes each stage's)."""
@@ -146,7 +147,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, head_index(stage.q_heads, device), dim)
         yield _Sent(_send_layout(local, world), group_name, buffers, "q")
 
-    inputs = InputPipeline(start, len(schedule.stages), prefetch in ("forward", "both"))
+    inputs = InputPipeline(start, len(schedule.stages), prefetches(prefetch, backward=False))
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
@@ -292,7 +293,7 @@ def extras_needing_grad(extras: list, requested: Optional[list[bool]] = None) ->
 
 
 def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, heads_per_stage: int,
-                   group_name: str, prefetch: str = "forward", documents: Optional[Documents] = None,
+                   group_name: str, prefetch: str = DEFAULT_PREFETCH, documents: Optional[Documents] = None,
                    extras_need_grad: Optional[list[bool]] = None):
     """Gradients ``(dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, [dextras])`` (None where
     the input was None, not differentiable, or not in ``extras_need_grad``). ``o``: the
@@ -351,7 +352,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         grads.dwo.view(grads.dwo.shape[0], -1, dim).index_add_(
             1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, dim).to(grads.dwo.dtype))
 
-    inputs = InputPipeline(start, len(schedule.stages), prefetch == "both")
+    inputs = InputPipeline(start, len(schedule.stages), prefetches(prefetch, backward=True))
     for index, stage in enumerate(schedule.stages):
         q_heads = head_index(stage.q_heads, device)
         if o is not None:  # dWo for this stage's columns, from the local attention output it sends

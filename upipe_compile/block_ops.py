@@ -25,7 +25,7 @@ from upipe_compile.block_loop import BlockWeights, block_backward, block_forward
 from upipe_compile.block_region import BlockRegion, region_by_id, register_region
 from upipe_compile.documents import documents_for
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.options import BlockSettings, check_prefetch
+from upipe_compile.options import DEFAULT_PREFETCH, BlockSettings, option_problems, resolved_heads_per_stage
 from upipe_compile.schedule import shape_problems
 
 
@@ -193,7 +193,7 @@ def block_problems(region: BlockRegion, x: Tensor, world: int, heads_per_stage: 
 
 
 def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: BlockRegion, *, cp_mesh=None,
-                          heads_per_stage: Optional[int] = None, prefetch: str = "forward",
+                          heads_per_stage: Optional[int] = None, prefetch: str = DEFAULT_PREFETCH,
                           recompute_attention_output: bool = False, cu_seqlens: Optional[Tensor] = None,
                           eager: bool = False) -> Tensor:
     """A whole attention block on this rank's sequence shard ``x [B, S/P, d]``: for each
@@ -205,13 +205,16 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
     autograd.Function instead of the custom op (for fake-tensor memory measurements)."""
     group = collectives.resolve_group(cp_mesh)
     world = group.size()
-    heads_per_stage = world if heads_per_stage is None else heads_per_stage
+    problems = option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch,
+                               recompute_attention_output=recompute_attention_output)
+    if problems:
+        raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
+    heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     problems = block_problems(region, x, world, heads_per_stage)
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
-    check_prefetch(prefetch)
     settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,
-                             bool(recompute_attention_output))
+                             recompute_attention_output)
     if eager:
         return BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, settings, cu_seqlens, *extras)
     y, _, _ = attention_block_op(x, wq, bq, wk, bk, wv, bv, wo, bo, list(extras), cu_seqlens, *settings.op_args())

@@ -26,7 +26,7 @@ from upipe_compile import kernels
 from upipe_compile.documents import Documents
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.ops import op_arguments, replay_backward, save_for_backward
-from upipe_compile.options import StageLoopSettings
+from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.passes.find import SDPA_SIGNATURE
 from upipe_compile.schedule import plan_stages, shape_problems
 from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward
@@ -76,7 +76,7 @@ def modelled_kernel(cuda_kernel: str | None):
 def measure_op_memory(
     group: dist.ProcessGroup, *, seq: int, q_heads: int, kv_heads: int, head_dim: int,
     heads_per_stage: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
-    prefetch: str = "forward", cuda_kernel: str | None = "flash-attn", cu_seqlens=None,
+    prefetch: str = DEFAULT_PREFETCH, cuda_kernel: str | None = "flash-attn", cu_seqlens=None,
 ) -> OpMemory:
     """Peak intermediate memory of one rank's forward and backward of the stage-loop op,
     with the workspace of CUDA kernel ``cuda_kernel`` counted (None: the CPU kernels').
@@ -139,7 +139,7 @@ class SDPAThroughStageLoops(TorchFunctionMode):
     estimate), where the compiled custom op would run only its fake kernel. Calls the backend
     would refuse are refused here too, with the same wording."""
 
-    def __init__(self, group: dist.ProcessGroup, heads_per_stage: int, prefetch: str = "forward"):
+    def __init__(self, group: dist.ProcessGroup, heads_per_stage: int, prefetch: str = DEFAULT_PREFETCH):
         super().__init__()
         self.group, self.heads_per_stage, self.prefetch = group, heads_per_stage, prefetch
 

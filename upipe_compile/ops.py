@@ -21,7 +21,7 @@ import torch
 from upipe_compile import collectives
 from upipe_compile.documents import Documents, documents_for
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.options import StageLoopSettings
+from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.stage_loop import schedule_for, stage_loop_backward, stage_loop_forward
 
 # The first call per shape syncs with the host (the cross-rank shape check, head indices
@@ -71,7 +71,7 @@ def check_world(world_size: int, group_name: str) -> None:
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str = "forward", window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
@@ -81,7 +81,7 @@ def attention_op(
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch="forward",
+def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch=DEFAULT_PREFETCH,
                     window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None, sinks=None):
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
@@ -93,7 +93,7 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
 def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
-    prefetch: str = "forward", window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``; dsinks is empty without sinks (an op returns fixed outputs)."""
@@ -107,7 +107,7 @@ def attention_backward_op(
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name,
-                             prefetch="forward", window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None,
+                             prefetch=DEFAULT_PREFETCH, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None,
                              sinks=None):
     dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks

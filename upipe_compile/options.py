@@ -17,6 +17,7 @@ from upipe_compile.kernels import NO_WINDOW, check_variant
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
 PREFETCH_MODES = ("none", "forward", "both")
+DEFAULT_PREFETCH = "forward"
 """Which loops start the next stage's input all-to-alls before this stage's kernel runs:
 ``forward`` (the default) adds no peak memory for GQA models, whose backward loop holds
 more (MHA, where every stage also prefetches K and V: one head-unit more); ``both`` also
@@ -34,9 +35,40 @@ def normalised_variant(window, softcap) -> tuple[int, int, float]:
     return left, right, softcap
 
 
-def check_prefetch(prefetch) -> None:
+def prefetches(prefetch: str, backward: bool) -> bool:
+    """Whether the forward (or backward) stage loop starts the next stage's all-to-alls
+    before this stage's kernel, under ``prefetch``."""
+    return prefetch == "both" if backward else prefetch in ("forward", "both")
+
+
+def option_problems(*, world: Optional[int] = None, heads_per_stage=None, prefetch=DEFAULT_PREFETCH,
+                    inner_backend="inductor", fuse_projections=True, recompute_attention_output=False) -> list[str]:
+    """What is wrong with these option values (empty: nothing), each naming the option: the
+    one check of every option, for :class:`UPipeOptions`, the public functions and the
+    torchtitan ``[upipe]`` section alike. ``heads_per_stage`` None is the default (P)."""
+    problems = []
+    if inner_backend not in INNER_BACKENDS:
+        problems.append(f"inner_backend={inner_backend!r} is not one of {INNER_BACKENDS}")
     if prefetch not in PREFETCH_MODES:
-        raise UnsupportedAttention(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
+        problems.append(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
+    for name, value in (("fuse_projections", fuse_projections), ("recompute_attention_output", recompute_attention_output)):
+        if not isinstance(value, bool):
+            problems.append(f"{name} must be True or False, got {value!r}")
+    if recompute_attention_output is True and fuse_projections is False:
+        problems.append("recompute_attention_output=True acts on fused attention blocks only: it needs "
+                        "fuse_projections=True")
+    if heads_per_stage is not None:
+        if isinstance(heads_per_stage, bool) or not isinstance(heads_per_stage, int):
+            problems.append(f"heads_per_stage must be an int, got {heads_per_stage!r}")
+        elif world is not None and (heads_per_stage < 1 or heads_per_stage % world):
+            problems.append(f"heads_per_stage={heads_per_stage} must be a positive multiple of the "
+                            f"context-parallel size P={world} (each rank computes heads_per_stage/P heads per stage)")
+    return problems
+
+
+def resolved_heads_per_stage(heads_per_stage: Optional[int], world: int) -> int:
+    """U: ``heads_per_stage``, or P where it is None (the default: least memory)."""
+    return world if heads_per_stage is None else heads_per_stage
 
 
 @dataclass(frozen=True)
@@ -54,7 +86,7 @@ class StageLoopSettings:
     """P, the context-parallel size the call was made (or compiled) for."""
     group_name: str
     """The process group of the context-parallel ranks."""
-    prefetch: str = "forward"
+    prefetch: str = DEFAULT_PREFETCH
     """One of :data:`PREFETCH_MODES`."""
     window_left: int = -1
     """Sliding window, as flash-attn counts it: query i sees keys [i - left, i + right] of
@@ -69,7 +101,7 @@ class StageLoopSettings:
 
     @classmethod
     def from_op_args(cls, is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int,
-                     group_name: str, prefetch: str = "forward", window_left: int = -1, window_right: int = -1,
+                     group_name: str, prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1,
                      softcap: float = 0.0) -> "StageLoopSettings":
         return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left, window_right,
                    softcap)
@@ -89,7 +121,7 @@ class BlockSettings:
     heads_per_stage: int
     world_size: int
     group_name: str
-    prefetch: str = "forward"
+    prefetch: str = DEFAULT_PREFETCH
     recompute_attention_output: bool = False
     """Keep no attention output for backward; each stage's attention forward runs again there."""
 
@@ -98,7 +130,7 @@ class BlockSettings:
 
     @classmethod
     def from_op_args(cls, region_id: int, heads_per_stage: int, world_size: int, group_name: str,
-                     prefetch: str = "forward", recompute_attention_output: bool = False) -> "BlockSettings":
+                     prefetch: str = DEFAULT_PREFETCH, recompute_attention_output: bool = False) -> "BlockSettings":
         return cls(region_id, heads_per_stage, world_size, group_name, prefetch, recompute_attention_output)
 
 
@@ -111,7 +143,7 @@ class UPipeOptions:
     U = number of query heads is plain Ulysses."""
     inner_backend: str = "inductor"
     """What compiles the graph after the UPipe passes: inductor, aot_eager or eager."""
-    prefetch: str = "forward"
+    prefetch: str = DEFAULT_PREFETCH
     """Start the next stage's all-to-alls while this stage's attention runs: "forward"
     (no extra peak memory for GQA; MHA +1 full-sequence head), "both" (backward too; about
     U = 2P's memory) or "none"."""
@@ -136,30 +168,16 @@ class UPipeOptions:
         return cls(**options)
 
     def __post_init__(self):
-        if self.inner_backend not in INNER_BACKENDS:
-            raise UnsupportedAttention(
-                f"inner_backend={self.inner_backend!r} is not one of {INNER_BACKENDS}"
-            )
-        check_prefetch(self.prefetch)
-        for name in ("fuse_projections", "recompute_attention_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise UnsupportedAttention(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.recompute_attention_output and not self.fuse_projections:
-            raise UnsupportedAttention("recompute_attention_output=True acts on fused attention blocks only: "
-                                       "it needs fuse_projections=True")
-        if self.heads_per_stage is not None:
-            if isinstance(self.heads_per_stage, bool) or not isinstance(self.heads_per_stage, int):
-                raise UnsupportedAttention(f"heads_per_stage must be an int, got {self.heads_per_stage!r}")
-            world = self.group.size()
-            if self.heads_per_stage < 1 or self.heads_per_stage % world:
-                raise UnsupportedAttention(
-                    f"heads_per_stage={self.heads_per_stage} must be a positive multiple of the "
-                    f"context-parallel size P={world} (each rank computes heads_per_stage/P heads per stage)"
-                )
+        world = self.group.size() if self.heads_per_stage is not None else None
+        problems = option_problems(world=world, heads_per_stage=self.heads_per_stage, prefetch=self.prefetch,
+                                   inner_backend=self.inner_backend, fuse_projections=self.fuse_projections,
+                                   recompute_attention_output=self.recompute_attention_output)
+        if problems:
+            raise UnsupportedAttention("; ".join(problems))
 
     @property
     def group(self) -> dist.ProcessGroup:
         return resolve_group(self.cp_mesh)
 
     def stage_heads(self) -> int:
-        return self.group.size() if self.heads_per_stage is None else self.heads_per_stage
+        return resolved_heads_per_stage(self.heads_per_stage, self.group.size())

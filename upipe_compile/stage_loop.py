@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 from upipe_compile import collectives, kernels
 from upipe_compile.device_constants import made_once
 from upipe_compile.documents import Documents
-from upipe_compile.options import StageLoopSettings
+from upipe_compile.options import StageLoopSettings, prefetches
 from upipe_compile.schedule import Stage, StageSchedule, plan_stages
 from upipe_compile.sinks import apply_sinks, sink_gradient
 
@@ -170,7 +170,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
 
     inputs = InputPipeline(
         lambda index: stage_inputs(schedule, index, {"q": q}, {"k": k, "v": v}, buffers, world, group_name),
-        len(schedule.stages), settings.prefetch in ("forward", "both"),
+        len(schedule.stages), prefetches(settings.prefetch, backward=False),
     )
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
@@ -227,7 +227,7 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     inputs = InputPipeline(
         lambda index: stage_inputs(schedule, index, {"q": q, "out": out, "dout": dout}, {"k": k, "v": v}, buffers,
                                    world, group_name),
-        len(schedule.stages), settings.prefetch == "both",
+        len(schedule.stages), prefetches(settings.prefetch, backward=True),
     )
     for index, stage in enumerate(schedule.stages):
         if schedule.opens_kv_group(index) and dkv_full is not None:

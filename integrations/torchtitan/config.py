@@ -24,18 +24,22 @@ and the integration uses the defaults below.
 
 from dataclasses import dataclass, field
 
+from upipe_compile.options import DEFAULT_PREFETCH
+
 
 @dataclass
 class UPipe:
     heads_per_stage: int = 0
     """U: query heads per stage across the CP ranks, a multiple of the CP degree P.
-    0 means U = P (least attention memory); U = number of query heads is plain Ulysses."""
+    0 means U = P (least attention memory; TOML has no None: 0 becomes UPipeOptions'
+    heads_per_stage=None); U = number of query heads is plain Ulysses. Checked by
+    upipe_compile.options.option_problems, as UPipeOptions is."""
 
     inner_backend: str = "inductor"
     """What compiles each TransformerBlock after the UPipe passes (and the loss, when
     [compile] components has "loss"): "inductor", "aot_eager" or "eager"."""
 
-    prefetch: str = "forward"
+    prefetch: str = DEFAULT_PREFETCH
     """Start the next stage's all-to-alls during this stage's attention: "forward" (no extra
     peak memory for GQA models), "both" (backward too; about U = 2P's memory) or "none"."""
 

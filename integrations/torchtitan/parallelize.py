@@ -32,14 +32,13 @@ import logging
 import torch
 import torch.nn as nn
 
-from upipe_compile.options import PREFETCH_MODES
 from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.documents import use_document_attention
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
-from upipe_compile.options import INNER_BACKENDS
+from upipe_compile.options import option_problems
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +80,11 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     """Everything the UPipe path refuses, with the TOML key to change."""
     cfg = upipe_config(job_config)
     problems = stack.stack_problems(job_config)
-    if cfg.inner_backend not in INNER_BACKENDS:
-        problems.append(f"[upipe] inner_backend = {cfg.inner_backend!r} is not one of {INNER_BACKENDS}")
-    if cfg.prefetch not in PREFETCH_MODES:
-        problems.append(f"[upipe] prefetch = {cfg.prefetch!r} is not one of {PREFETCH_MODES}")
-    if cfg.recompute_attention_output and not cfg.fuse_projections:
-        problems.append("[upipe] recompute_attention_output = true acts on fused blocks only: "
-                        "it needs fuse_projections = true")
+    # the options' own check (UPipeOptions'), named by their [upipe] keys; 0 is U's default (P)
+    problems += [f"[upipe] {p}" for p in option_problems(
+        world=parallel_dims.cp, heads_per_stage=cfg.heads_per_stage or None, prefetch=cfg.prefetch,
+        inner_backend=cfg.inner_backend, fuse_projections=cfg.fuse_projections,
+        recompute_attention_output=cfg.recompute_attention_output)]
     if "model" not in job_config.compile.components:
         problems.append('[compile] components must contain "model" (the blocks are what upipe rewrites)')
     if parallel_dims.tp_enabled:
@@ -113,11 +110,8 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
         heads = model_args.n_heads
         if heads % cp:
             problems.append(f"n_heads = {heads} is not divisible by the CP degree {cp}")
-        if cfg.heads_per_stage and (cfg.heads_per_stage % cp or heads % cfg.heads_per_stage):
-            problems.append(
-                f"[upipe] heads_per_stage = {cfg.heads_per_stage} must be a multiple of the CP degree {cp} "
-                f"and divide n_heads = {heads}"
-            )
+        if cfg.heads_per_stage and heads % cfg.heads_per_stage:
+            problems.append(f"[upipe] heads_per_stage = {cfg.heads_per_stage} must divide n_heads = {heads}")
     if model is not None:
         problems += stack.model_problems(model, job_config)
     _refuse(problems)

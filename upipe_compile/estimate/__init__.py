@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 from upipe_compile import kernels
 from upipe_compile.memory import eager_calls
+from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import GIB, budget_gib
 from upipe_compile.estimate.host import HOST_BUDGET_GIB
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
@@ -95,7 +96,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         job = build_job(job_config, fake_mode)
         memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
-    heads_per_stage = upipe_config(job_config).heads_per_stage or cp
+    heads_per_stage = resolved_heads_per_stage(upipe_config(job_config).heads_per_stage or None, cp)
     calls = dict(eager_calls)
     modelled = {}
     if cp > 1 and _op_selective_ac(job_config):
