@@ -62,7 +62,7 @@ def op_case_with_flash_standin(case: AttentionCase, family: str, bounds: tuple[i
     return result
 
 
-def shard_lengths_in_turn(path: str, lengths_by_rank: list[list[int]], dynamic: bool | None = False):
+def shard_lengths_in_turn(path, lengths_by_rank: list[list[int]], dynamic: bool | None = False):
     """Call ``path`` ("op": upipe_attention; "fused" / "unfused": a compiled TinyAttention
     with or without fused projections) once per step with this rank's local length
     ``lengths_by_rank[rank][step]``; per step "ok" or the error. A compiled graph is reused
@@ -72,6 +72,7 @@ def shard_lengths_in_turn(path: str, lengths_by_rank: list[list[int]], dynamic: 
     from tests_support import AttentionCase, TinyAttention
 
     rank = dist.get_rank()
+    path = path if isinstance(path, str) else path[rank]  # one path per rank
     model = None
     if path != "op":
         torch._dynamo.reset()
