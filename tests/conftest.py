@@ -2,6 +2,8 @@ import os
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # rank_jobs / tests_support, also for spawned ranks
 
@@ -28,6 +30,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in FAST_FILES:
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(scope="module")
+def fake_world(request):
+    """A fake default group of the test module's ``WORLD`` ranks (this process is rank 0), for
+    graph tests that compile and inspect but never exchange data. Other test files run real
+    gloo ranks in subprocesses, so the pytest process has no group of its own."""
+    from upipe_compile.memory import fake_process_group
+
+    assert not dist.is_initialized(), "a default process group leaked into the pytest process"
+    with fake_process_group(request.module.WORLD) as group:
+        yield group
+
+
+@pytest.fixture
+def world(fake_world):
+    """The fake world group, with Dynamo's caches cleared around each test."""
+    torch._dynamo.reset()
+    yield fake_world
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")

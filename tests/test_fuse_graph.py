@@ -19,10 +19,8 @@ import operator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from upipe_compile import UPipeOptions, apply_upipe_passes
 from upipe_compile.block_region import region_by_id
@@ -35,21 +33,7 @@ BLOCK = torch.ops.upipe.attention_block.default
 PLAIN = torch.ops.upipe.attention.default
 
 
-@pytest.fixture(scope="module")
-def fake_world():
-    assert not dist.is_initialized(), "a default process group leaked into the pytest process"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def world(fake_world):
-    torch._dynamo.reset()
-    yield fake_world
-    torch._dynamo.reset()
+# fake_world / world: tests/conftest.py, over this module's WORLD ranks
 
 
 class Capture:

@@ -31,7 +31,6 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -46,24 +45,7 @@ THIS_FILE = os.path.basename(__file__)
 
 
 # --- fixtures and helpers ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fake_world():
-    """A fake default group of WORLD ranks for this module only (this process is rank 0).
-    Other test files run real gloo ranks in subprocesses, so the pytest process is free."""
-    assert not dist.is_initialized(), "a default process group leaked into the pytest process"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def world(fake_world):
-    """The fake world group, with Dynamo's caches cleared around each test."""
-    torch._dynamo.reset()
-    yield fake_world
-    torch._dynamo.reset()
+# fake_world / world: tests/conftest.py, over this module's WORLD ranks
 
 
 class Capture:

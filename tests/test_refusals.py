@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.exc import BackendCompilerFailed
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
 from upipe_compile import UnsupportedAttention, UPipeOptions, apply_upipe_passes
@@ -39,22 +38,7 @@ UPIPE_ATTENTION = torch.ops.upipe.attention.default
 
 
 # --- fixtures and helpers ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def fake_world():
-    """A fake default group of WORLD ranks for this module only (this process is rank 0)."""
-    assert not dist.is_initialized(), "a default process group leaked into the pytest process"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def world(fake_world):
-    torch._dynamo.reset()
-    yield fake_world
-    torch._dynamo.reset()
+# fake_world / world: tests/conftest.py, over this module's WORLD ranks
 
 
 def refusal(fn, *args, group) -> str:
