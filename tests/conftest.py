@@ -8,6 +8,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))  # rank_jobs / tests_support, also for spawned ranks
 
 from upipe_compile.launch import RankPool  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# Hypothesis draws the same examples on every machine by default, so a commit's test result
+# is CI's; HYPOTHESIS_PROFILE=explore draws new ones (run it to look for bugs, not to gate).
+hypothesis_settings.register_profile("deterministic", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore", derandomize=False)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 # Seconds one job may take on the ranks before the test fails as a hang.
 JOB_TIMEOUT_S = float(os.environ.get("UPIPE_TEST_JOB_TIMEOUT", "180"))

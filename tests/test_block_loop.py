@@ -16,7 +16,7 @@ import block_jobs
 from block_support import BlockCase, eager_block_reference
 from tests_support import TOLERANCE, relative_error
 
-SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @st.composite

@@ -54,13 +54,16 @@ def reference(q, k, v, dout, is_causal, scale, window, softcap):
     return out.detach(), scores.detach().logsumexp(-1), q.grad, k.grad, v.grad
 
 
-def close(actual, expected, tolerance) -> bool:
-    """Relative error below ``tolerance``; where the reference is zero up to float64
-    rounding (rows that see a single key have dq = 0) the kernel's rounding must stay small
-    (aten's dense kernel leaves ~1e-6 from rowsum(dO * O) on O(1) inputs)."""
+def close(actual, expected, tolerance, scale: float = 0.0) -> bool:
+    """Relative error below ``tolerance``, measured against the larger of the reference and
+    ``scale`` (a gradient that cancels to nearly zero -- dq over two keys -- is judged against
+    the size of what cancelled, 1e-2 of the upstream gradient's norm); where the reference is
+    zero up to float64 rounding (rows that see a single key have dq = 0) the kernel's rounding
+    must stay small (aten's dense kernel leaves ~1e-6 from rowsum(dO * O) on O(1) inputs)."""
     if expected.norm() < 1e-9:
         return actual.double().abs().max().item() < 1e-4
-    return relative_error(actual, expected) < tolerance
+    error = (actual.double() - expected.double()).norm().item()
+    return error < tolerance * max(expected.double().norm().item(), scale)
 
 
 def edges(seq: int):
@@ -107,7 +110,8 @@ def test_blocked_kernel_equals_full_math(batch, kv_heads, group, seq, head_dim, 
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(g.dtype == torch_dtype for g in grads)
     assert relative_error(lse, expected[1]) < 1e-5
     for name, actual, wanted in zip(("out", "dq", "dk", "dv"), (out, *grads), expected[:1] + expected[2:]):
-        assert close(actual, wanted, TOLERANCE[dtype]), f"{name}: {relative_error(actual, wanted):.2e}"
+        assert close(actual, wanted, TOLERANCE[dtype], 1e-2 * dout.double().norm().item()), \
+            f"{name}: {relative_error(actual, wanted):.2e}"
 
 
 def test_each_block_reads_only_the_keys_it_can_see(monkeypatch):
@@ -197,7 +201,8 @@ def test_documents_with_window_and_softcap_equal_per_document_reference(batch, k
     expected = [torch.cat(parts, dim=2) for parts in zip(*pieces)]
     assert relative_error(lse, expected[1]) < 1e-4  # dense documents run aten's kernel: bf16 products
     for name, actual, wanted in zip(("out", "dq", "dk", "dv"), (out, *grads), expected[:1] + expected[2:]):
-        assert close(actual, wanted, TOLERANCE[dtype]), f"{name}: {relative_error(actual, wanted):.2e}"
+        assert close(actual, wanted, TOLERANCE[dtype], 1e-2 * dout.double().norm().item()), \
+            f"{name}: {relative_error(actual, wanted):.2e}"
 
 
 def test_fake_tensors_take_the_dense_kernel_with_variants(monkeypatch):

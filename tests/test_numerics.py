@@ -22,7 +22,7 @@ from tests_support import (
     relative_error,
 )
 
-SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @st.composite

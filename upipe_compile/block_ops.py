@@ -23,17 +23,10 @@ from upipe_compile import collectives
 from upipe_compile.ops import OP_TAGS, check_world
 from upipe_compile.block_loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block_region import BlockRegion, region_by_id, register_region
-from upipe_compile.documents import documents_for
+from upipe_compile.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import DEFAULT_PREFETCH, BlockSettings, option_problems, resolved_heads_per_stage
 from upipe_compile.schedule import shape_problems
-
-
-def _documents(cu_seqlens, x, group_name):
-    if cu_seqlens is None:
-        return None
-    group = collectives.group_from_name(group_name)
-    return documents_for(cu_seqlens, x.shape[1] * group.size(), group, x.device)
 
 
 @torch.library.custom_op("upipe::attention_block", mutates_args=(), tags=OP_TAGS)
@@ -46,7 +39,7 @@ def attention_block_op(
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                         _documents(cu_seqlens, x, group_name), keep_output=not recompute_attention_output)
+                         documents_of(cu_seqlens, x.shape[1], group_name, x.device), keep_output=not recompute_attention_output)
 
 
 @attention_block_op.register_fake
@@ -90,7 +83,7 @@ def attention_block_backward_op(
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     grads = block_backward(dy, x, weights, None if recompute_attention_output else o, lse, region_by_id(region_id),
-                           heads_per_stage, group_name, prefetch, _documents(cu_seqlens, x, group_name),
+                           heads_per_stage, group_name, prefetch, documents_of(cu_seqlens, x.shape[1], group_name, x.device),
                            list(extras_need_grad))
     return _gradient_list(grads, weights)
 
@@ -144,7 +137,7 @@ def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_
     x = tensors[0]
     return block_backward(dy, x, BlockWeights(*tensors[1:], extras), None if settings.recompute_attention_output else o,
                           lse, region_by_id(settings.region_id), settings.heads_per_stage, settings.group_name,
-                          settings.prefetch, _documents(cu_seqlens, x, settings.group_name), extras_need_grad)
+                          settings.prefetch, documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device), extras_need_grad)
 
 
 def _setup_context(ctx, inputs, output):
@@ -173,7 +166,7 @@ class BlockFunction(torch.autograd.Function):
         weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
         y, o, lse = block_forward(x, weights, region_by_id(settings.region_id), settings.heads_per_stage,
                                   settings.group_name, settings.prefetch,
-                                  _documents(cu_seqlens, x, settings.group_name),
+                                  documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device),
                                   keep_output=not settings.recompute_attention_output)
         _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, cu_seqlens)
         return y

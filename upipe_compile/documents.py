@@ -19,12 +19,13 @@ another rank enters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from upipe_compile.collectives import all_gather, every_rank_agrees, values_of_every_rank
+from upipe_compile.collectives import all_gather, every_rank_agrees, group_from_name, values_of_every_rank
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -153,6 +154,17 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
     documents = Documents.read(cu_seqlens, device)
     _checked[cu_seqlens] = (key, documents)
     return documents
+
+
+def documents_of(cu_seqlens: Optional[torch.Tensor], local_seq: int, group_name: str,
+                 device: torch.device) -> Optional["Documents"]:
+    """The checked boundaries the stage loops and the fused block use for a call whose shard
+    holds ``local_seq`` tokens (:func:`documents_for` over the full sequence), or None for
+    one sequence per batch row."""
+    if cu_seqlens is None:
+        return None
+    group = group_from_name(group_name)
+    return documents_for(cu_seqlens, local_seq * group.size(), group, device)
 
 
 def _preview(cu_seqlens: torch.Tensor, limit: int = 8) -> str:

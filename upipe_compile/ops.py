@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from upipe_compile import collectives
-from upipe_compile.documents import Documents, documents_for
+from upipe_compile.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.stage_loop import schedule_for, stage_loop_backward, stage_loop_forward
@@ -46,15 +46,6 @@ def parse_op_arguments(args) -> tuple:
     return q, k, v, StageLoopSettings.from_op_args(*rest[:scalars]), optional[0], optional[1]
 
 
-def documents_of(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor, group_name: str) -> Optional[Documents]:
-    """Checked boundaries (see :mod:`upipe_compile.documents`: once per boundaries tensor,
-    on every rank at once), or None for one sequence per batch row."""
-    if cu_seqlens is None:
-        return None
-    group = collectives.group_from_name(group_name)
-    return documents_for(cu_seqlens, q.shape[2] * group.size(), group, q.device)
-
-
 def check_world(world_size: int, group_name: str) -> None:
     actual = collectives.group_from_name(group_name).size()
     if actual != world_size:
@@ -77,7 +68,7 @@ def attention_op(
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
                                               window_left, window_right, softcap)
     check_world(world_size, group_name)
-    return stage_loop_forward(q, k, v, settings, documents_of(cu_seqlens, q, group_name), sinks)
+    return stage_loop_forward(q, k, v, settings, documents_of(cu_seqlens, q.shape[2], group_name, q.device), sinks)
 
 
 @attention_op.register_fake
@@ -100,7 +91,7 @@ def attention_backward_op(
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
                                               window_left, window_right, softcap)
     check_world(world_size, group_name)
-    dq, dk, dv, dsinks = stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q, group_name),
+    dq, dk, dv, dsinks = stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q.shape[2], group_name, q.device),
                                              sinks)
     return dq, dk, dv, q.new_empty((0,)) if dsinks is None else dsinks
 
@@ -131,7 +122,7 @@ def replay_backward(ctx, dout: torch.Tensor, *, eager: bool = False) -> tuple:
     q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
     settings = ctx.settings
     if eager:
-        return stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q, settings.group_name),
+        return stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q.shape[2], settings.group_name, q.device),
                                    sinks)
     dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, *settings.op_args(), cu_seqlens, sinks)
     return dq, dk, dv, None if sinks is None else dsinks
