@@ -209,9 +209,13 @@ def by_op(allocations: dict) -> dict[str, int]:
 def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
     """The measured rise at the peak by kind, as the estimate's breakdown names them (bytes):
     gradients (FSDP's reduce-scatter outputs: the sharded gradients), FSDP buffers (its
-    all-gathers), and activations and temporaries (the rest), of which "retained" is what was
-    allocated before the peak and is still live at the step's end (not a gradient)."""
+    all-gathers), and activations and temporaries (the rest), of which "retained" is what gloo
+    holds past its use: allocated before the peak and still live at the step's end (not a
+    gradient), or, when the peak falls outside the attention ops, an all-to-all's buffer (the
+    stage loops keep none past their own op; gloo drops its reference late, on its threads)."""
     terms = {"sharded_grads": 0, "fsdp_buffers": 0, "activations_and_temps": 0, "retained": 0}
+    newest = max(at_peak, key=lambda key: key[1], default=None)  # (address, time): what made the peak
+    peak_in_attention = newest is not None and "upipe::attention" in at_peak[newest][1]
     for key, (size, path) in at_peak.items():
         if "FSDP::post_backward_reduce" in path:
             terms["sharded_grads"] += size
@@ -219,7 +223,7 @@ def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
             terms["fsdp_buffers"] += size
         else:
             terms["activations_and_temps"] += size
-            if key in at_end:
+            if key in at_end or (not peak_in_attention and "all_to_all_single" in path):
                 terms["retained"] += size
     return terms
 

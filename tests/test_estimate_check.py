@@ -5,8 +5,9 @@ block inputs, tiled MLP, chunked loss), under torch.profiler(profile_memory=True
 same comparison at a size of a few GiB; docs/estimate.md, "Checked against a measurement".
 
 The one term the estimate leaves out is explained and bounded: all-to-all buffers that
-gloo keeps past their use on a CPU run ("retained": allocated before the peak, still live at
-the step's end, not a gradient). Without it, estimate and measurement agree within 5 % for
+gloo keeps past their use on a CPU run ("retained": allocated before the peak and still live
+at the step's end, not a gradient; or an all-to-all's buffer live at a peak outside the
+attention ops, which keep none past their own call). Without it, estimate and measurement agree within 5 % for
 the whole peak (an estimate without the offloaded inputs, 14 % of it here, or with an untiled
 MLP fails that), and within 8 % for the step's rise above its start alone."""
 
