@@ -24,6 +24,7 @@ and the integration uses the defaults below.
 
 from dataclasses import dataclass, field
 
+from upipe_compile.estimate.host import HOST_RESERVE_GIB
 from upipe_compile.options import DEFAULT_PREFETCH
 
 
@@ -61,7 +62,7 @@ class UPipe:
     n_layers x local_batch_size x seq_len / CP x dim x activation bytes; the job refuses to
     start when the node (x ranks per node) cannot hold it next to host_memory_reserve_gib."""
 
-    host_memory_reserve_gib: float = 64.0
+    host_memory_reserve_gib: float = float(HOST_RESERVE_GIB)
     """Node RAM the offload check leaves for everything else (OS, the ranks' own CPU memory,
     dataloader workers, pinned staging)."""
 

@@ -8,7 +8,7 @@ One owner for the figure: the search (search.py), the CLI (``--host-gib``),
 from __future__ import annotations
 
 NODE_2TB_MEMTOTAL_GIB = 1862
-"""An 8xH100 node sold with "2 TB" of RAM, as the issue counts it: 2 x 10^12 bytes = 1,862.6 GiB,
+"""An 8xH100 node sold with "2 TB" of RAM, counted as vendors count it: 2 x 10^12 bytes = 1,862.6 GiB,
 taken as the node's ``MemTotal`` (/proc/meminfo: installed memory less what firmware and the
 kernel keep; a node whose MemTotal is larger passes its own ``--host-gib``)."""
 
