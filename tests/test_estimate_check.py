@@ -1,4 +1,4 @@
-"""The whole-step estimate against a measurement that shares none of its code (issue 21):
+"""The whole-step estimate against a measurement that shares none of its code:
 one real training step of the scaled debug model on 2 gloo ranks, the stack on (offloaded
 block inputs, tiled MLP, chunked loss), under torch.profiler(profile_memory=True), against
 ``estimate(job, cuda_kernel=None)`` for the same job. benchmarks/estimate_check.py runs the

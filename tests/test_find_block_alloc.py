@@ -1,4 +1,4 @@
-"""Issue 21: reading the row ranges of a fused qkv projection allocates nothing that grows with
+"""Reading the row ranges of a fused qkv projection allocates nothing that grows with
 the sequence. The projection's example value is a fake [1, 2**40, 96] tensor: a host index
 tensor of that shape (the old ``arange(n).expand(shape).contiguous()``) is 768 TiB, which no
 allocator grants, so the old code fails here at once instead of running."""

@@ -1,5 +1,5 @@
 """A packed-sequence (varlen) backward makes no host-device traffic per call once the
-boundaries are on the device (issue 21): no tensor built from host data (a blocking
+boundaries are on the device: no tensor built from host data (a blocking
 host-to-device copy on a GPU) and no read-back (``.tolist()``/``.item()``, a
 device-to-host sync). Counted on CPU, where neither is a real copy, by the ops that would
 be one: ``aten.lift_fresh`` (``torch.tensor``/``as_tensor`` of host values), a
