@@ -142,6 +142,9 @@ def test_flash_backward_workspace_table():
         33, 1, 1024, 4, 96)
     aten = kernels.aten_flash_backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False)
     assert set(aten) == {"softmax_d", "dq_accum", "dout_contiguous", "out_contiguous"}
+    # one head a call: the [B, S, 1, D] view of a [B, 1, S, D] buffer is contiguous, no copies
+    assert set(kernels.aten_flash_backward_workspace(1, 1, 1, 1000, 128, torch.bfloat16, False)) == {
+        "softmax_d", "dq_accum"}
 
 
 def _nbytes(workspace) -> int:

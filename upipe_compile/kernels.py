@@ -684,8 +684,12 @@ def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, 
 def aten_flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms=H100_SMS,
                                   documents=None):
     """aten's flash backward: flash's workspace plus the ``[B, S, H, D]`` copies it makes of
-    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``; per row when packed)."""
+    ``dout`` and ``out`` (the stage buffers are ``[B, H, S, D]``; per row when packed). With
+    one head the transposed view is already contiguous and nothing is copied (measured on an
+    H100: benchmarks/results/gpu/gpu_check.md, section 2)."""
     workspace = flash_backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms, documents)
+    if q_heads == 1 or seq == 1:
+        return workspace
     rows = 1 if documents is not None else batch
     workspace["dout_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
     workspace["out_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
