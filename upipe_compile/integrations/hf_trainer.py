@@ -21,8 +21,9 @@ What the mixin (:class:`UPipeTrainerMixin`, placed before the trainer class) doe
   ``cu_seq_lens_q/k`` come from the full sequence's position ids and are never sharded.
 - loss: each rank's loss is the sum of its tokens' losses over the number of labelled tokens
   in the whole optimizer step (all micro-batches of gradient accumulation, all data-parallel
-  replicas, each counted once although P ranks see it), through Trainer's own
-  ``num_items_in_batch``. Trainer multiplies it by the number of processes and DDP/FSDP
+  replicas, each counted once although P ranks see it), passed as Trainer's
+  ``num_items_in_batch`` (counted by the mixin: transformers releases count it differently
+  under context parallelism). Trainer multiplies it by the number of processes and DDP/FSDP
   average gradients over them, so the gradient is the token-weighted mean over the global
   batch, and the logged loss (the mean over processes) is the full sequence's loss.
 
@@ -286,9 +287,21 @@ class UPipeTrainerMixin:
 
     # ---- Trainer hooks ----------------------------------------------------------------------
     def get_cp_size(self) -> int:
-        # Trainer divides its token count, gathered over all processes, by this: each batch is
-        # counted once per context-parallel rank.
+        # Trainer's data-parallel size is the processes over this (P ranks hold one batch).
         return self._upipe_world if self._upipe_own_layout else super().get_cp_size()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The labelled tokens of the optimizer step over all processes, each batch counted
+        once although its P context-parallel ranks all hold it. Counted here: transformers
+        releases differ in whether Trainer divides by the context-parallel size without
+        ParallelismConfig (5.17 does not, and the loss came out 1/P of the right one)."""
+        if not (self._upipe_own_layout and self._upipe_world > 1) or not batch_samples \
+                or "labels" not in batch_samples[0]:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        labels = [batch["shift_labels"] if "shift_labels" in batch else batch["labels"][..., 1:]
+                  for batch in batch_samples]
+        count = sum(label.ne(IGNORE_INDEX).sum() for label in labels).to(device)
+        return self.accelerator.gather(count).sum() / self._upipe_world
 
     def _get_dataloader(self, *args, **kwargs):
         """Without ParallelismConfig, accelerate would give each process different samples:
