@@ -19,7 +19,7 @@ from tabulate import tabulate
 import upipe_compile
 from benchmarks.tiny_llama import LlamaConfig, build
 from upipe_compile.launch import report, run_on_ranks
-from upipe_compile.memory import fake_process_group, measure_op_memory
+from upipe_compile.measure.memory import fake_process_group, measure_op_memory
 
 CONFIG = LlamaConfig(vocab=512, hidden=256, layers=2, q_heads=8, kv_heads=2, ffn=512)
 

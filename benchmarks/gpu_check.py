@@ -14,12 +14,12 @@ run; the exit status is non-zero when any check failed.
    collectives move nothing (their outputs are uninitialised) but every allocation is real,
    so ``torch.cuda.max_memory_allocated`` is the real peak. Measured: the peak beyond the op's
    inputs and outputs (fwd: q, k, v, out, lse; bwd: also dout, dq, dk, dv), against
-   ``upipe_compile.memory.measure_op_memory(..., cuda_kernel=<this kernel>)`` on fake
+   ``upipe_compile.measure.memory.measure_op_memory(..., cuda_kernel=<this kernel>)`` on fake
    tensors, which is what benchmarks/op_memory.py reports. U = P (UPipe) and U = Hq (Ulysses).
 3. stage-loop time: the same calls timed (no communication: the stage loop's kernels and
    copies alone), UPipe over Ulysses.
 4. offload: 8 checkpointed MLP blocks (d 4096, bf16) with and without
-   ``upipe_compile.offload.BlockInputOffloader``: gradients equal, peak memory saved vs the
+   ``upipe_compile.stack.offload.BlockInputOffloader``: gradients equal, peak memory saved vs the
    block inputs' size, step time. Weight gradients go to the host as they are made (as a
    sharded gradient would leave), so the peak is the activations'.
 5. packed sequences: the kernels' varlen path (``Documents`` boundaries, single-token
@@ -52,12 +52,12 @@ import torch.nn.functional as F  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from benchmarks import kernel_check  # noqa: E402
-from upipe_compile import kernels  # noqa: E402
-from upipe_compile.documents import Documents  # noqa: E402
-from upipe_compile.memory import fake_process_group, measure_op_memory  # noqa: E402
+from upipe_compile.attention import kernels  # noqa: E402
+from upipe_compile.packed.documents import Documents  # noqa: E402
+from upipe_compile.measure.memory import fake_process_group, measure_op_memory  # noqa: E402
 
 from upipe_compile.options import StageLoopSettings  # noqa: E402
-from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward  # noqa: E402
+from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward  # noqa: E402
 
 GiB = 2**30
 TOLERANCE = kernel_check.TOLERANCE
@@ -193,7 +193,7 @@ class MLPBlock(nn.Module):
 def section_offload(device, quick, n_blocks, dim, tokens, reps):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from upipe_compile.offload import BlockInputOffloader
+    from upipe_compile.stack.offload import BlockInputOffloader
 
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -315,7 +315,7 @@ def section_packed(device, quick):
 def section_offload_host_buffers(device, quick):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from upipe_compile.offload import BlockInputOffloader
+    from upipe_compile.stack.offload import BlockInputOffloader
 
     dim, tokens = (128, 320) if quick else (4096, 20480)  # 80 KiB / 160 MiB: 5 x a power of two
     blocks = [checkpoint_wrapper(MLPBlock(dim).to(device, torch.bfloat16)) for _ in range(2)]
@@ -364,7 +364,7 @@ def section_varlen_syncs(device, quick):
     blocking host<->device copy (torch.tensor of a list, .tolist(), .item()) raises."""
     if device.type != "cuda":
         return [("7. varlen backward host syncs: skipped (needs CUDA)", [])], True
-    from upipe_compile.document_sdpa import document_sdpa
+    from upipe_compile.packed.document_sdpa import document_sdpa
 
     batch, q_heads, kv_heads, dim = 2, 8, 2, 128
     seq = 4096 if quick else 65536
@@ -410,8 +410,8 @@ def section_fused_block_bf16(device, quick):
     within 1.5x of the plain bf16 block's, for y, dx and every weight gradient."""
     import torch.distributed as dist
 
-    from upipe_compile.block_ops import upipe_attention_block
-    from upipe_compile.block_region import BlockRegion
+    from upipe_compile.block.ops import upipe_attention_block
+    from upipe_compile.block.region import BlockRegion
 
     if dist.is_initialized():
         raise RuntimeError("section 8 needs a process without a default process group")

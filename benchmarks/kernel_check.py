@@ -3,7 +3,7 @@
     python benchmarks/kernel_check.py                 # CPU, and CUDA kernels if a GPU is visible
 
 For each kernel pair (CPU: aten's CPU flash, and the blocked kernel for variants; CUDA:
-aten's flash and, if installed, flash-attn through upipe_compile.kernels.FlashAttnKernels),
+aten's flash and, if installed, flash-attn through upipe_compile.attention.kernels.FlashAttnKernels),
 on GQA and MHA shapes, causal and not, bf16, dense and with each attention variant (a
 sliding window of S/8 either side, softcap 30): forward output, log-sum-exp and dq/dk/dv
 against the attention math in float32 (masked, soft-capped scores, autograd). A variant
@@ -20,7 +20,7 @@ import sys
 import torch
 from tabulate import tabulate
 
-from upipe_compile import kernels
+from upipe_compile.attention import kernels
 
 TOLERANCE = 2e-2  # bf16
 SHAPES = [  # batch, q heads, kv heads, seq, head_dim (seq / 16 on CPU, where it is only a smoke test)

@@ -40,13 +40,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.tiny_llama import rope  # noqa: E402
-from upipe_compile.memory import (  # noqa: E402
+from upipe_compile.measure.memory import (  # noqa: E402
     StageLoopFunction, fake_process_group, modelled_kernel, tracker_peak_bytes,
 )
-from upipe_compile.block_ops import upipe_attention_block  # noqa: E402
-from upipe_compile.block_region import BlockRegion  # noqa: E402
+from upipe_compile.block.ops import upipe_attention_block  # noqa: E402
+from upipe_compile.block.region import BlockRegion  # noqa: E402
 from upipe_compile.options import StageLoopSettings  # noqa: E402
-from upipe_compile.schedule import plan_stages  # noqa: E402
+from upipe_compile.attention.schedule import plan_stages  # noqa: E402
 
 HEAD_DIM = 128
 

@@ -4,8 +4,8 @@
     python benchmarks/op_memory.py --json          # machine-readable, for tests
 
 One rank's peak over forward + backward beyond the op's own inputs and outputs (see
-upipe_compile.memory), for U = P, 2P and U = all query heads (= Ulysses), with the
-analytic ratio (upipe_compile.memory.expected_ratio) beside the measured one. U = P is also
+upipe_compile.measure.memory), for U = P, 2P and U = all query heads (= Ulysses), with the
+analytic ratio (upipe_compile.measure.memory.expected_ratio) beside the measured one. U = P is also
 measured with each prefetch mode (the default, "forward", is what every other row uses).
 The CUDA kernel's backward workspace is counted (``--cuda-kernel``, default flash-attn:
 its fp32 dq accumulator and, for GQA, expanded dK/dV), which the CPU kernels do not allocate.
@@ -20,7 +20,7 @@ import sys
 import torch
 from tabulate import tabulate
 
-from upipe_compile.memory import expected_ratio, fake_process_group, measure_op_memory
+from upipe_compile.measure.memory import expected_ratio, fake_process_group, measure_op_memory
 
 PRESETS = {
     "MHA 64q/64kv": (64, 64),

@@ -1,7 +1,7 @@
 """The stage-loop op's intermediate memory with packed documents against the unpacked op:
 P = 8, 1M tokens, 1000 documents of random lengths (seeded), bf16, head_dim 128, U = P,
 measured on fake tensors over a fake process group (the real loops; CUDA kernels'
-backward workspaces modelled, see upipe_compile.kernels).
+backward workspaces modelled, see upipe_compile.attention.kernels).
 
     python benchmarks/packed_memory.py   # writes benchmarks/results/packed_memory.md
 """
@@ -18,7 +18,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from upipe_compile.memory import fake_process_group, measure_op_memory  # noqa: E402
+from upipe_compile.measure.memory import fake_process_group, measure_op_memory  # noqa: E402
 
 GiB = 2**30
 WORLD, SEQ, DOCUMENTS, HEAD_DIM = 8, 1 << 20, 1000, 128

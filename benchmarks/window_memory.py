@@ -24,7 +24,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.memory import PRESETS, measure_layer, upipe  # noqa: E402
-from upipe_compile.memory import fake_process_group  # noqa: E402
+from upipe_compile.measure.memory import fake_process_group  # noqa: E402
 
 
 def run(world: int, seq: int, window_tokens: int, presets=PRESETS) -> list[dict]:

@@ -1,6 +1,6 @@
 """Locate every scaled_dot_product_attention call in an FX graph, nested bodies included,
 and every ``upipe::document_sdpa`` (SDPA within packed documents, see
-:mod:`upipe_compile.document_sdpa`), which carries its boundaries as ``cu_seqlens``."""
+:mod:`upipe_compile.packed.document_sdpa`), which carries its boundaries as ``cu_seqlens``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import upipe_compile
-import upipe_compile.document_sdpa  # noqa: F401  (registers upipe::document_sdpa)
+import upipe_compile.packed.document_sdpa  # noqa: F401  (registers upipe::document_sdpa)
 
 # Dynamo records F.scaled_dot_product_attention (the same object as
 # torch._C._nn.scaled_dot_product_attention); graphs traced below Dynamo carry the aten op.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 
-from upipe_compile.ops import attention_op, op_arguments
+from upipe_compile.attention.ops import attention_op, op_arguments
 from upipe_compile.options import StageLoopSettings
 from upipe_compile.passes.find import AttentionMatch
 

@@ -17,7 +17,7 @@ After:
     y = block[0]
     ... users of y ...
 
-``region_id`` names the registered :class:`~upipe_compile.block_region.BlockRegion`, whose
+``region_id`` names the registered :class:`~upipe_compile.block.region.BlockRegion`, whose
 head fns are the chains extracted as ``(projected, n, *extras) -> [B, n, s, D]``
 (:func:`~upipe_compile.passes.head_separable.extract_head_fn`). The replaced nodes are erased.
 """
@@ -29,7 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from upipe_compile.block_region import BlockRegion, register_region
+from upipe_compile.block.region import BlockRegion, register_region
 from upipe_compile.options import BlockSettings
 from upipe_compile.passes.find_block import ROLES, BlockMatch
 from upipe_compile.passes.head_separable import extract_head_fn

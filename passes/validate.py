@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from upipe_compile.kernels import cuda_problems, variant_problems
+from upipe_compile.attention.kernels import cuda_problems, variant_problems
 from upipe_compile.passes.find import AttentionMatch
-from upipe_compile.schedule import shape_problems
-from upipe_compile.sinks import check_sinks
+from upipe_compile.attention.schedule import shape_problems
+from upipe_compile.attention.sinks import check_sinks
 
 
 def _example(arg):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests_support import DTYPES, AttentionCase
-from upipe_compile.block_region import BlockRegion
+from upipe_compile.block.region import BlockRegion
 
 
 @dataclass(frozen=True)

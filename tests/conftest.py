@@ -26,7 +26,7 @@ _pools: dict[int, RankPool] = {}
 # torchtitan jobs, the estimate, benchmarks, hypothesis sweeps) runs in the full suite only;
 # a new file is in the full suite until it is added here.
 FAST_FILES = {
-    "test_graph.py", "test_fuse_graph.py", "test_refusals.py", "test_blocked_attention.py",
+    "test_graph.py", "test_fuse_graph.py", "test_refusals.py", "test_blocked_kernel.py",
     "test_find_block_alloc.py", "test_varlen_copies.py", "test_varlen_groups.py", "test_kernels.py",
     "test_block_accumulation.py", "test_block_loop.py", "test_chunked_loss.py", "test_tiled_mlp.py",
     "test_offload.py", "test_launch.py", "test_readme_results.py", "test_docs_layout.py",
@@ -44,7 +44,7 @@ def fake_world(request):
     """A fake default group of the test module's ``WORLD`` ranks (this process is rank 0), for
     graph tests that compile and inspect but never exchange data. Other test files run real
     gloo ranks in subprocesses, so the pytest process has no group of its own."""
-    from upipe_compile.memory import fake_process_group
+    from upipe_compile.measure.memory import fake_process_group
 
     assert not dist.is_initialized(), "a default process group leaked into the pytest process"
     with fake_process_group(request.module.WORLD) as group:

@@ -8,7 +8,7 @@ varlen log-sum-exp is padded per document ``[n, H, max_seqlen]`` in 2.5 and pack
 ``window_size=(left, right)`` in 2.5/2.6 and ``window_size_left/right`` from 2.7 on;
 ``softcap`` exists from 2.6 on (2.5 has no such parameter). The bodies compute with
 aten's CPU flash kernels on the ``[B, S, H, D]`` layout, or with the exact blocked kernel
-(:mod:`upipe_compile.blocked_attention`) when a window or softcap is requested, with
+(:mod:`upipe_compile.attention.blocked_kernel`) when a window or softcap is requested, with
 flash's semantics (``causal`` also makes the window's right edge 0), and check what the
 real kernels check: last-dimension-contiguous inputs, preallocated contiguous dq/dk/dv of
 the right shapes, head_dim a multiple of 8, no dropout, int window edges >= -1, softcap
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from upipe_compile import blocked_attention
+from upipe_compile.attention import blocked_kernel
 
 _aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ def _forward(q, k, v, dropout_p, softmax_scale, causal, window=(-1, -1), softcap
     assert dropout_p == 0.0
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     if _check_variant(window, softcap):
-        out, lse = blocked_attention.forward(*args, causal, softmax_scale, window, softcap, block_rows=16)
+        out, lse = blocked_kernel.forward(*args, causal, softmax_scale, window, softcap, block_rows=16)
     else:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, causal, scale=softmax_scale)[:2]
     return out.transpose(1, 2).contiguous(), lse
@@ -61,7 +61,7 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_sc
     args = (dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
             softmax_lse)
     if _check_variant(window, softcap):
-        grads = blocked_attention.backward(*args, causal, softmax_scale, window, softcap, block_rows=16)
+        grads = blocked_kernel.backward(*args, causal, softmax_scale, window, softcap, block_rows=16)
     else:
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, causal, scale=softmax_scale)
     for dest, grad in zip((dq, dk, dv), grads):

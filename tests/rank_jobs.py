@@ -48,7 +48,7 @@ def op_case_with_flash_standin(case: AttentionCase, family: str, bounds: tuple[i
     FlashAttnKernels over a CPU stand-in of flash-attn's interface (what the CUDA path runs)."""
     from flash_attn_standins import FAMILIES
 
-    from upipe_compile import kernels
+    from upipe_compile.attention import kernels
 
     cpu, interface = kernels._CPU, FAMILIES[family]()
     kernels._CPU = kernels.FlashAttnKernels(interface)
@@ -97,7 +97,7 @@ def shard_lengths_in_turn(path, lengths_by_rank: list[list[int]], dynamic: bool 
 def shape_check_tensors():
     """The devices of the tensors the shape check all-gathers, and whether a gloo group is
     its own host group."""
-    from upipe_compile import collectives
+    from upipe_compile.attention import collectives
 
     devices, real = set(), dist.all_gather
 
@@ -155,7 +155,7 @@ def compiled_document_block_case(case: AttentionCase, bounds: tuple[int, ...], i
     full-sequence boundaries: (out, dx, param grads, how many boundary checks ran)."""
     from tests_support import make_block_inputs
 
-    from upipe_compile import documents
+    from upipe_compile.packed import documents
 
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -185,7 +185,7 @@ def document_block_reference(case: AttentionCase, bounds: tuple[int, ...]):
 def boundary_checks_per_call(bounds: tuple[int, ...], calls: int, modify_between: bool):
     """``calls`` op calls sharing one boundaries tensor (as a model's layers do): how many
     cross-rank boundary checks (all-gathers beyond the once-per-shape check) each made."""
-    from upipe_compile import collectives
+    from upipe_compile.attention import collectives
 
     q = torch.randn(1, 2, bounds[-1] // dist.get_world_size(), 8)
     upipe_compile.upipe_attention(q, q, q, is_causal=True)  # the shape check, once
@@ -209,7 +209,7 @@ def boundaries_fresh_on_rank_1(bounds: tuple[int, ...], second_bounds: tuple[int
     """Two op calls; rank 0 passes one boundaries tensor both times (its check is remembered),
     rank 1 a new tensor of ``second_bounds`` the second time: per call the count of
     boundary all-gathers, or the error."""
-    from upipe_compile import collectives
+    from upipe_compile.attention import collectives
 
     q = torch.randn(1, 2, bounds[-1] // dist.get_world_size(), 8)
     first = torch.tensor(bounds, dtype=torch.int64)
@@ -288,7 +288,7 @@ def variant_op_case_with_flash_standin(case: AttentionCase, family: str, window,
     stand-in of that flash-attn release's interface (the CUDA path's argument routing)."""
     from flash_attn_standins import FAMILIES
 
-    from upipe_compile import kernels
+    from upipe_compile.attention import kernels
 
     cpu, interface = kernels._CPU, FAMILIES[family]()
     kernels._CPU = kernels.FlashAttnKernels(interface)

@@ -1,4 +1,4 @@
-"""upipe_compile.chunked_loss: the chunked output projection + cross-entropy gives the plain
+"""upipe_compile.stack.chunked_loss: the chunked output projection + cross-entropy gives the plain
 path's loss and gradients (of the hidden states and of the output weight), ignore_index
 included, for any chunking; it swaps into torchtitan's model without changing its state dict."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from tests_support import relative_error
-from upipe_compile.chunked_loss import (
+from upipe_compile.stack.chunked_loss import (
     IGNORE_INDEX, LazyLogits, LazyOutputProjection, lazy_logits_cross_entropy, linear_cross_entropy,
 )
 

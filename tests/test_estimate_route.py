@@ -17,13 +17,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import upipe_compile.block_ops as block_ops_module
-import upipe_compile.memory as memory_module
-import upipe_compile.ops as ops_module
+import upipe_compile.block.ops as block_ops_module
+import upipe_compile.measure.memory as memory_module
+import upipe_compile.attention.ops as ops_module
 from tests_support import AttentionCase, TinyAttention, make_block_inputs
-from upipe_compile import UnsupportedAttention, collectives, kernels
-from upipe_compile.eager_twins import eager_twin_backend
-from upipe_compile.memory import SDPAThroughStageLoops, fake_process_group
+from upipe_compile import UnsupportedAttention
+from upipe_compile.attention import collectives, kernels
+from upipe_compile.measure.eager_twins import eager_twin_backend
+from upipe_compile.measure.memory import SDPAThroughStageLoops, fake_process_group
 
 WORLD = 2
 
@@ -222,7 +223,7 @@ def test_rms_norm_counted_as_the_fused_gpu_kernel():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from upipe_compile.estimate.plain_loops import fused_rms_norm
-    from upipe_compile.memory import tracker_peak_bytes
+    from upipe_compile.measure.memory import tracker_peak_bytes
 
     def forward_backward(fused: bool):
         with FakeTensorMode():
@@ -255,7 +256,7 @@ def test_llama3_rope_counted_as_a_fused_kernel():
     from torchtitan.models.llama3.model import model as llama3
 
     from upipe_compile.estimate.plain_loops import fused_rope
-    from upipe_compile.memory import tracker_peak_bytes
+    from upipe_compile.measure.memory import tracker_peak_bytes
 
     def rope(fused: bool):
         with FakeTensorMode():

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from upipe_compile import UPipeOptions, apply_upipe_passes
-from upipe_compile.block_region import region_by_id
+from upipe_compile.block.region import region_by_id
 from upipe_compile.passes import find_attention
 from upipe_compile.passes.find_block import ROLES, BlockMatch, NotFusable, find_block
 from upipe_compile.passes.rewrite_block import block_region

@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from upipe_compile import UnsupportedAttention, UPipeOptions, apply_upipe_passes, upipe_attention
-from upipe_compile.ops import parse_op_arguments
-from upipe_compile.schedule import ScheduleError, plan_stages
+from upipe_compile.attention.ops import parse_op_arguments
+from upipe_compile.attention.schedule import ScheduleError, plan_stages
 
 WORLD = 4
 UPIPE_ATTENTION = torch.ops.upipe.attention.default
@@ -568,7 +568,7 @@ def test_prefetch_overlaps_the_next_stage_with_the_kernel(world, prefetch, q_hea
     prefetch (K and V too where the next stage opens a KV group), and with nothing in
     flight in those that do not; the last stage has nothing to prefetch."""
     from upipe_compile.options import StageLoopSettings
-    from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward
+    from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward
 
     settings = StageLoopSettings(True, None, WORLD, WORLD, world.group_name, prefetch)
     log = CollectivesInFlight()

@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import rank_jobs
 from flash_attn_standins import FAMILIES
 from tests_support import TOLERANCE, AttentionCase, eager_reference, relative_error
-from upipe_compile import UnsupportedAttention, kernels
+from upipe_compile import UnsupportedAttention
+from upipe_compile.attention import kernels
 
 SETTINGS = dict(deadline=None, max_examples=40)
 
@@ -120,7 +121,7 @@ def test_cuda_refusals_name_the_fix():
 
 
 def test_aten_cuda_markers_are_not_cached_under_fake_mode():
-    from upipe_compile import device_constants
+    from upipe_compile.attention import device_constants
 
     device_constants._cache.clear()
     with FakeTensorMode():
@@ -155,7 +156,7 @@ def _nbytes(workspace) -> int:
 def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kernel):
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from upipe_compile.memory import tracker_peak_bytes
+    from upipe_compile.measure.memory import tracker_peak_bytes
 
     def backward_peak(model: bool) -> int:
         with FakeTensorMode():
@@ -175,7 +176,7 @@ def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kern
 
 
 def test_op_measurement_counts_the_modelled_workspace():
-    from upipe_compile.memory import fake_process_group, measure_op_memory
+    from upipe_compile.measure.memory import fake_process_group, measure_op_memory
 
     seq, world = 2**16, 4
     shape = dict(seq=seq, q_heads=8, kv_heads=2, head_dim=128, heads_per_stage=8)
@@ -268,7 +269,7 @@ def test_cuda_inputs_the_kernels_cannot_take_are_refused_at_compile_time(dtype, 
 def test_flash_attn_varlen_adapter_equals_per_document_kernel(family, batch, kv_heads, group, seq, is_causal, data):
     """FlashAttnKernels' packed path (varlen functions; padded LSE in 2.5, packed after)
     equals the CPU kernel run per document: out, the packed LSE, dq, dk, dv."""
-    from upipe_compile.documents import Documents
+    from upipe_compile.packed.documents import Documents
 
     cuts = sorted(data.draw(st.sets(st.integers(1, seq - 1), max_size=seq - 1))) if seq > 1 else []
     documents = Documents.from_bounds((0, *cuts, seq), "cpu")
@@ -305,7 +306,7 @@ def test_aten_cuda_varlen_calls_match_the_op_schemas(batch):
     """No GPU here: on meta tensors aten's varlen flash forward/backward check the arguments
     AtenCudaKernels passes (order, int32 cumulative lengths, [S, H, D] views) and return the
     packed [H, S] log-sum-exp its backward is handed back."""
-    from upipe_compile.documents import Documents
+    from upipe_compile.packed.documents import Documents
 
     documents = Documents.from_bounds((0, 5, 6, 32), "meta")
     q = torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16)
@@ -325,7 +326,7 @@ def _variant_reference(q, k, v, dout, is_causal, scale, window, softcap, documen
     document when packed, on the same views: the adapter has only to route the arguments
     and results. (Two different fp32 kernels can differ by more than 1e-5 in small
     gradients of near-one-hot softmaxes, so the reference is the same kernel.)"""
-    from upipe_compile import blocked_attention
+    from upipe_compile.attention import blocked_kernel
 
     def pair(q, k, v, dout):
         if tuple(window) == (-1, -1) and not softcap:
@@ -333,8 +334,8 @@ def _variant_reference(q, k, v, dout, is_causal, scale, window, softcap, documen
                                                                                    scale=scale)
             return out, lse, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
-        out, lse = blocked_attention.forward(q, k, v, is_causal, scale, window, softcap, block_rows=16)
-        return out, lse, *blocked_attention.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap,
+        out, lse = blocked_kernel.forward(q, k, v, is_causal, scale, window, softcap, block_rows=16)
+        return out, lse, *blocked_kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap,
                                                      block_rows=16)
 
     if documents is None:
@@ -363,7 +364,7 @@ def test_flash_attn_adapter_passes_window_and_softcap(family, batch, kv_heads, g
                                                        right, softcap, packed, data):
     """Every family's dense and varlen paths get the window in their own form (a tuple in
     2.5/2.6, left/right from 2.7) and softcap (2.6+), and equal the exact CPU kernels."""
-    from upipe_compile.documents import Documents
+    from upipe_compile.packed.documents import Documents
 
     if family == "2.5":
         softcap = 0.0  # refused there (test_flash_attn_2_5_refuses_softcap)
@@ -407,7 +408,7 @@ def test_flash_attn_2_5_refuses_softcap():
         flash.forward(q, q, q, True, None, (-1, -1), 30.0)
     with pytest.raises(UnsupportedAttention, match="no softcap parameter in _flash_attn_backward "):
         flash.backward(q, q, q, q, q, torch.zeros(1, 2, 8), True, None, (-1, -1), 30.0)
-    from upipe_compile.documents import Documents
+    from upipe_compile.packed.documents import Documents
 
     documents = Documents.from_bounds((0, 3, 8), "cpu")
     with pytest.raises(UnsupportedAttention, match="no softcap parameter in _flash_attn_varlen_forward "):
@@ -461,7 +462,7 @@ def test_aten_cuda_window_calls_match_the_op_schemas(batch):
     """No GPU here: on meta tensors aten's flash forward/backward check the arguments
     AtenCudaKernels passes with a window, dense ([B, S, H, D] views, no cumulative
     lengths, as torch's SDPA calls them) and varlen; softcap is refused."""
-    from upipe_compile.documents import Documents
+    from upipe_compile.packed.documents import Documents
 
     q = _stage_layout(torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16))
     k = _stage_layout(torch.empty(batch, 2, 32, 64, device="meta", dtype=torch.bfloat16))

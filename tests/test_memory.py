@@ -67,7 +67,7 @@ def test_measurement_is_not_far_below_the_model(rows):
 
 _PACKED_MEMORY = """
 import json, random
-from upipe_compile.memory import fake_process_group, measure_op_memory
+from upipe_compile.measure.memory import fake_process_group, measure_op_memory
 seq, documents = 1 << 20, 1000
 random.seed(0)
 bounds = [0, *sorted(random.sample(range(1, seq), documents - 1)), seq]

@@ -1,4 +1,4 @@
-"""upipe_compile.offload: the checkpointed input of each block, and nothing else, goes to host
+"""upipe_compile.stack.offload: the checkpointed input of each block, and nothing else, goes to host
 memory after the block's forward and comes back for its recompute (the copy starts when the
 gradient of the block's output arrives, not earlier); results are bit-identical to no
 offload, eager or compiled; each block's host buffer is exactly its input's size and reused
@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from upipe_compile.offload import (
+from upipe_compile.stack.offload import (
     BlockInputOffloader, cgroup_memory_limit_bytes, host_bytes_per_rank, host_memory_problem, ranks_per_node,
     total_host_memory_bytes, usable_host_memory,
 )
@@ -96,7 +96,7 @@ def test_block_inputs_are_released_after_forward(backend):
 def test_backward_fetches_each_input_when_its_blocks_backward_begins(monkeypatch):
     """Each copy back starts when the gradient of that block's output arrives: never while a
     later block's backward runs (that would hold two block inputs at the step's peak)."""
-    from upipe_compile import offload
+    from upipe_compile.stack import offload
 
     log = []
     original_unpack, original_prefetch = offload._OffloadedInput.unpack, offload._OffloadedInput.prefetch
@@ -213,7 +213,7 @@ def test_refused_pinning_falls_back_to_pageable_memory_said_once(caplog):
     ref = [run(plain, x, scale) for _ in range(2)][-1]  # parameter gradients accumulate
     blocks = make_blocks(3, "eager")
     offloader = BlockInputOffloader(blocks, pin=refuse)
-    with caplog.at_level("WARNING", logger="upipe_compile.offload"):
+    with caplog.at_level("WARNING", logger="upipe_compile.stack.offload"):
         got = [run(blocks, x, scale) for _ in range(2)][-1]
     assert calls == [2 * 5 * DIM * 4]  # tried once, not for every block
     warnings = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]

@@ -470,7 +470,7 @@ def test_sliding_window_reaches_the_op_from_the_mask_alone(world):
 
     torch.compile(layer, backend=backend)(rand(1, 4, 8, 16))
     (op,) = [n for g in backend.graphs for n in g.graph.nodes if n.target is torch.ops.upipe.attention.default]
-    from upipe_compile.ops import parse_op_arguments
+    from upipe_compile.attention.ops import parse_op_arguments
 
     settings = parse_op_arguments(op.args)[3]
     assert (settings.window_left, settings.window_right, settings.is_causal) == (4, 4, True)

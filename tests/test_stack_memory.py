@@ -8,8 +8,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from upipe_compile.chunked_loss import linear_cross_entropy_backward, linear_cross_entropy_forward
-from upipe_compile.memory import tracker_peak_bytes
+from upipe_compile.stack.chunked_loss import linear_cross_entropy_backward, linear_cross_entropy_forward
+from upipe_compile.measure.memory import tracker_peak_bytes
 
 MIB = 1 << 20
 
@@ -24,7 +24,7 @@ def peak_beyond_start(fn, *tensors) -> int:
 
 
 def mlp_backward_peak(tokens, tile, dim=256, hidden=2048):
-    from upipe_compile.tiled_mlp import tiled_swiglu_backward
+    from upipe_compile.stack.tiled_mlp import tiled_swiglu_backward
 
     with FakeTensorMode():
         x, grad = torch.empty(tokens, dim), torch.empty(tokens, dim)

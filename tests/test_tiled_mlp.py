@@ -1,4 +1,4 @@
-"""upipe_compile.tiled_mlp: the sequence-tiled SwiGLU gives the plain FeedForward's output and
+"""upipe_compile.stack.tiled_mlp: the sequence-tiled SwiGLU gives the plain FeedForward's output and
 gradients (input and all three weights) for any tiling, eagerly and inside a torch.compile'd,
 activation-checkpointed block; it swaps into torchtitan's Llama3 FeedForward in place."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tests_support import relative_error
-from upipe_compile.tiled_mlp import SequenceTiledSwiGLU, swiglu
+from upipe_compile.stack.tiled_mlp import SequenceTiledSwiGLU, swiglu
 
 
 def plain_swiglu(x, w1, w2, w3):  # torchtitan's FeedForward.forward

@@ -17,8 +17,8 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import upipe_compile
-from upipe_compile import kernels
-from upipe_compile.documents import Documents
+from upipe_compile.attention import kernels
+from upipe_compile.packed.documents import Documents
 
 _aten = torch.ops.aten
 LENGTHS = (8, 16, 8, 24, 8, 16, 8, 40)  # short documents: the backward runs several varlen groups

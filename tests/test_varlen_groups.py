@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from upipe_compile import kernels
-from upipe_compile.documents import Documents
+from upipe_compile.attention import kernels
+from upipe_compile.packed.documents import Documents
 
 
 class StandInVarlen(kernels.VarlenKernels):

@@ -6,9 +6,9 @@ UPipe (untied Ulysses) context parallelism.
 
 from upipe_compile.api import upipe_attention
 from upipe_compile.backend import apply_upipe_passes, upipe_backend
-from upipe_compile.block_ops import upipe_attention_block
-from upipe_compile.document_sdpa import document_sdpa
-from upipe_compile.documents import cu_seqlens_from_position_ids
+from upipe_compile.block.ops import upipe_attention_block
+from upipe_compile.packed.document_sdpa import document_sdpa
+from upipe_compile.packed.documents import cu_seqlens_from_position_ids
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.sharding import gather_sequence, global_positions, shard_sequence

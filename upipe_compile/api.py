@@ -9,14 +9,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from upipe_compile import collectives, kernels
+from upipe_compile.attention import collectives, kernels
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.ops import attention_op, op_arguments
+from upipe_compile.attention.ops import attention_op, op_arguments
 from upipe_compile.options import (
     DEFAULT_PREFETCH, StageLoopSettings, normalised_variant, option_problems, resolved_heads_per_stage,
 )
-from upipe_compile.schedule import shape_problems
-from upipe_compile.sinks import check_sinks
+from upipe_compile.attention.schedule import shape_problems
+from upipe_compile.attention.sinks import check_sinks
 
 
 def upipe_attention(

@@ -10,9 +10,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from upipe_compile.collectives import resolve_group
+from upipe_compile.attention.collectives import resolve_group
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.kernels import NO_WINDOW, check_variant
+from upipe_compile.attention.kernels import NO_WINDOW, check_variant
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -27,7 +27,7 @@ boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
 
 def normalised_variant(window, softcap) -> tuple[int, int, float]:
     """``(window_left, window_right, softcap)`` as the ops take them (None: no window / no
-    softcap), or UnsupportedAttention for bad values (:func:`upipe_compile.kernels.check_variant`;
+    softcap), or UnsupportedAttention for bad values (:func:`upipe_compile.attention.kernels.check_variant`;
     a softcap the caller gives must be > 0: 0 is the ops' "off", spelled None here)."""
     if softcap is not None and not isinstance(softcap, bool) and isinstance(softcap, (int, float)) and softcap <= 0:
         raise UnsupportedAttention(f"softcap={softcap!r}: must be > 0 (None for no softcap)")
@@ -117,7 +117,7 @@ class BlockSettings:
     to the op as scalar arguments in this order (:meth:`op_args`, :meth:`from_op_args`)."""
 
     region_id: int
-    """The block's registered :class:`~upipe_compile.block_region.BlockRegion`."""
+    """The block's registered :class:`~upipe_compile.block.region.BlockRegion`."""
     heads_per_stage: int
     world_size: int
     group_name: str

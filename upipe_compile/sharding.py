@@ -7,7 +7,7 @@ layout (no head-tail load balancing) and equal shard lengths.
 from __future__ import annotations
 
 import torch
-from upipe_compile.collectives import all_gather, resolve_group
+from upipe_compile.attention.collectives import all_gather, resolve_group
 from upipe_compile.errors import UnsupportedAttention
 
 

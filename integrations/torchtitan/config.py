@@ -36,6 +36,11 @@ class UPipe:
     heads_per_stage=None); U = number of query heads is plain Ulysses. Checked by
     upipe_compile.options.option_problems, as UPipeOptions is."""
 
+    @property
+    def heads_per_stage_option(self):
+        """``heads_per_stage`` as UPipeOptions takes it (None = the default, P)."""
+        return self.heads_per_stage or None
+
     inner_backend: str = "inductor"
     """What compiles each TransformerBlock after the UPipe passes (and the loss, when
     [compile] components has "loss"): "inductor", "aot_eager" or "eager"."""

@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from upipe_compile.document_sdpa import document_sdpa
+from upipe_compile.packed.document_sdpa import document_sdpa
 from upipe_compile.errors import UnsupportedAttention
 
 

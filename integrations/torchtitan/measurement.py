@@ -5,7 +5,7 @@ Under :func:`measuring`, parallelize does everything it does for training (the j
 activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except ``torch.compile``:
 
 - each TransformerBlock's SDPA runs eagerly through the real stage loops
-  (:class:`upipe_compile.memory.SDPAThroughStageLoops`, same group, U and prefetch as the
+  (:class:`upipe_compile.measure.memory.SDPAThroughStageLoops`, same group, U and prefetch as the
   compiled op). Under FakeTensorMode the compiled ``upipe::attention`` op would run only its
   fake kernel, so its stage buffers would never be allocated, and torch.compile itself under
   fake tensors measures the compiler, not the step;

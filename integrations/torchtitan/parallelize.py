@@ -54,9 +54,8 @@ def compile_options(job_config, parallel_dims) -> dict:
     cfg = upipe_config(job_config)
     options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch,
                "fuse_projections": cfg.fuse_projections,
-               "recompute_attention_output": cfg.recompute_attention_output}
-    if cfg.heads_per_stage:
-        options["heads_per_stage"] = cfg.heads_per_stage
+               "recompute_attention_output": cfg.recompute_attention_output,
+               "heads_per_stage": cfg.heads_per_stage_option}
     return options
 
 
@@ -80,9 +79,9 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     """Everything the UPipe path refuses, with the TOML key to change."""
     cfg = upipe_config(job_config)
     problems = stack.stack_problems(job_config)
-    # the options' own check (UPipeOptions'), named by their [upipe] keys; 0 is U's default (P)
+    # the options' own check (UPipeOptions'), named by their [upipe] keys
     problems += [f"[upipe] {p}" for p in option_problems(
-        world=parallel_dims.cp, heads_per_stage=cfg.heads_per_stage or None, prefetch=cfg.prefetch,
+        world=parallel_dims.cp, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,
         inner_backend=cfg.inner_backend, fuse_projections=cfg.fuse_projections,
         recompute_attention_output=cfg.recompute_attention_output)]
     if "model" not in job_config.compile.components:
@@ -152,8 +151,8 @@ def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims
     routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from upipe_compile.eager_twins import eager_twin_backend
-    from upipe_compile.memory import SDPAThroughStageLoops
+    from upipe_compile.measure.eager_twins import eager_twin_backend
+    from upipe_compile.measure.memory import SDPAThroughStageLoops
     from upipe_compile.options import UPipeOptions
 
     if not parallel_dims.cp_enabled:

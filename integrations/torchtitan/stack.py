@@ -21,13 +21,13 @@ import logging
 import torch
 import torch.nn as nn
 
-from upipe_compile.chunked_loss import LazyOutputProjection, lazy_logits_cross_entropy
+from upipe_compile.stack.chunked_loss import LazyOutputProjection, lazy_logits_cross_entropy
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.measurement import host_device
-from upipe_compile.offload import (
+from upipe_compile.stack.offload import (
     BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, usable_host_memory,
 )
-from upipe_compile.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
+from upipe_compile.stack.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Builds the job as torchtitan's Trainer would (job.py), on fake CPU tensors over a fake
 process group of the job's world size, runs a real training step under a memory tracker
 (step.py) with the CUDA attention kernel's workspaces switched on
-(``upipe_compile.kernels.modelled_cuda_kernel``), and reports the per-rank device peak with a
+(``upipe_compile.attention.kernels.modelled_cuda_kernel``), and reports the per-rank device peak with a
 breakdown, the host memory of offloaded activations, and whether the step fits both a GPU
 after a stated reserve (gpu.py) and the node's host memory after a stated reserve (host.py).
 See docs/estimate.md.
@@ -15,8 +15,8 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass
 
-from upipe_compile import kernels
-from upipe_compile.memory import eager_calls
+from upipe_compile.attention import kernels
+from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import GIB, budget_gib
 from upipe_compile.estimate.host import HOST_BUDGET_GIB
@@ -84,7 +84,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from upipe_compile.integrations.torchtitan.config import upipe_config
-    from upipe_compile.memory import fake_process_group
+    from upipe_compile.measure.memory import fake_process_group
 
     start = time.time()
     world = world_size(job_config)
@@ -96,7 +96,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         job = build_job(job_config, fake_mode)
         memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
-    heads_per_stage = resolved_heads_per_stage(upipe_config(job_config).heads_per_stage or None, cp)
+    heads_per_stage = resolved_heads_per_stage(upipe_config(job_config).heads_per_stage_option, cp)
     calls = dict(eager_calls)
     modelled = {}
     if cp > 1 and _op_selective_ac(job_config):
@@ -133,7 +133,7 @@ def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, fus
     ``[B, m, S]`` fp32; a fused block's output ``[B, S/P, dim]`` too."""
     from torchtitan.config import TORCH_DTYPE_MAP
 
-    from upipe_compile.schedule import plan_stages
+    from upipe_compile.attention.schedule import plan_stages
 
     cp = job_config.parallelism.context_parallel_degree
     batch, seq = job_config.training.local_batch_size, job_config.training.seq_len

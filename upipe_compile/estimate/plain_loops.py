@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile import chunked_loss, tiled_mlp
+from upipe_compile.stack import chunked_loss, tiled_mlp
 
 
 class TiledSwiGLUFunction(torch.autograd.Function):

@@ -87,8 +87,8 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     ``shift_labels``, makes position ids when there are none, derives the documents'
     boundaries of a packed row from its position ids, and returns every per-token tensor's
     contiguous shard, the boundaries unsharded. Pure function of the batch and the rank."""
-    from upipe_compile.collectives import resolve_group
-    from upipe_compile.documents import cu_seqlens_from_position_ids
+    from upipe_compile.attention.collectives import resolve_group
+    from upipe_compile.packed.documents import cu_seqlens_from_position_ids
     from upipe_compile.sharding import shard_sequence
 
     if world is None:
@@ -342,7 +342,7 @@ class UPipeTrainerMixin:
             return contextlib.nullcontext, upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world)
         # Data-parallel replicas check different batches: a refusal on one replica is raised on
         # every process (one host all-gather), not left to hang the others in the next collective.
-        from upipe_compile.collectives import host_values_of_every_rank
+        from upipe_compile.attention.collectives import host_values_of_every_rank
 
         try:
             batch, error = upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world), None

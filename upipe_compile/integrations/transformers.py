@@ -101,7 +101,7 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
                              cu_seq_lens_k=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from upipe_compile.document_sdpa import document_sdpa
+    from upipe_compile.packed.document_sdpa import document_sdpa
     from upipe_compile.errors import UnsupportedAttention
 
     unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
@@ -160,7 +160,7 @@ def packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, cp_mesh=No
     (e.g. ``labels=``). Returns this rank's shards of each and the documents' boundaries
     ``cu_seq_lens_q``/``cu_seq_lens_k`` over the full sequence, derived once here.
     Call the model with ``model(**packed_batch(...))``."""
-    from upipe_compile.documents import cu_seqlens_from_position_ids
+    from upipe_compile.packed.documents import cu_seqlens_from_position_ids
     from upipe_compile.sharding import shard_sequence
 
     if input_ids.shape[0] != 1 or position_ids.shape != input_ids.shape:

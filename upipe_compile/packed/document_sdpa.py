@@ -3,7 +3,7 @@ attention variants SDPA lacks (sliding window, logit softcap, sinks), for models
 
 An SDPA call cannot carry document boundaries or these variants, so a model that needs them
 calls :func:`document_sdpa` instead (the transformers integration does). On one process it
-is exact attention within each document (the kernels of :mod:`upipe_compile.kernels`, no
+is exact attention within each document (the kernels of :mod:`upipe_compile.attention.kernels`, no
 mask). Under ``backend="upipe"`` the graph pass finds its op, ``upipe::document_sdpa``,
 like an SDPA call and rewrites it into the stage-loop op with the same boundaries,
 variants and the backend's options. Called on a sequence shard without that rewrite it is refused: its
@@ -17,12 +17,12 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from upipe_compile import kernels
-from upipe_compile.documents import Documents, boundary_problems, bounds_from_positions
+from upipe_compile.attention import kernels
+from upipe_compile.packed.documents import Documents, boundary_problems, bounds_from_positions
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import normalised_variant
-from upipe_compile.schedule import shape_problems
-from upipe_compile.sinks import apply_sinks, check_sinks, sink_gradient
+from upipe_compile.attention.schedule import shape_problems
+from upipe_compile.attention.sinks import apply_sinks, check_sinks, sink_gradient
 
 
 def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:

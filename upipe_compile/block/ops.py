@@ -1,14 +1,14 @@
 """The fused attention block as a compiler-opaque op, and its eager twin.
 
-``upipe::attention_block`` runs :func:`upipe_compile.block_loop.block_forward`; its autograd
+``upipe::attention_block`` runs :func:`upipe_compile.block.loop.block_forward`; its autograd
 saves x, the weights, the extras, the local attention output (unless the settings say to
-recompute it) and the per-stage LSE, and its backward op runs :func:`~upipe_compile.block_loop.block_backward`. What is saved and how
+recompute it) and the per-stage LSE, and its backward op runs :func:`~upipe_compile.block.loop.block_backward`. What is saved and how
 backward replays it is defined once (:func:`_save`, :func:`_replay`) and shared by the
 custom op and :class:`BlockFunction`, the autograd.Function that memory measurements run
 under FakeTensorMode (where the custom op would run only its fake kernel).
 
 The region (head fns, head counts) is not a tensor, so the op takes its registry id
-(:func:`upipe_compile.block_region.register_region`). The op's scalar arguments are the
+(:func:`upipe_compile.block.region.register_region`). The op's scalar arguments are the
 fields of :class:`~upipe_compile.options.BlockSettings`, in its order.
 """
 
@@ -19,14 +19,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from upipe_compile import collectives
-from upipe_compile.ops import OP_TAGS, check_world
-from upipe_compile.block_loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
-from upipe_compile.block_region import BlockRegion, region_by_id, register_region
-from upipe_compile.documents import documents_of
+from upipe_compile.attention import collectives
+from upipe_compile.attention.ops import OP_TAGS, check_world
+from upipe_compile.block.loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
+from upipe_compile.block.region import BlockRegion, region_by_id, register_region
+from upipe_compile.packed.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import DEFAULT_PREFETCH, BlockSettings, option_problems, resolved_heads_per_stage
-from upipe_compile.schedule import shape_problems
+from upipe_compile.attention.schedule import shape_problems
 
 
 @torch.library.custom_op("upipe::attention_block", mutates_args=(), tags=OP_TAGS)
@@ -192,7 +192,7 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
     """A whole attention block on this rank's sequence shard ``x [B, S/P, d]``: for each
     role, ``region.head_fn(role)(x @ W_roleᵀ + b_role, n, *extras)``, attention over the
     full sequence, and the output projection ``wo``/``bo`` (see
-    :mod:`upipe_compile.block_region`). ``recompute_attention_output=True`` keeps no
+    :mod:`upipe_compile.block.region`). ``recompute_attention_output=True`` keeps no
     attention output for backward (each stage's attention forward runs again there: less
     memory, more compute). ``eager=True`` runs the loops as an
     autograd.Function instead of the custom op (for fake-tensor memory measurements)."""

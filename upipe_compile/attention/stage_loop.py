@@ -1,10 +1,10 @@
 """The UPipe stage loops: SDPA semantics on sequence-sharded q, k, v, one stage of heads at
 a time. Plain functions of tensors and a :class:`~upipe_compile.options.StageLoopSettings`
-(no torch.library, no FX), so the custom ops (:mod:`upipe_compile.ops`), the eager
-memory measurements and the fused block's loops (:mod:`upipe_compile.block_loop`, which
+(no torch.library, no FX), so the custom ops (:mod:`upipe_compile.attention.ops`), the eager
+memory measurements and the fused block's loops (:mod:`upipe_compile.block.loop`, which
 reuses the exchange helpers here) all run the same code.
 
-Forward, per stage (see :mod:`upipe_compile.schedule` for which heads): all-to-all this
+Forward, per stage (see :mod:`upipe_compile.attention.schedule` for which heads): all-to-all this
 stage's query heads sequence->head (KV only when the stage starts a new KV group), run
 attention over the full sequence for ``m`` heads per rank, all-to-all the output
 head->sequence straight into the preallocated local output. One full-sequence buffer per
@@ -24,12 +24,12 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile import collectives, kernels
-from upipe_compile.device_constants import made_once
-from upipe_compile.documents import Documents
+from upipe_compile.attention import collectives, kernels
+from upipe_compile.attention.device_constants import made_once
+from upipe_compile.packed.documents import Documents
 from upipe_compile.options import StageLoopSettings, prefetches
-from upipe_compile.schedule import Stage, StageSchedule, plan_stages
-from upipe_compile.sinks import apply_sinks, sink_gradient
+from upipe_compile.attention.schedule import Stage, StageSchedule, plan_stages
+from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 
 
 def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
@@ -155,7 +155,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     also directly by memory measurements, which run it under FakeTensorMode where the op
     itself would only run its fake kernel). ``documents``: packed-sequence boundaries over
     the full sequence (None: one sequence). ``sinks`` ``[Hq]``: per-head sink logits
-    (:mod:`upipe_compile.sinks`); the saved lse then includes them."""
+    (:mod:`upipe_compile.attention.sinks`); the saved lse then includes them."""
     is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
     group = collectives.group_from_name(group_name)
     world = group.size()

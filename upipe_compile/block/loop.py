@@ -1,10 +1,10 @@
 """The fused attention block's stage loops: projections, per-head ops, attention and the
 output projection, one stage of heads at a time.
 
-The plain op (:mod:`upipe_compile.stage_loop`) takes the local q, k, v of all heads, so every
+The plain op (:mod:`upipe_compile.attention.stage_loop`) takes the local q, k, v of all heads, so every
 rank still holds them (and their gradients) for the whole layer. Here each stage projects
 only its own heads from the block input ``x`` (weight rows of those heads), runs the
-block's per-head ops on them (:class:`upipe_compile.block_region.BlockRegion`), exchanges and
+block's per-head ops on them (:class:`upipe_compile.block.region.BlockRegion`), exchanges and
 attends exactly as the plain loop does, and adds its heads' share of the output projection
 into the block output:
 
@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile import collectives, kernels
-from upipe_compile.sinks import apply_sinks, sink_gradient
-from upipe_compile.stage_loop import InputPipeline, head_index, my_heads, stage_kv
-from upipe_compile.block_region import BlockRegion
-from upipe_compile.documents import Documents
+from upipe_compile.attention import collectives, kernels
+from upipe_compile.attention.sinks import apply_sinks, sink_gradient
+from upipe_compile.attention.stage_loop import InputPipeline, head_index, my_heads, stage_kv
+from upipe_compile.block.region import BlockRegion
+from upipe_compile.packed.documents import Documents
 from upipe_compile.options import DEFAULT_PREFETCH, prefetches
-from upipe_compile.schedule import StageSchedule, plan_stages
+from upipe_compile.attention.schedule import StageSchedule, plan_stages
 
 
 @dataclass

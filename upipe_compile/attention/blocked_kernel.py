@@ -3,7 +3,7 @@ sliding window and logit soft-capping (flash-attn's conventions).
 
 ``forward(q, k, v, is_causal, scale, window, softcap) -> (out, lse)`` and
 ``backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap) -> (dq, dk, dv)``
-with the shapes of :mod:`upipe_compile.kernels`: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
+with the shapes of :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
 (GQA: query head ``h`` uses KV head ``h // (Hq // Hkv)``), lse ``[B, Hq, S]`` float32.
 
 - ``window=(left, right)``: query ``i`` sees keys ``j`` with ``i - left <= j <= i + right``;

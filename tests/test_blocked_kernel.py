@@ -1,5 +1,5 @@
 """The exact blocked CPU kernel for sliding windows and soft-capping
-(upipe_compile.blocked_attention), against autograd on the full math in float64, directly
+(upipe_compile.attention.blocked_kernel), against autograd on the full math in float64, directly
 and through kernels.forward/backward (dense routing, packed documents, value checks)."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests_support import TOLERANCE, relative_error
-from upipe_compile import UnsupportedAttention, blocked_attention, kernels
-from upipe_compile.documents import Documents
+from upipe_compile import UnsupportedAttention
+from upipe_compile.attention import blocked_kernel, kernels
+from upipe_compile.packed.documents import Documents
 
 SETTINGS = dict(deadline=None, max_examples=60)
 
@@ -73,11 +74,11 @@ def edges(seq: int):
 
 @contextlib.contextmanager
 def block_rows(rows: int):
-    previous, blocked_attention.BLOCK_ROWS = blocked_attention.BLOCK_ROWS, rows
+    previous, blocked_kernel.BLOCK_ROWS = blocked_kernel.BLOCK_ROWS, rows
     try:
         yield
     finally:
-        blocked_attention.BLOCK_ROWS = previous
+        blocked_kernel.BLOCK_ROWS = previous
 
 
 def randn(gen, batch, heads, seq, dim, dtype, layout_bshd=False):
@@ -102,8 +103,8 @@ def test_blocked_kernel_equals_full_math(batch, kv_heads, group, seq, head_dim, 
     q, dout = (randn(gen, batch, kv_heads * group, seq, head_dim, torch_dtype, layout_bshd) for _ in range(2))
     k, v = (randn(gen, batch, kv_heads, seq, head_dim, torch_dtype, layout_bshd) for _ in range(2))
 
-    out, lse = blocked_attention.forward(q, k, v, is_causal, scale, window, softcap, block_rows=rows)
-    grads = blocked_attention.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap, block_rows=rows)
+    out, lse = blocked_kernel.forward(q, k, v, is_causal, scale, window, softcap, block_rows=rows)
+    grads = blocked_kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap, block_rows=rows)
 
     expected = reference(q, k, v, dout, is_causal, scale, window, softcap)
     assert out.dtype == torch_dtype and lse.dtype == torch.float32 and lse.shape == (batch, kv_heads * group, seq)
@@ -118,23 +119,23 @@ def test_each_block_reads_only_the_keys_it_can_see(monkeypatch):
     """Memory stays block x visible keys: a window of 3 on 1000 tokens never forms a score
     block wider than the block's rows plus the window, forward or backward."""
     widths = []
-    real_scores = blocked_attention._scores
+    real_scores = blocked_kernel._scores
 
     def spy(qb, kb, *args):
         widths.append(kb.shape[-2])
         return real_scores(qb, kb, *args)
 
-    monkeypatch.setattr(blocked_attention, "_scores", spy)
+    monkeypatch.setattr(blocked_kernel, "_scores", spy)
     q = torch.randn(1, 2, 1000, 8)
-    out, lse = blocked_attention.forward(q, q, q, True, None, (3, -1), 0.0, block_rows=64)
-    blocked_attention.backward(q, q, q, q, out, lse, True, None, (3, -1), 0.0, block_rows=64)
+    out, lse = blocked_kernel.forward(q, q, q, True, None, (3, -1), 0.0, block_rows=64)
+    blocked_kernel.backward(q, q, q, q, out, lse, True, None, (3, -1), 0.0, block_rows=64)
     assert len(widths) == 2 * 16 and max(widths) == 64 + 3
 
 
 def test_rows_that_see_no_key_give_zero_and_no_nan(monkeypatch):
     """No valid window leaves a row empty, but if masking ever does, the row's out is 0,
     its lse -inf, and the gradients are finite (that row contributes nothing)."""
-    real_hidden = blocked_attention._hidden
+    real_hidden = blocked_kernel._hidden
 
     def also_row_two(rows, keys, is_causal, window, device):
         hidden = real_hidden(rows, keys, is_causal, window, device)
@@ -144,10 +145,10 @@ def test_rows_that_see_no_key_give_zero_and_no_nan(monkeypatch):
             hidden[2 - rows.start] = True
         return hidden
 
-    monkeypatch.setattr(blocked_attention, "_hidden", also_row_two)
+    monkeypatch.setattr(blocked_kernel, "_hidden", also_row_two)
     q, k, v, dout = (torch.randn(1, 2, 9, 8) for _ in range(4))
-    out, lse = blocked_attention.forward(q, k, v, True, None, (4, 0), 5.0, block_rows=4)
-    dq, dk, dv = blocked_attention.backward(dout, q, k, v, out, lse, True, None, (4, 0), 5.0, block_rows=4)
+    out, lse = blocked_kernel.forward(q, k, v, True, None, (4, 0), 5.0, block_rows=4)
+    dq, dk, dv = blocked_kernel.backward(dout, q, k, v, out, lse, True, None, (4, 0), 5.0, block_rows=4)
     assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == float("-inf")).all()
     assert all(torch.isfinite(t).all() for t in (out[:, :, 3:], dq, dk, dv))
     assert (dq[:, :, 2] == 0).all()
@@ -160,8 +161,8 @@ def test_dense_variants_stay_on_aten(monkeypatch):
     """No window, a window covering the sequence, and (-1, 0) (= causal) run aten's CPU
     kernel; a real window or a softcap runs the blocked kernel."""
     calls = []
-    real = blocked_attention.forward
-    monkeypatch.setattr(blocked_attention, "forward", lambda *a, **kw: calls.append(a[5:7]) or real(*a, **kw))
+    real = blocked_kernel.forward
+    monkeypatch.setattr(blocked_kernel, "forward", lambda *a, **kw: calls.append(a[5:7]) or real(*a, **kw))
     q = torch.randn(1, 2, 20, 8)
     causal_out, _ = kernels.forward(q, q, q, True, None)
     for window, is_causal in (((-1, -1), False), ((19, 30), False), ((-1, 0), False), ((-1, 7), True)):
@@ -208,8 +209,8 @@ def test_documents_with_window_and_softcap_equal_per_document_reference(batch, k
 def test_fake_tensors_take_the_dense_kernel_with_variants(monkeypatch):
     """Memory measurement runs on fake tensors: the variants' outputs have the dense
     kernel's shapes, and the blocked kernel's scores would be no model of a GPU kernel."""
-    monkeypatch.setattr(blocked_attention, "forward", None)
-    monkeypatch.setattr(blocked_attention, "backward", None)
+    monkeypatch.setattr(blocked_kernel, "forward", None)
+    monkeypatch.setattr(blocked_kernel, "backward", None)
     with FakeTensorMode():
         q, k = torch.empty(1, 4, 4096, 64), torch.empty(1, 2, 4096, 64)
         out, lse = kernels.forward(q, k, k, True, None, window=(128, 0), softcap=30.0)

@@ -22,14 +22,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.overrides import TorchFunctionMode
 
-from upipe_compile import kernels
-from upipe_compile.documents import Documents
+from upipe_compile.attention import kernels
+from upipe_compile.packed.documents import Documents
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.ops import op_arguments, replay_backward, save_for_backward
+from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_backward
 from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.passes.find import SDPA_SIGNATURE
-from upipe_compile.schedule import plan_stages, shape_problems
-from upipe_compile.stage_loop import stage_loop_backward, stage_loop_forward
+from upipe_compile.attention.schedule import plan_stages, shape_problems
+from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def tracker_peak_bytes(tracker: MemTracker) -> int:
 
 def modelled_kernel(cuda_kernel: str | None):
     """The context that makes fake-tensor runs allocate CUDA kernel ``cuda_kernel``'s
-    workspace (see :data:`upipe_compile.kernels.CUDA_BACKWARD_WORKSPACE`); None: CPU kernels only."""
+    workspace (see :data:`upipe_compile.attention.kernels.CUDA_BACKWARD_WORKSPACE`); None: CPU kernels only."""
     return contextlib.nullcontext() if cuda_kernel is None else kernels.modelled_cuda_kernel(cuda_kernel)
 
 
@@ -116,8 +116,8 @@ recompute included: what a whole-model measurement actually ran."""
 class StageLoopFunction(torch.autograd.Function):
     """The op's forward and backward loops as an autograd.Function, for measuring whole
     layers on fake tensors: the registered custom op would run only its fake kernel there.
-    Saves and replays exactly as the custom op does (:func:`upipe_compile.ops.save_for_backward`,
-    :func:`~upipe_compile.ops.replay_backward`). One sequence per batch row (no boundaries)."""
+    Saves and replays exactly as the custom op does (:func:`upipe_compile.attention.ops.save_for_backward`,
+    :func:`~upipe_compile.attention.ops.replay_backward`). One sequence per batch row (no boundaries)."""
 
     @staticmethod
     def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None):

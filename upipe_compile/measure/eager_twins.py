@@ -5,8 +5,8 @@ Under FakeTensorMode a custom op runs only its fake kernel: ``upipe::attention_b
 allocate its outputs and nothing else, and the stage loops' buffers would never exist. This
 backend runs the same passes as ``backend="upipe"`` (find, validate, fuse or rewrite, with
 the same options), then points each ``upipe::attention`` / ``upipe::attention_block`` node at
-the op's eager twin (:class:`~upipe_compile.memory.StageLoopFunction`,
-:class:`~upipe_compile.block_ops.BlockFunction`): the real loops, saving for backward what
+the op's eager twin (:class:`~upipe_compile.measure.memory.StageLoopFunction`,
+:class:`~upipe_compile.block.ops.BlockFunction`): the real loops, saving for backward what
 the op saves. The graph is then run as it is (no inner compiler)::
 
     %y = upipe.attention_block(%x, %wq, ..., *BlockSettings(...).op_args())
@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 
 from upipe_compile.backend import apply_upipe_passes
-from upipe_compile.block_ops import BlockFunction
+from upipe_compile.block.ops import BlockFunction
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.memory import StageLoopFunction, eager_calls
-from upipe_compile.ops import parse_op_arguments
+from upipe_compile.measure.memory import StageLoopFunction, eager_calls
+from upipe_compile.attention.ops import parse_op_arguments
 from upipe_compile.options import BlockSettings, UPipeOptions
 
 

@@ -1,7 +1,7 @@
 """The compiler contract: ``upipe::attention`` / ``upipe::attention_backward``.
 
 They are ``torch.library`` custom ops with fake kernels, so torch.compile treats the stage
-loop (:mod:`upipe_compile.stage_loop`) as one opaque node and never unrolls it (unrolling
+loop (:mod:`upipe_compile.attention.stage_loop`) as one opaque node and never unrolls it (unrolling
 would let autograd keep every stage's buffers alive; see docs/design.md). The ops take the
 settings as scalar arguments (torch.library needs those); :func:`op_arguments` and
 :func:`parse_op_arguments` turn a :class:`~upipe_compile.options.StageLoopSettings` into them
@@ -18,11 +18,11 @@ from typing import Optional
 
 import torch
 
-from upipe_compile import collectives
-from upipe_compile.documents import documents_of
+from upipe_compile.attention import collectives
+from upipe_compile.packed.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
-from upipe_compile.stage_loop import schedule_for, stage_loop_backward, stage_loop_forward
+from upipe_compile.attention.stage_loop import schedule_for, stage_loop_backward, stage_loop_forward
 
 # The first call per shape syncs with the host (the cross-rank shape check, head indices
 # and kernel markers made once), so CUDA graphs must not capture the ops.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from upipe_compile.collectives import all_gather, every_rank_agrees, group_from_name, values_of_every_rank
+from upipe_compile.attention.collectives import all_gather, every_rank_agrees, group_from_name, values_of_every_rank
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)

@@ -2,7 +2,7 @@
 
 Whoever describes a block (a caller of :func:`upipe_compile.upipe_attention_block`, or a
 compiler pass that proves a graph region head-separable) hands the fused op
-(:mod:`upipe_compile.block_loop`) a :class:`BlockRegion`; the two meet only here.
+(:mod:`upipe_compile.block.loop`) a :class:`BlockRegion`; the two meet only here.
 
 A region is, per role r in (q, k, v):
 

@@ -17,7 +17,7 @@ kernel cannot run, and ``forward``/``backward`` raise ``UnsupportedAttention`` f
 sequence is no window, and ``(-1, 0)`` is plain causal attention, so those run the dense
 kernels.
 
-Packed sequences: both take ``documents`` (:class:`upipe_compile.documents.Documents`,
+Packed sequences: both take ``documents`` (:class:`upipe_compile.packed.documents.Documents`,
 the checked boundaries of the full sequence); attention then stays inside each document
 (a window is relative, so it applies within each document unchanged).
 One document over the whole sequence runs the dense kernel, exactly as without boundaries.
@@ -25,7 +25,7 @@ CPU runs the dense kernel once per document on slices of the stage buffers; CUDA
 kernels' variable-length ("varlen") forms on each batch row. No mask is ever built.
 
 The kernel is picked by device: CPU uses aten's flash kernel for CPU, and for a window or
-softcap the exact blocked kernel of :mod:`upipe_compile.blocked_attention`; CUDA uses
+softcap the exact blocked kernel of :mod:`upipe_compile.attention.blocked_kernel`; CUDA uses
 flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`; softcap needs 2.6+) when it is
 importable, else aten's CUDA flash kernel (windows, no softcap). No dropout, no mask: the
 passes refuse those before a kernel is ever called.
@@ -48,8 +48,8 @@ from typing import Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile import blocked_attention
-from upipe_compile.device_constants import made_once
+from upipe_compile.attention import blocked_kernel
+from upipe_compile.attention.device_constants import made_once
 from upipe_compile.errors import UnsupportedAttention
 
 _aten = torch.ops.aten
@@ -161,7 +161,7 @@ class PerDocumentKernels:
 
 class CpuKernels(PerDocumentKernels):
     """aten's flash kernel for CPU (takes GQA natively); with a window or softcap, the exact
-    blocked kernel of :mod:`upipe_compile.blocked_attention` instead. On fake tensors
+    blocked kernel of :mod:`upipe_compile.attention.blocked_kernel` instead. On fake tensors
     (memory measurement) variants also run aten's kernel: the outputs are the same, and
     the blocked kernel's per-block scores are no model of a fused GPU kernel."""
 
@@ -179,7 +179,7 @@ class CpuKernels(PerDocumentKernels):
         is_causal, window = _effective(is_causal, window, q.shape[2])
         if self._on_aten(q, window, softcap):
             return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        return blocked_attention.forward(q, k, v, is_causal, scale, window, softcap)
+        return blocked_kernel.forward(q, k, v, is_causal, scale, window, softcap)
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
                  softcap: float = 0.0):
@@ -188,7 +188,7 @@ class CpuKernels(PerDocumentKernels):
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
             )
-        return blocked_attention.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
+        return blocked_kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
 
 
 class VarlenKernels:

@@ -1,0 +1,1 @@
+"""Memory measurement: the ops' eager twins, op memory on fake tensors, the fake process group."""
