@@ -76,7 +76,7 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
                     window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None, sinks=None):
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
-    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
+    lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
     return q.new_empty(q.shape), lse
 
 

@@ -68,6 +68,11 @@ class StageSchedule:
         """Stage ``index`` is the last of its KV group (the group's dK/dV are complete)."""
         return index + 1 == len(self.stages) or self.opens_kv_group(index + 1)
 
+    def lse_shape(self, batch: int, s_local: int) -> tuple[int, int, int, int]:
+        """The saved log-sum-exp of a call: per stage, this rank's query heads over the full
+        sequence (``[stages, B, m, S]``, float32), as the forward loops and fake kernels make it."""
+        return (len(self.stages), batch, self.q_per_rank, s_local * self.world)
+
     @property
     def stages_per_group(self) -> int:
         return len(self.stages) // len(self.kv_groups)

@@ -80,15 +80,22 @@ def accumulate_stage_dkv(dkv_full: torch.Tensor, dk: torch.Tensor, dv: torch.Ten
 
 
 class Incoming:
-    """A started sequence -> head all-to-all of one tensor: this rank's heads over the full
-    sequence, which :meth:`finish` makes the stage buffer ``buffers[role]`` (reusing the
-    previous one where the chunks need laying out). The send buffer is held until then, as
-    the collective may still be reading it."""
+    """A started sequence -> head all-to-all of one send buffer (``[P, heads/P, B, s, D]``:
+    this rank's shard of the heads each rank receives), which :meth:`finish` makes the stage
+    buffer ``buffers[role]``, this rank's heads over the full sequence (reusing the previous
+    one where the chunks need laying out). The send buffer is held until then, as the
+    collective may still be reading it. The plain loop packs the send buffer from local
+    heads (:meth:`of_heads`); the fused block's stages compute theirs."""
 
-    def __init__(self, x: torch.Tensor, heads: torch.Tensor, world: int, group_name: str, buffers: dict, role: str):
-        self.send = collectives.pack_heads(x, heads, world)
-        self.recv = collectives.start_all_to_all(self.send, group_name)
-        self.buffers, self.role = buffers, role
+    def __init__(self, send: torch.Tensor, group_name: str, buffers: dict, role: str):
+        self.send, self.buffers, self.role = send, buffers, role
+        self.recv = collectives.start_all_to_all(send, group_name)
+
+    @classmethod
+    def of_heads(cls, x: torch.Tensor, heads: torch.Tensor, world: int, group_name: str, buffers: dict,
+                 role: str) -> "Incoming":
+        """The all-to-all of local tensor ``x``'s ``heads``."""
+        return cls(collectives.pack_heads(x, heads, world), group_name, buffers, role)
 
     def finish(self) -> None:
         recv = collectives.wait(self.recv)
@@ -114,10 +121,10 @@ def stage_inputs(schedule: StageSchedule, index: int, local_q_side: dict, local_
     if schedule.opens_kv_group(index):
         kv_index = head_index(schedule.kv_groups[stage.kv_group], local_kv["k"].device)
         for role, local in local_kv.items():
-            yield Incoming(local, kv_index, world, group_name, buffers, role)
+            yield Incoming.of_heads(local, kv_index, world, group_name, buffers, role)
     q_index = head_index(stage.q_heads, local_q_side["q"].device)
     for role, local in local_q_side.items():
-        yield Incoming(local, q_index, world, group_name, buffers, role)
+        yield Incoming.of_heads(local, q_index, world, group_name, buffers, role)
 
 
 class InputPipeline:
@@ -165,7 +172,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     batch, _, s_local, _ = q.shape
 
     out = q.new_empty(q.shape)
-    lse = q.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
     buffers = {}  # role -> the stage's tensor over the full sequence, reused stage to stage
 
     inputs = InputPipeline(

@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.attention import collectives, kernels
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
-from upipe_compile.attention.stage_loop import InputPipeline, head_index, my_heads, stage_kv
+from upipe_compile.attention.stage_loop import Incoming, InputPipeline, head_index, my_heads, stage_kv
 from upipe_compile.block.region import BlockRegion
 from upipe_compile.packed.documents import Documents
 from upipe_compile.options import DEFAULT_PREFETCH, prefetches
@@ -94,20 +94,6 @@ def _heads_first(recv: torch.Tensor) -> torch.Tensor:
     return recv.reshape(world * m, *recv.shape[2:]).transpose(0, 1)
 
 
-class _Sent:
-    """A started sequence -> head all-to-all of a ready send buffer (the plain loop's
-    ``Incoming`` packs the send buffer from local heads; here the stage computed them)."""
-
-    def __init__(self, send: torch.Tensor, group_name: str, buffers: dict, role: str):
-        self.send, self.buffers, self.role = send, buffers, role
-        self.recv = collectives.start_all_to_all(send, group_name)
-
-    def finish(self) -> None:
-        recv = collectives.wait(self.recv)
-        self.send = self.recv = None
-        self.buffers[self.role] = collectives.assemble_sequence(recv, self.buffers.get(self.role))
-
-
 def _output_columns(wo: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
     return wo.index_select(1, _rows(heads, head_dim))
 
@@ -132,7 +118,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     dim, device = region.head_dim, x.device
 
     o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
-    lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world), dtype=torch.float32)
+    lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
     # y sums the stages' shares in fp32 past a few stages (_activation_sum_dtype)
     y = x.new_zeros((batch, s_local, weights.wo.shape[0]), dtype=_activation_sum_dtype(x.dtype, len(schedule.stages)))
     buffers = {}
@@ -143,9 +129,9 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
             kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):
                 local = _project(x, *weights.projection(role), weights.extras, region.head_fn(role), kv_heads, dim)
-                yield _Sent(_send_layout(local, world), group_name, buffers, role)
+                yield Incoming(_send_layout(local, world), group_name, buffers, role)
         local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, head_index(stage.q_heads, device), dim)
-        yield _Sent(_send_layout(local, world), group_name, buffers, "q")
+        yield Incoming(_send_layout(local, world), group_name, buffers, "q")
 
     inputs = InputPipeline(start, len(schedule.stages), prefetches(prefetch, backward=False))
     for index, stage in enumerate(schedule.stages):
@@ -333,13 +319,13 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         if schedule.opens_kv_group(index):
             kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):
-                yield _Sent(_send_layout(local_heads(role, kv_heads), world), group_name, buffers, role)
+                yield Incoming(_send_layout(local_heads(role, kv_heads), world), group_name, buffers, role)
         q_heads = head_index(stage.q_heads, device)
-        yield _Sent(_send_layout(local_heads("q", q_heads), world), group_name, buffers, "q")
+        yield Incoming(_send_layout(local_heads("q", q_heads), world), group_name, buffers, "q")
         if o is not None:
-            yield _Sent(collectives.pack_heads(o, q_heads, world), group_name, buffers, "out")
+            yield Incoming.of_heads(o, q_heads, world, group_name, buffers, "out")
         dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, dim).t())  # [B, s, U * D]
-        yield _Sent(_send_layout(dout_local.view(batch, s_local, -1, dim).transpose(1, 2), world), group_name,
+        yield Incoming(_send_layout(dout_local.view(batch, s_local, -1, dim).transpose(1, 2), world), group_name,
                     buffers, "dout")
 
     def home(grad):

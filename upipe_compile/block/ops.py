@@ -50,7 +50,7 @@ def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens,
     batch, s_local, _ = x.shape
     y = x.new_empty((batch, s_local, wo.shape[0]))
     o = x.new_empty((0,) if recompute_attention_output else (batch, region.q_heads, s_local, region.head_dim))
-    lse = x.new_empty((len(schedule.stages), batch, schedule.q_per_rank, s_local * world_size), dtype=torch.float32)
+    lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
     return y, o, lse
 
 
