@@ -18,6 +18,7 @@ from flash_attn_standins import FAMILIES
 from tests_support import TOLERANCE, AttentionCase, eager_reference, relative_error
 from upipe_compile import UnsupportedAttention
 from upipe_compile.attention import kernels
+from upipe_compile.measure import workspace
 
 SETTINGS = dict(deadline=None, max_examples=40)
 
@@ -131,7 +132,7 @@ def test_aten_cuda_markers_are_not_cached_under_fake_mode():
 
 
 def test_flash_backward_workspace_table():
-    ws = kernels.flash_backward_workspace(1, 4, 1, 1000, 128, torch.bfloat16, deterministic=False)
+    ws = workspace.flash_backward_workspace(1, 4, 1, 1000, 128, torch.bfloat16, deterministic=False)
     assert ws == {
         "softmax_d": ((1, 4, 1024), torch.float32),
         "dq_accum": ((1, 1, 1024, 4, 128), torch.float32),
@@ -139,12 +140,12 @@ def test_flash_backward_workspace_table():
         "dv_expanded": ((1, 1000, 4, 128), torch.bfloat16),
     }
     # deterministic: one dq accumulator per split, until all 132 SMs of an H100 have work
-    assert kernels.flash_backward_workspace(1, 4, 4, 1000, 80, torch.bfloat16, True)["dq_accum"][0] == (
+    assert workspace.flash_backward_workspace(1, 4, 4, 1000, 80, torch.bfloat16, True)["dq_accum"][0] == (
         33, 1, 1024, 4, 96)
-    aten = kernels.aten_flash_backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False)
+    aten = workspace.aten_flash_backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False)
     assert set(aten) == {"softmax_d", "dq_accum", "dout_contiguous", "out_contiguous"}
     # one head a call: the [B, S, 1, D] view of a [B, 1, S, D] buffer is contiguous, no copies
-    assert set(kernels.aten_flash_backward_workspace(1, 1, 1, 1000, 128, torch.bfloat16, False)) == {
+    assert set(workspace.aten_flash_backward_workspace(1, 1, 1, 1000, 128, torch.bfloat16, False)) == {
         "softmax_d", "dq_accum"}
 
 
@@ -152,7 +153,7 @@ def _nbytes(workspace) -> int:
     return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in workspace.values())
 
 
-@pytest.mark.parametrize("cuda_kernel", sorted(kernels.CUDA_BACKWARD_WORKSPACE))
+@pytest.mark.parametrize("cuda_kernel", sorted(workspace.CUDA_BACKWARD_WORKSPACE))
 def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kernel):
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -165,13 +166,13 @@ def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kern
             lse = torch.empty(1, 4, 4096)
             tracker = MemTracker()
             tracker.track_external(q, k, dout, out, lse)
-            with tracker, (kernels.modelled_cuda_kernel(cuda_kernel) if model else contextlib.nullcontext()):
+            with tracker, (workspace.modelled_cuda_kernel(cuda_kernel) if model else contextlib.nullcontext()):
                 grads = kernels.backward(dout, q, k, k, out, lse, True, None)
                 peak = tracker_peak_bytes(tracker)
             del grads
             return peak
 
-    expected = _nbytes(kernels.CUDA_BACKWARD_WORKSPACE[cuda_kernel](1, 4, 2, 4096, 128, torch.bfloat16, False))
+    expected = _nbytes(workspace.CUDA_BACKWARD_WORKSPACE[cuda_kernel](1, 4, 2, 4096, 128, torch.bfloat16, False))
     assert backward_peak(True) - backward_peak(False) == expected
 
 
@@ -184,9 +185,9 @@ def test_op_measurement_counts_the_modelled_workspace():
         cpu = measure_op_memory(group, **shape, cuda_kernel=None)
         flash = measure_op_memory(group, **shape, cuda_kernel="flash-attn")
     # Ulysses here: 2 q heads and 1 KV head per rank -> the kernel expands dK/dV to 2 heads
-    workspace = _nbytes(kernels.flash_backward_workspace(1, 2, 1, seq, 128, torch.bfloat16, deterministic=False))
+    kernel_bytes = _nbytes(workspace.flash_backward_workspace(1, 2, 1, seq, 128, torch.bfloat16, deterministic=False))
     assert flash.forward_bytes == cpu.forward_bytes
-    assert cpu.backward_bytes < flash.backward_bytes <= cpu.backward_bytes + workspace
+    assert cpu.backward_bytes < flash.backward_bytes <= cpu.backward_bytes + kernel_bytes
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

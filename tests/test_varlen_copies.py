@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import upipe_compile
 from upipe_compile.attention import kernels
+from upipe_compile.measure import workspace
 from upipe_compile.packed.documents import Documents
 
 _aten = torch.ops.aten
@@ -113,7 +114,7 @@ def test_varlen_backward_makes_no_host_copies_per_call(varlen_kernel):
     documents = Documents.from_bounds(bounds, torch.device("cpu"))
     q, k, v, dout = _inputs()
     out, lse = kernels.forward(q, k, v, True, None, documents)
-    assert len(kernels.varlen_backward_groups(documents, q.shape[1], False)) > 1
+    assert len(workspace.varlen_backward_groups(documents, q.shape[1], False)) > 1
     first = kernels.backward(dout, q, k, v, out, lse, True, None, documents)
     second, counter = _counted(varlen_kernel, lambda: kernels.backward(dout, q, k, v, out, lse, True, None, documents))
     assert (counter.h2d, counter.d2h) == ([], [])

@@ -1,5 +1,5 @@
 """The CUDA kernels' packed-sequence backward runs one varlen call per group of documents
-(kernels.varlen_backward_groups), so that flash's per-document padding never makes a call's
+(workspace.varlen_backward_groups), so that flash's per-document padding never makes a call's
 workspace larger than the dense kernel's. Checked on CPU with a stand-in varlen kernel
 (per-document CPU flash calls on the [S, H, D] views the CUDA adapters receive): the grouped
 backward equals one call over all documents, for packed and padded log-sum-exp layouts;
@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from upipe_compile.attention import kernels
+from upipe_compile.measure import workspace
 from upipe_compile.packed.documents import Documents
 
 
@@ -53,7 +54,7 @@ def test_grouped_varlen_backward_equals_one_call(lengths, heads, batch, is_causa
     reference = kernels.CpuKernels().backward_documents(dout, q, k, v, out, lse, documents, is_causal, None)
     for got, want in zip(grouped, reference):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    groups = kernels.varlen_backward_groups(documents, q_heads, deterministic=False)
+    groups = workspace.varlen_backward_groups(documents, q_heads, deterministic=False)
     assert [first for first, _ in groups] == [0] + [last for _, last in groups[:-1]]  # in order, no gaps
     assert groups[-1][1] == len(lengths)
     assert kernel.calls == [last - first for first, last in groups] * batch
@@ -67,11 +68,11 @@ def test_many_short_documents_stay_within_the_dense_workspace():
     bounds = torch.linspace(0, seq, count + 1).round().long().tolist()
     documents = Documents.from_bounds(bounds, torch.device("cpu"))
     for deterministic in (False, True):
-        groups = kernels.varlen_backward_groups(documents, 1, deterministic)
+        groups = workspace.varlen_backward_groups(documents, 1, deterministic)
         # deterministic: the dense kernel splits dq over all 132 SMs, one padded call is smaller
         assert len(groups) == (1 if deterministic else 2)
         for first, last in groups:
             tokens, n = bounds[last] - bounds[first], last - first
-            splits = -(-kernels.H100_SMS // n) if deterministic else 1
-            dense_splits = kernels.H100_SMS if deterministic else 1
+            splits = -(-workspace.H100_SMS // n) if deterministic else 1
+            dense_splits = workspace.H100_SMS if deterministic else 1
             assert splits * (tokens + 128 * n) <= dense_splits * seq or n == 1

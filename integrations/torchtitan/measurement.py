@@ -4,11 +4,12 @@ a job through the real ``parallelize_llama_upipe`` on fake tensors.
 Under :func:`measuring`, parallelize does everything it does for training (the job checks,
 activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except ``torch.compile``:
 
-- each TransformerBlock's SDPA runs eagerly through the real stage loops
-  (:class:`upipe_compile.measure.memory.SDPAThroughStageLoops`, same group, U and prefetch as the
-  compiled op). Under FakeTensorMode the compiled ``upipe::attention`` op would run only its
-  fake kernel, so its stage buffers would never be allocated, and torch.compile itself under
-  fake tensors measures the compiler, not the step;
+- each TransformerBlock's attention module is compiled with
+  :func:`upipe_compile.measure.eager_twins.eager_twin_backend`: the upipe passes with the
+  training options, then the custom ops (``upipe::attention_block`` or ``upipe::attention``)
+  swapped for their eager twins, which run the real stage loops. Under FakeTensorMode the
+  custom ops would run only their fake kernels, so their stage buffers would never be
+  allocated;
 - the loss is not compiled either (same eager code as when ``[compile] components`` lacks
   "loss").
 

@@ -3,7 +3,7 @@
 Builds the job as torchtitan's Trainer would (job.py), on fake CPU tensors over a fake
 process group of the job's world size, runs a real training step under a memory tracker
 (step.py) with the CUDA attention kernel's workspaces switched on
-(``upipe_compile.attention.kernels.modelled_cuda_kernel``), and reports the per-rank device peak with a
+(``upipe_compile.measure.workspace.modelled_cuda_kernel``), and reports the per-rank device peak with a
 breakdown, the host memory of offloaded activations, and whether the step fits both a GPU
 after a stated reserve (gpu.py) and the node's host memory after a stated reserve (host.py).
 See docs/estimate.md.
@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass
 
-from upipe_compile.attention import kernels
+from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import GIB, budget_gib
@@ -34,7 +34,7 @@ __all__ = ["H100_80GB_GIB", "HOST_BUDGET_GIB", "Estimate", "JobError", "estimate
 class Estimate:
     seq_len: int
     cuda_kernel: str
-    """The attention kernel whose GPU workspace is counted (kernels.CUDA_BACKWARD_WORKSPACE)."""
+    """The attention kernel whose GPU workspace is counted (workspace.CUDA_BACKWARD_WORKSPACE)."""
     world_size: int
     cp: int
     heads_per_stage: int
@@ -89,8 +89,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     start = time.time()
     world = world_size(job_config)
     eager_calls.clear()
-    workspace = kernels.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
-    with fake_process_group(world), private_sharding_fake_mode(), workspace, plain_stack_loops():
+    kernel_workspace = workspace.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
+    with fake_process_group(world), private_sharding_fake_mode(), kernel_workspace, plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         job = build_job(job_config, fake_mode)

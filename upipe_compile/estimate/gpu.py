@@ -1,7 +1,7 @@
 """What a GPU run holds that fake CPU tensors do not: the reserve outside torch's allocator.
 
 (The attention kernels' CUDA workspaces are allocated during the fake run itself, by
-``upipe_compile.attention.kernels.modelled_cuda_kernel``, which the estimate switches on.)
+``upipe_compile.measure.workspace.modelled_cuda_kernel``, which the estimate switches on.)
 """
 
 from __future__ import annotations
