@@ -1,10 +1,9 @@
-"""The whole-step estimate compiles attention with eager_twin_backend (the upipe passes, then
-the custom ops swapped for their eager twins) where training runs the "upipe" backend's
-compiled ops. Proof that the two allocate the same, for the plain op and the fused block: on a
-fake group of 2 ranks with real tensors, an attention block compiled with backend "upipe" and
-the same block compiled with the twin backend make the same stage-loop calls with the same
-buffers (every kernel input, every all-to-all send buffer), give the backward loop the same
-saved tensors, and autograd keeps the same bytes for backward over the whole block.
+"""The whole-step estimate runs attention through SDPAThroughStageLoops (eager) where training
+runs the "upipe" backend's compiled op. Proof that the two allocate the same: on a fake group
+of 2 ranks with real tensors, an attention block compiled with backend "upipe" and the same
+block under the route make the same stage-loop calls with the same buffers (every kernel
+input, every all-to-all send buffer), give the backward loop the same saved tensors, and
+autograd keeps the same bytes for backward over the whole block.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from tests_support import AttentionCase, TinyAttention, make_block_inputs
 from upipe_compile import UnsupportedAttention
 from upipe_compile.attention import collectives, kernels
 from upipe_compile.measure.eager_twins import eager_twin_backend
-from upipe_compile.measure.memory import fake_process_group
+from upipe_compile.measure.memory import SDPAThroughStageLoops, fake_process_group
 
 WORLD = 2
 
@@ -98,12 +97,16 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
-def run_block(model, params, x, dout, monkeypatch):
+def run_block(model, params, x, dout, monkeypatch, route=None):
     calls = []
     saved = SavedBytes(params)
     x = x.detach().clone().requires_grad_(True)
     with recording(monkeypatch, calls), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        out = model(x)
+        if route is None:
+            out = model(x)
+        else:
+            with route:
+                out = model(x)
     out.backward(dout)
     monkeypatch.undo()
     return calls, saved.total
@@ -117,18 +120,41 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("case", CASES, ids=["upipe-gqa", "ulysses-mha"])
-def test_twin_allocates_what_the_compiled_op_allocates(group, monkeypatch, case, fused):
-    """Plain: SDPA alone becomes ``upipe::attention`` (twin: StageLoopFunction); fused: the
-    block becomes ``upipe::attention_block`` (twin: BlockFunction)."""
+def test_route_allocates_what_the_compiled_op_allocates(group, monkeypatch, case):
+    torch._dynamo.reset()
+    x, dout = make_block_inputs(case)
+    x = x[:, : case.seq_local]  # this rank's shard
+    dout = dout[:, : case.seq_local]
+    eager = TinyAttention(case)
+    # the route models the plain op (upipe::attention), not the fused block
+    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager",
+               "fuse_projections": False}
+    compiled = torch.compile(eager, backend="upipe", options=options, fullgraph=True)
+    run_block(compiled, eager.parameters(), x, dout, monkeypatch)  # compile outside the recording
+
+    compiled_calls, compiled_saved = run_block(compiled, eager.parameters(), x, dout, monkeypatch)
+    route = SDPAThroughStageLoops(group, case.heads_per_stage, "forward")
+    routed_calls, routed_saved = run_block(eager, eager.parameters(), x, dout, monkeypatch, route=route)
+
+    labels = [label for label, _ in compiled_calls]
+    assert labels.count("stage loop forward") == labels.count("stage loop backward") == 1
+    assert labels.count("kernel backward") == case.q_heads // case.heads_per_stage  # one per stage
+    assert routed_calls == compiled_calls  # same loops, same buffers, same saved q/k/v/out/lse
+    assert routed_saved == compiled_saved > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=["upipe-gqa", "ulysses-mha"])
+def test_fused_route_allocates_what_the_compiled_fused_op_allocates(group, monkeypatch, case):
+    """The estimate compiles attention modules with eager_twin_backend (same passes, the fused
+    op swapped for BlockFunction): same block loops, kernels, send buffers and saved bytes as
+    the ``upipe::attention_block`` op that backend "upipe" compiles."""
     torch._dynamo.reset()
     x, dout = make_block_inputs(case)
     # this rank's shard; contiguous, as the gradient reaching a compiled graph always is
     x, dout = x[:, : case.seq_local].contiguous(), dout[:, : case.seq_local].contiguous()
     eager = TinyAttention(case)
-    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager",
-               "fuse_projections": fused}
+    options = {"cp_mesh": group, "heads_per_stage": case.heads_per_stage, "inner_backend": "aot_eager"}
     compiled = torch.compile(eager, backend="upipe", options=options, fullgraph=True)
     twin = torch.compile(eager, backend=eager_twin_backend, options=options, fullgraph=True)
     for module in (compiled, twin):
@@ -138,26 +164,19 @@ def test_twin_allocates_what_the_compiled_op_allocates(group, monkeypatch, case,
     twin_calls, twin_saved = run_block(twin, eager.parameters(), x, dout, monkeypatch)
 
     labels = [label for label, _ in compiled_calls]
-    loop = "block loop" if fused else "stage loop"
-    assert labels.count(f"{loop} forward") == labels.count(f"{loop} backward") == 1
-    other = "stage loop" if fused else "block loop"
-    assert f"{other} forward" not in labels  # exactly one op kind
-    assert labels.count("kernel backward") == case.q_heads // case.heads_per_stage  # one per stage
-    assert twin_calls == compiled_calls  # same loops, same buffers, same saved q/k/v/out/lse
+    assert labels.count("block loop forward") == labels.count("block loop backward") == 1
+    assert "stage loop forward" not in labels  # fused: no plain op left
+    assert labels.count("kernel backward") == case.q_heads // case.heads_per_stage
+    assert twin_calls == compiled_calls
     assert twin_saved == compiled_saved > 0
 
 
-def test_twin_refuses_what_the_backend_refuses(group):
-    """The twin backend runs the same passes: a mask is refused, not measured."""
-    torch._dynamo.reset()
-
-    def attention(q):
-        return F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
-
-    twin = torch.compile(attention, backend=eager_twin_backend, options={"cp_mesh": group}, fullgraph=True)
-    with pytest.raises(Exception, match="attn_mask") as raised:
-        twin(torch.randn(1, 4, 8, 8))
-    assert isinstance(raised.value, UnsupportedAttention) or isinstance(raised.value.__cause__, UnsupportedAttention)
+def test_route_refuses_what_the_backend_refuses(group):
+    q = torch.randn(1, 4, 8, 8)
+    with SDPAThroughStageLoops(group, 2), pytest.raises(UnsupportedAttention, match="attn_mask"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with SDPAThroughStageLoops(group, 3), pytest.raises(UnsupportedAttention, match="heads_per_stage=3"):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
 
 def test_activations_offloaded_to_host_device_count_as_host_memory(group):

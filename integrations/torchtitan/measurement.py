@@ -2,14 +2,15 @@
 a job through the real ``parallelize_llama_upipe`` on fake tensors.
 
 Under :func:`measuring`, parallelize does everything it does for training (the job checks,
-activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except ``torch.compile``:
+activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except compiling the blocks:
 
-- each TransformerBlock's attention module is compiled with
-  :func:`upipe_compile.measure.eager_twins.eager_twin_backend`: the upipe passes with the
-  training options, then the custom ops (``upipe::attention_block`` or ``upipe::attention``)
-  swapped for their eager twins, which run the real stage loops. Under FakeTensorMode the
-  custom ops would run only their fake kernels, so their stage buffers would never be
-  allocated;
+- each TransformerBlock's attention runs the real stage loops: with ``fuse_projections``
+  (the default) its attention module is compiled with
+  :func:`upipe_compile.measure.eager_twins.eager_twin_backend` (the upipe passes, then the
+  fused block op swapped for its eager twin); without it, its SDPA calls run eagerly as the
+  plain op's twin (:class:`upipe_compile.measure.memory.SDPAThroughStageLoops`, same group,
+  U and prefetch as the compiled op). Under FakeTensorMode the compiled custom ops would run
+  only their fake kernels, so their stage buffers would never be allocated;
 - the loss is not compiled either (same eager code as when ``[compile] components`` lacks
   "loss").
 

@@ -145,23 +145,40 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
 
 
 def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:
-    """What compile_blocks does to attention, for fake-tensor memory measurement: each block's
-    attention module is compiled with the upipe passes and the options training uses, and
-    its custom ops (fused block or plain) swapped for their eager twins (eager_twins.py), so
-    the real stage loops run and allocate. The compiled module sits inside the
-    activation-checkpoint wrapper, so AC's recompute in backward runs the twins too. With
-    CP = 1 nothing is rewritten, as in compile_blocks."""
+    """What compile_blocks does to attention, eagerly, for fake-tensor memory measurement: every
+    block's SDPA runs as the real stage loops with the options it would be compiled with. The
+    routing sits inside the activation-checkpoint wrapper, so AC's recompute in backward is
+    routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from upipe_compile.measure.eager_twins import eager_twin_backend
+    from upipe_compile.measure.memory import SDPAThroughStageLoops
+    from upipe_compile.options import UPipeOptions
 
     if not parallel_dims.cp_enabled:
         return
+    options = UPipeOptions.from_user(compile_options(job_config, parallel_dims))
     for block in model.layers.values():
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-        inner.attention.forward = torch.compile(inner.attention.forward, backend=eager_twin_backend,
-                                                options=compile_options(job_config, parallel_dims),
-                                                fullgraph=True, dynamic=False)
+        if options.fuse_projections:
+            # The fusion pass needs the graph: the attention module is compiled (same passes and
+            # options as training), its ops swapped for their eager twins (eager_twins.py).
+            inner.attention.forward = torch.compile(inner.attention.forward, backend=eager_twin_backend,
+                                                    options=compile_options(job_config, parallel_dims),
+                                                    fullgraph=True, dynamic=False)
+        else:
+            _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(),
+                                                                    options.prefetch))
+
+
+def _run_forward_under(module: nn.Module, make_mode) -> None:
+    forward = module.forward
+
+    def routed_forward(*args, **kwargs):
+        with make_mode():
+            return forward(*args, **kwargs)
+
+    module.forward = routed_forward
 
 
 def _inner(name: str):

@@ -21,7 +21,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from upipe_compile.estimate.job import Job
 from upipe_compile.estimate.plain_loops import fused_rms_norm, fused_rope
-from upipe_compile.measure.memory import plain_loops_running
 
 DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
 HOST = torch.device("meta")  # where offloaded activations are packed while measuring
@@ -29,8 +28,9 @@ _LAYER = re.compile(r"\.layers\.(\d+)(\.|$)")
 
 
 def _part(parents: set[str]) -> str:
-    """Which part of a block is running, from the names of the modules being run (the plain
-    op's stage loops, compiled into the attention module, say so themselves)."""
+    """Which part of a block is running, from the names of the modules being run."""
+    if any(".inner_attention" in name for name in parents):
+        return "stage loop"
     if any(".attention" in name for name in parents):
         return "attention"
     if any(".feed_forward" in name or ".moe" in name for name in parents):
@@ -99,7 +99,7 @@ class PhaseTracker(FSDPMemTracker):
             direction = "recompute" if self._recomputing else "backward"
         layers = [int(m.group(1)) for name in parents if (m := _LAYER.search(name))]
         if layers:
-            return (direction, max(layers), "stage loop" if plain_loops_running() else _part(parents))
+            return (direction, max(layers), _part(parents))
         if len(parents) > 1:  # a model module outside the blocks: embedding, final norm, output
             return (direction, "outside blocks")
         return (self.outside_model + (" backward" if self._mod_tracker.is_bw else ""),)

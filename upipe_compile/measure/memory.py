@@ -17,14 +17,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.overrides import TorchFunctionMode
 
 from upipe_compile.measure import workspace
 from upipe_compile.packed.documents import Documents
+from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_backward
 from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
-from upipe_compile.attention.schedule import plan_stages
+from upipe_compile.passes.find import SDPA_SIGNATURE
+from upipe_compile.attention.schedule import plan_stages, shape_problems
 from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward
 
 
@@ -108,24 +112,6 @@ eager_calls: Counter = Counter()
 """Forward calls of the ops' eager twins in measurements ("stage-loop op", "fused block"),
 recompute included: what a whole-model measurement actually ran."""
 
-_plain_loops_running = 0
-
-
-def plain_loops_running() -> bool:
-    """Whether the plain op's twin is inside its stage loops now (the whole-step estimate
-    reports their buffers apart; compiled, the op runs under no module of its own)."""
-    return _plain_loops_running > 0
-
-
-@contextlib.contextmanager
-def _in_plain_loops():
-    global _plain_loops_running
-    _plain_loops_running += 1
-    try:
-        yield
-    finally:
-        _plain_loops_running -= 1
-
 
 class StageLoopFunction(torch.autograd.Function):
     """The op's forward and backward loops as an autograd.Function, for measuring whole
@@ -136,16 +122,46 @@ class StageLoopFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None):
         eager_calls["stage-loop op"] += 1
-        with _in_plain_loops():
-            out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks)
-            save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks), (out, lse))
+        out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks)
+        save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks), (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        with _in_plain_loops():
-            dq, dk, dv, dsinks = replay_backward(ctx, dout, eager=True)
+        dq, dk, dv, dsinks = replay_backward(ctx, dout, eager=True)
         return dq, dk, dv, None, dsinks
+
+
+class SDPAThroughStageLoops(TorchFunctionMode):
+    """While active, every ``F.scaled_dot_product_attention`` call runs as
+    :class:`StageLoopFunction` over ``group``: the eager twin of what the "upipe" backend
+    compiles SDPA into, for fake-tensor memory measurements of whole models (the whole-step
+    estimate), where the compiled custom op would run only its fake kernel. Calls the backend
+    would refuse are refused here too, with the same wording."""
+
+    def __init__(self, group: dist.ProcessGroup, heads_per_stage: int, prefetch: str = DEFAULT_PREFETCH):
+        super().__init__()
+        self.group, self.heads_per_stage, self.prefetch = group, heads_per_stage, prefetch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = SDPA_SIGNATURE.bind(*args, **kwargs)
+        call.apply_defaults()
+        a = call.arguments
+        problems = []
+        if a["attn_mask"] is not None:
+            problems.append("an attention-mask tensor is passed (attn_mask)")
+        if a["dropout_p"] != 0.0:
+            problems.append(f"attention dropout is on (dropout_p={a['dropout_p']})")
+        q, k, v = a["query"], a["key"], a["value"]
+        problems += shape_problems(q.shape, k.shape, v.shape, a["enable_gqa"], self.group.size(), self.heads_per_stage)
+        if problems:
+            raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
+        settings = StageLoopSettings(a["is_causal"], a["scale"], self.heads_per_stage, self.group.size(),
+                                     self.group.group_name, self.prefetch)
+        return StageLoopFunction.apply(q, k, v, settings)
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:
