@@ -13,7 +13,7 @@ import json
 import sys
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.attention.kernels import CUDA_BACKWARD_WORKSPACE
+from upipe_compile.measure.workspace import CUDA_BACKWARD_WORKSPACE
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
 from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
 from upipe_compile.estimate.host import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
