@@ -1,0 +1,146 @@
+"""Ring attention over the R ranks of a ring group: exact attention of each rank's queries
+against the whole sequence, with K/V passed around the ring one rank's share at a time and
+the partial outputs merged by their log-sum-exp. The building block of the ring dimension of
+a two-dimensional (ring x all-to-all) context-parallel layout; not yet used by the ops.
+
+Layout ("zigzag", for causal load balance): the sequence is cut into 2R equal chunks and ring
+rank ``r`` holds chunks ``r`` and ``2R - 1 - r``, concatenated, so every rank has the same
+amount of causal work. :func:`zigzag_chunks` names them; :func:`zigzag_shard` and
+:func:`zigzag_unshard` cut a full-sequence tensor into a rank's share and put the shares back.
+
+Shapes as :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, s, D]``, k/v ``[B, Hkv, s, D]``
+(``Hkv`` divides ``Hq``), ``s`` this rank's tokens (two chunks of ``s / 2``); ``lse`` is
+``[B, Hq, s]`` float32. Every kernel call pairs one query chunk with one key chunk of the
+same length: a later key chunk is skipped under causal attention, the same chunk is causal,
+an earlier one is attended in full.
+
+Backward: each K/V share travels the ring again with an fp32 accumulator of its dK/dV,
+which every rank adds its queries' part to; after R steps the accumulator is one hop from
+home and is sent there. The kernels' backward takes the final output and log-sum-exp, so
+each chunk pair's gradient is exact without the partial outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from upipe_compile.attention import kernels
+
+
+def zigzag_chunks(rank: int, ring: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2R) ring rank ``rank`` holds, in its order."""
+    return rank, 2 * ring - 1 - rank
+
+
+def zigzag_shard(full: torch.Tensor, rank: int, ring: int, dim: int) -> torch.Tensor:
+    """Ring rank ``rank``'s share of ``full`` along ``dim`` (its two chunks, concatenated)."""
+    if full.shape[dim] % (2 * ring):
+        raise ValueError(f"a sequence of {full.shape[dim]} tokens cannot be cut into 2 x {ring} equal chunks for "
+                         f"a ring of {ring} ranks: pad it to a multiple of {2 * ring}")
+    chunks = full.chunk(2 * ring, dim=dim)
+    return torch.cat([chunks[c] for c in zigzag_chunks(rank, ring)], dim=dim)
+
+
+def zigzag_unshard(shares: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The full-sequence tensor from every ring rank's share, in rank order."""
+    ring = len(shares)
+    chunks: list[Optional[torch.Tensor]] = [None] * (2 * ring)
+    for rank, share in enumerate(shares):
+        first, second = share.chunk(2, dim=dim)
+        a, b = zigzag_chunks(rank, ring)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def _pair_mode(q_chunk: int, k_chunk: int, is_causal: bool) -> Optional[bool]:
+    """For a query chunk against a key chunk: None (no key visible), or the kernel's is_causal."""
+    if not is_causal:
+        return False
+    if k_chunk > q_chunk:
+        return None
+    return k_chunk == q_chunk
+
+
+def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Send each of ``sends`` to the next ring rank and receive ``recvs`` from the previous."""
+    rank, ring = group.rank(), group.size()
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % ring) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % ring) for t in recvs]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold one chunk pair's (output, log-sum-exp) into the running fp32 ones, in place."""
+    merged = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(part_out.float() * torch.exp(part_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
+                 group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys."""
+    rank, ring = group.rank(), group.size()
+    if q.shape[2] % 2:
+        raise ValueError(f"a ring rank's share must hold two equal chunks; it has {q.shape[2]} tokens")
+    q_parts = q.chunk(2, dim=2)
+    q_ids = zigzag_chunks(rank, ring)
+    out = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in q_parts]
+    lse = [torch.full(p.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) for p in q_parts]
+    kv = torch.stack([k, v])
+    for step in range(ring):
+        source = (rank - step) % ring
+        k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        for qi, q_chunk in enumerate(q_ids):
+            for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
+                causal = _pair_mode(q_chunk, k_chunk, is_causal)
+                if causal is None:
+                    continue
+                part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale)
+                _merge(out[qi], lse[qi], part_out, part_lse)
+        if step + 1 < ring:
+            incoming = torch.empty_like(kv)
+            _exchange([kv], [incoming], group)
+            kv = incoming
+    return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+
+
+def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, is_causal: bool, scale: Optional[float],
+                  group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned."""
+    rank, ring = group.rank(), group.size()
+    q_ids = zigzag_chunks(rank, ring)
+    q_parts, dout_parts, out_parts = (t.chunk(2, dim=2) for t in (q, dout, out))
+    lse_parts = lse.chunk(2, dim=2)
+    dq = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in q_parts]
+    kv = torch.stack([k, v])
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # the gradient of the K/V held now
+    for step in range(ring):
+        source = (rank - step) % ring
+        k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+        dk_parts, dv_parts = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+        for qi, q_chunk in enumerate(q_ids):
+            for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
+                causal = _pair_mode(q_chunk, k_chunk, is_causal)
+                if causal is None:
+                    continue
+                dq_part, dk_part, dv_part = kernels.backward(
+                    dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale)
+                dq[qi].add_(dq_part)
+                dk_parts[kj].add_(dk_part)
+                dv_parts[kj].add_(dv_part)
+        # The K/V share and its gradient move on together; after the last step only the
+        # gradient does, to its home (the next rank holds the share this one came from).
+        incoming_dkv = torch.empty_like(dkv)
+        if step + 1 < ring:
+            incoming_kv = torch.empty_like(kv)
+            _exchange([kv, dkv], [incoming_kv, incoming_dkv], group)
+            kv = incoming_kv
+        else:
+            _exchange([dkv], [incoming_dkv], group)
+        dkv = incoming_dkv
+    return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
