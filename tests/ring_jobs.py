@@ -22,3 +22,50 @@ def ring_case(case: AttentionCase):
 def odd_share_case():
     q = torch.zeros(1, 2, 3, 8)
     return ring_forward(q, q, q, True, None, dist.group.WORLD)
+
+
+def hybrid_case(case: AttentionCase, ring: int):
+    """upipe_attention over a (ring, all-to-all) mesh of the world: this rank's shard as
+    shard_sequence lays it out; returns (out, dq, dk, dv) shards and the shard's positions."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import upipe_compile
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    q, k, v, dout = (upipe_compile.shard_sequence(x, mesh, dim=2).clone() for x in make_inputs(case))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = upipe_compile.upipe_attention(q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True,
+                                        cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch)
+    out.backward(dout)
+    positions = upipe_compile.global_positions(q.shape[2], mesh)
+    gathered = upipe_compile.gather_sequence(out.detach(), mesh, dim=2)
+    return out.detach(), q.grad, k.grad, v.grad, positions, gathered
+
+
+def hybrid_refusals():
+    """The messages of what a ring x all-to-all mesh refuses, on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import upipe_compile
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_a2a"))
+    wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    q = torch.randn(1, 4, 4, 8)
+    attempts = {
+        "documents": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=mesh, cu_seqlens=torch.tensor([0, 8, 16])),
+        "window": lambda: upipe_compile.upipe_attention(q, q, q, is_causal=True, cp_mesh=mesh, window=(4, 0)),
+        "names": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=wrong),
+        "uneven": lambda: upipe_compile.shard_sequence(torch.zeros(1, 12), mesh, dim=1),
+        "backend": lambda: torch.compile(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x),
+                                         backend="upipe", options={"cp_mesh": mesh})(q),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except Exception as error:  # noqa: BLE001  (the test reads the message)
+            messages[name] = f"{type(error).__name__}: {error}"
+    return messages

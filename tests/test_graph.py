@@ -146,9 +146,9 @@ def test_find_rewrites_positional_and_keyword_sdpa(world, heads_per_stage, expec
     # args: (q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left,
     # window_right, softcap); the GQA call keeps its 2 KV heads
     assert [example_shape(a) for a in positional.args[:3]] == [(1, 8, 16, 8)] * 3
-    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name, "forward", -1, -1, 0.0)
+    assert positional.args[3:] == (False, None, expected_u, WORLD, world.group_name, "forward", -1, -1, 0.0, "")
     assert [example_shape(a) for a in hf.args[:3]] == [(1, 8, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
-    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name, "forward", -1, -1, 0.0)
+    assert hf.args[3:] == (True, 0.125, expected_u, WORLD, world.group_name, "forward", -1, -1, 0.0, "")
     assert positional.kwargs == {} and hf.kwargs == {}
     # each op's users read only its output (index 0), never the log-sum-exp
     for op in ops:
@@ -187,7 +187,7 @@ def test_options_instance_and_aten_level_graph(world):
     assert len(calls(gm, torch.ops.aten.scaled_dot_product_attention.default)) == 1
     gm = apply_upipe_passes(gm, options)
     (op,) = calls(gm, UPIPE_ATTENTION)
-    assert op.args[3:] == (True, None, 8, WORLD, world.group_name, "forward", -1, -1, 0.0)
+    assert op.args[3:] == (True, None, 8, WORLD, world.group_name, "forward", -1, -1, 0.0, "")
     assert sdpa_nodes(gm) == []
 
 

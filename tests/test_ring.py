@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import ring_jobs
 from tests_support import DTYPES, TOLERANCE, AttentionCase, make_inputs, relative_error
 from upipe_compile.attention.ring import zigzag_shard, zigzag_unshard
+from upipe_compile.attention.schedule import shape_problems
 
 
 @st.composite
@@ -81,3 +82,59 @@ def test_odd_share_refused_on_every_rank(rank_pools):
 
     with pytest.raises(RankError, match="two equal chunks"):
         rank_pools(2).run(ring_jobs.odd_share_case)
+
+
+def _expected_shard(full: torch.Tensor, rank: int, ring: int, a2a: int) -> torch.Tensor:
+    """Global rank ``rank``'s shard (mesh ranks row-major: ring rank rank // A, a2a rank rank % A)."""
+    share = zigzag_shard(full, rank // a2a, ring, dim=2)
+    piece = share.shape[2] // a2a
+    return share.narrow(2, (rank % a2a) * piece, piece)
+
+
+@st.composite
+def hybrid_cases(draw):
+    world, ring = draw(st.sampled_from([(4, 2), (8, 2), (8, 4)]))
+    a2a = world // ring
+    kv_heads = draw(st.sampled_from([1, a2a, 2 * a2a]))
+    q_heads = kv_heads * draw(st.sampled_from([1, 2, 4]))
+    units = [u for u in (a2a, 2 * a2a, q_heads) if q_heads % u == 0 and u % a2a == 0]
+    assume(units and not shape_problems((1, q_heads, 2, 8), (1, kv_heads, 2, 8), (1, kv_heads, 2, 8), True, a2a,
+                                        units[0]))
+    chunk = draw(st.sampled_from([1, 2]))  # tokens per rank per zigzag chunk
+    return AttentionCase(
+        world=world, batch=draw(st.sampled_from([1, 2])), q_heads=q_heads, kv_heads=kv_heads, seq_local=2 * chunk,
+        head_dim=8, heads_per_stage=draw(st.sampled_from(units)), is_causal=draw(st.booleans()),
+        scale=draw(st.sampled_from([None, 0.3])), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        seed=draw(st.integers(0, 5)), prefetch=draw(st.sampled_from(["forward", "both"])),
+    ), ring
+
+
+@settings(max_examples=10, deadline=None)
+@given(drawn=hybrid_cases())
+def test_ring_by_all_to_all_matches_eager_on_every_rank(rank_pools, drawn):
+    """upipe_attention over a (ring, all-to-all) mesh: every rank's out, dq, dk, dv against
+    eager attention on the full sequence, laid out as shard_sequence lays it out; the
+    positions and gather_sequence agree with that layout."""
+    case, ring = drawn
+    a2a = case.world // ring
+    shards = rank_pools(case.world).run(ring_jobs.hybrid_case, case, ring)
+    expected = reference(case)
+    for rank, shard in enumerate(shards):
+        for name, got, full in zip(("out", "dq", "dk", "dv"), shard[:4], (expected[0], *expected[2:])):
+            error = relative_error(got, _expected_shard(full, rank, ring, a2a))
+            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, ring)
+        positions = _expected_shard(torch.arange(case.seq).view(1, 1, -1, 1), rank, ring, a2a).flatten()
+        assert shard[4].flatten().tolist() == positions.tolist()
+        assert relative_error(shard[5], expected[0]) <= TOLERANCE[case.dtype]
+
+
+def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
+    """Packed documents and variants over a ring, a 2-D mesh with other names, a length the
+    zigzag layout cannot cut, and the compile backend (which takes a 1-D mesh) are refused
+    with the setting named, on every rank."""
+    for messages in rank_pools(4).run(ring_jobs.hybrid_refusals):
+        assert "no cu_seqlens, window, softcap or sinks" in messages["documents"]
+        assert "no cu_seqlens, window, softcap or sinks" in messages["window"]
+        assert "('cp_ring', 'cp_a2a')" in messages["names"] and "('dp', 'cp')" in messages["names"]
+        assert "pad it to a multiple of 8" in messages["uneven"]
+        assert "cp_mesh must be a 1-D DeviceMesh here" in messages["backend"]

@@ -39,6 +39,13 @@ def upipe_attention(
     attention then stays inside each document (causal within it when ``is_causal``).
     See docs/packed_sequences.md.
 
+    Ring x all-to-all (several nodes): ``cp_mesh`` a 2-D DeviceMesh named
+    ``("cp_ring", "cp_a2a")``, R ring ranks by A all-to-all ranks (P = R x A; put the A
+    dimension within a node). Each stage's all-to-all then runs over A (U a multiple of A)
+    and its attention as ring attention over R. The sequence is laid out as
+    :func:`upipe_compile.shard_sequence` does for that mesh (zigzag over the ring, for causal
+    balance): shard inputs and positions with it. No packed documents, variants or sinks yet.
+
     Attention variants (see docs/attention_variants.md): ``window=(left, right)`` as
     flash-attn counts it (query i sees keys ``[i - left, i + right]`` of the full sequence,
     -1 = unbounded; with ``is_causal`` the right edge is 0); ``softcap`` (scores become
@@ -49,7 +56,7 @@ def upipe_attention(
     window_left, window_right, softcap = normalised_variant(window, softcap)
     if sink_problems := check_sinks(sinks, q.shape[1]):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(sink_problems))
-    group = collectives.resolve_group(cp_mesh)
+    group, ring_group = collectives.resolve_groups(cp_mesh)
     world = group.size()
     if problems := option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
@@ -61,9 +68,12 @@ def upipe_attention(
     if problems:
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
-    if world == 1 and cu_seqlens is None and plain:
+    if ring_group is not None and (not plain or cu_seqlens is not None):
+        raise UnsupportedAttention("upipe_attention: a ring x all-to-all cp_mesh runs plain (causal or full) "
+                                   "attention only so far: no cu_seqlens, window, softcap or sinks; use a 1-D cp_mesh")
+    if world == 1 and ring_group is None and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch, window_left,
-                                 window_right, softcap)
+                                 window_right, softcap, "" if ring_group is None else ring_group.group_name)
     out, _ = attention_op(*op_arguments(q, k, v, settings, cu_seqlens, sinks))
     return out

@@ -94,6 +94,10 @@ class StageLoopSettings:
     window_right: int = -1
     softcap: float = 0.0
     """Attention-logit softcap: scores become ``softcap * tanh(scores / softcap)``; 0 = off."""
+    ring_group_name: str = ""
+    """Ring x all-to-all: the ring group over which each stage's attention runs as ring
+    attention (:mod:`upipe_compile.attention.ring`); ``group_name`` is then the all-to-all
+    group and ``world_size`` its size A. Empty: no ring."""
 
     def op_args(self) -> tuple:
         """The op's scalar arguments, in its schema's order."""
@@ -102,9 +106,9 @@ class StageLoopSettings:
     @classmethod
     def from_op_args(cls, is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int,
                      group_name: str, prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1,
-                     softcap: float = 0.0) -> "StageLoopSettings":
+                     softcap: float = 0.0, ring_group_name: str = "") -> "StageLoopSettings":
         return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left, window_right,
-                   softcap)
+                   softcap, ring_group_name)
 
     @property
     def window(self) -> tuple[int, int]:

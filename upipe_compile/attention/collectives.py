@@ -28,8 +28,9 @@ def resolve_group(cp_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.Proces
     if isinstance(cp_mesh, DeviceMesh):
         if cp_mesh.ndim != 1:
             raise UnsupportedAttention(
-                f"cp_mesh must be a 1-D DeviceMesh, got {cp_mesh.ndim} dims "
-                f"{cp_mesh.mesh_dim_names}; pass the context-parallel sub-mesh, e.g. mesh['cp']"
+                f"cp_mesh must be a 1-D DeviceMesh here, got {cp_mesh.ndim} dims "
+                f"{cp_mesh.mesh_dim_names}; pass the context-parallel sub-mesh, e.g. mesh['cp'] (a 2-D "
+                f"{RING_MESH_DIMS} mesh, ring x all-to-all, is taken by upipe_attention and shard_sequence only)"
             )
         return cp_mesh.get_group()
     if isinstance(cp_mesh, dist.ProcessGroup):
@@ -44,6 +45,25 @@ def resolve_group(cp_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.Proces
             "compiled call, or pass options={'cp_mesh': init_device_mesh(...)}"
         )
     return dist.group.WORLD
+
+
+RING_MESH_DIMS = ("cp_ring", "cp_a2a")
+"""The dimension names of a two-dimensional context-parallel mesh: a ring of R ranks (meant
+to span nodes) by an all-to-all of A ranks (meant to lie within a node)."""
+
+
+def resolve_groups(cp_mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """``(all-to-all group, ring group or None)``: a 2-D mesh named :data:`RING_MESH_DIMS`
+    gives both; anything :func:`resolve_group` takes gives its group and no ring."""
+    if isinstance(cp_mesh, DeviceMesh) and cp_mesh.ndim == 2:
+        if tuple(cp_mesh.mesh_dim_names or ()) != RING_MESH_DIMS:
+            raise UnsupportedAttention(
+                f"a 2-D cp_mesh must name its dimensions {RING_MESH_DIMS} (ring across nodes, all-to-all "
+                f"within a node), got {cp_mesh.mesh_dim_names}: "
+                f"init_device_mesh(device, (R, A), mesh_dim_names={RING_MESH_DIMS})"
+            )
+        return cp_mesh[RING_MESH_DIMS[1]].get_group(), cp_mesh[RING_MESH_DIMS[0]].get_group()
+    return resolve_group(cp_mesh), None
 
 
 def group_from_name(group_name: str) -> dist.ProcessGroup:

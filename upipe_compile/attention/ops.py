@@ -63,17 +63,17 @@ def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
     prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-    cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+    ring_group_name: str = "", cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
-                                              window_left, window_right, softcap)
+                                              window_left, window_right, softcap, ring_group_name)
     check_world(world_size, group_name)
     return stage_loop_forward(q, k, v, settings, documents_of(cu_seqlens, q.shape[2], group_name, q.device), sinks)
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, group_name, prefetch=DEFAULT_PREFETCH,
-                    window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None, sinks=None):
+                    window_left=-1, window_right=-1, softcap=0.0, ring_group_name="", cu_seqlens=None, sinks=None):
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
     lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
@@ -85,11 +85,11 @@ def attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int, group_name: str,
     prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-    cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+    ring_group_name: str = "", cu_seqlens: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``; dsinks is empty without sinks (an op returns fixed outputs)."""
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
-                                              window_left, window_right, softcap)
+                                              window_left, window_right, softcap, ring_group_name)
     check_world(world_size, group_name)
     dq, dk, dv, dsinks = stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q.shape[2], group_name, q.device),
                                              sinks)
@@ -98,8 +98,8 @@ def attention_backward_op(
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, is_causal, scale, heads_per_stage, world_size, group_name,
-                             prefetch=DEFAULT_PREFETCH, window_left=-1, window_right=-1, softcap=0.0, cu_seqlens=None,
-                             sinks=None):
+                             prefetch=DEFAULT_PREFETCH, window_left=-1, window_right=-1, softcap=0.0,
+                             ring_group_name="", cu_seqlens=None, sinks=None):
     dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 

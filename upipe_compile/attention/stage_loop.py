@@ -24,12 +24,13 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile.attention import collectives, kernels
+from upipe_compile.attention import collectives, kernels, ring
 from upipe_compile.attention.device_constants import made_once
 from upipe_compile.packed.documents import Documents
 from upipe_compile.options import StageLoopSettings, prefetches
 from upipe_compile.attention.schedule import Stage, StageSchedule, plan_stages
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
+from upipe_compile.errors import UnsupportedAttention
 
 
 def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
@@ -110,6 +111,36 @@ def full_sequence_to_heads(full: torch.Tensor, heads: torch.Tensor, world: int, 
     collectives.scatter_heads_back(recv, heads, dest, accumulate)
 
 
+def _ring_group(settings: StageLoopSettings):
+    """The ring group of a ring x all-to-all call (None without one), after refusing what
+    the ring does not run yet."""
+    if not settings.ring_group_name:
+        return None
+    if settings.window != (-1, -1) or settings.softcap:
+        raise UnsupportedAttention("ring x all-to-all attention runs no sliding window or softcap yet: use a 1-D cp_mesh")
+    return collectives.group_from_name(settings.ring_group_name)
+
+
+def _stage_attention(settings: StageLoopSettings, q, k, v, documents):
+    """A stage's attention over the sequence its buffers hold: the kernel, or ring attention
+    over the ring group (the buffers then hold this ring rank's share)."""
+    ring_group = _ring_group(settings)
+    if ring_group is not None:
+        if documents is not None:
+            raise UnsupportedAttention("ring x all-to-all attention runs no packed documents yet: use a 1-D cp_mesh")
+        return ring.ring_forward(q, k, v, settings.is_causal, settings.scale, ring_group)
+    return kernels.forward(q, k, v, settings.is_causal, settings.scale, documents, window=settings.window,
+                           softcap=settings.softcap)
+
+
+def _stage_attention_backward(settings: StageLoopSettings, dout, q, k, v, out, lse, documents):
+    ring_group = _ring_group(settings)
+    if ring_group is not None:
+        return ring.ring_backward(dout, q, k, v, out, lse, settings.is_causal, settings.scale, ring_group)
+    return kernels.backward(dout, q, k, v, out, lse, settings.is_causal, settings.scale, documents,
+                            window=settings.window, softcap=settings.softcap)
+
+
 def stage_inputs(schedule: StageSchedule, index: int, local_q_side: dict, local_kv: dict, buffers: dict, world: int,
                  group_name: str) -> Iterator[Incoming]:
     """The all-to-alls stage ``index`` needs: K and V (``local_kv``) when it opens a KV
@@ -163,7 +194,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     itself would only run its fake kernel). ``documents``: packed-sequence boundaries over
     the full sequence (None: one sequence). ``sinks`` ``[Hq]``: per-head sink logits
     (:mod:`upipe_compile.attention.sinks`); the saved lse then includes them."""
-    is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
+    group_name = settings.group_name
     group = collectives.group_from_name(group_name)
     world = group.size()
     if not is_fake(q):
@@ -182,8 +213,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
-        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, is_causal, scale, documents,
-                                               window=settings.window, softcap=settings.softcap)
+        out_stage, lse_stage = _stage_attention(settings, buffers["q"], k_stage, v_stage, documents)
         del k_stage, v_stage
         if sinks is not None:
             out_stage, lse_stage = apply_sinks(out_stage, lse_stage, stage_sinks(sinks, stage, group.rank()))
@@ -202,7 +232,7 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     lse). ``dsinks`` (None without sinks) holds this rank's heads' sink gradients, zero
     elsewhere: each head's is complete on the rank that computed it, so the ranks' sum (the
     usual reduction of a replicated parameter's gradient) is the gradient."""
-    is_causal, scale, group_name = settings.is_causal, settings.scale, settings.group_name
+    group_name = settings.group_name
     group = collectives.group_from_name(group_name)
     world = group.size()
     schedule = schedule_for(q, k, world, settings.heads_per_stage)
@@ -241,10 +271,8 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             dkv_full.zero_()
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
-        dq_stage, dk_stage, dv_stage = kernels.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], is_causal, scale, documents,
-            window=settings.window, softcap=settings.softcap,
-        )
+        dq_stage, dk_stage, dv_stage = _stage_attention_backward(
+            settings, buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], documents)
         del k_stage, v_stage
         if sinks is not None:
             heads = head_index(my_heads(stage, group.rank()), q.device)
