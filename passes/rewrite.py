@@ -12,13 +12,15 @@ UPIPE_ATTENTION = attention_op._opoverload
 
 
 def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: int, group_name: str,
-                      prefetch: str) -> None:
+                      prefetch: str, ring_group_name: str = "") -> None:
     """Insert ``upipe::attention`` before the SDPA node, hand its users the output, erase it.
-    The caller lints and recompiles each touched graph module once."""
+    The caller lints and recompiles each touched graph module once. ``ring_group_name``:
+    ring x all-to-all (``group_name`` is then the all-to-all group)."""
     graph, node = match.graph_module.graph, match.node
     scale = None if match.scale is None else float(match.scale)
     settings = StageLoopSettings(match.is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
-                                 int(match.window_left), int(match.window_right), float(match.softcap))
+                                 int(match.window_left), int(match.window_right), float(match.softcap),
+                                 ring_group_name)
     with graph.inserting_before(node):
         op = graph.call_function(UPIPE_ATTENTION, op_arguments(match.query, match.key, match.value, settings,
                                                                match.cu_seqlens, match.sinks))

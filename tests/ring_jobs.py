@@ -44,6 +44,12 @@ def hybrid_case(case: AttentionCase, ring: int):
     return out.detach(), q.grad, k.grad, v.grad, positions, gathered
 
 
+def windowed_attention(x):
+    import upipe_compile
+
+    return upipe_compile.document_sdpa(x, x, x, None, is_causal=True, window=(2, 0))
+
+
 def hybrid_refusals():
     """The messages of what a ring x all-to-all mesh refuses, on this rank."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -58,8 +64,9 @@ def hybrid_refusals():
         "window": lambda: upipe_compile.upipe_attention(q, q, q, is_causal=True, cp_mesh=mesh, window=(4, 0)),
         "names": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=wrong),
         "uneven": lambda: upipe_compile.shard_sequence(torch.zeros(1, 12), mesh, dim=1),
-        "backend": lambda: torch.compile(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x),
-                                         backend="upipe", options={"cp_mesh": mesh})(q),
+        "backend": lambda: torch.compile(windowed_attention, backend="upipe", options={"cp_mesh": mesh})(q),
+        "fused eager API": lambda: upipe_compile.upipe_attention_block(
+            q.view(1, 4, 32), *([None] * 8), [], None, cp_mesh=mesh),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -69,3 +76,21 @@ def hybrid_refusals():
         except Exception as error:  # noqa: BLE001  (the test reads the message)
             messages[name] = f"{type(error).__name__}: {error}"
     return messages
+
+
+def compiled_hybrid_case(case: AttentionCase, ring: int, inner_backend: str):
+    """TinyAttention compiled with backend="upipe" over a (ring, all-to-all) mesh, on this
+    rank's shard as shard_sequence lays it out: (out, dx, param grads)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import upipe_compile
+    from tests_support import TinyAttention, block_grads, make_block_inputs
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
+    model = torch.compile(TinyAttention(case), backend="upipe",
+                          options={"cp_mesh": mesh, "heads_per_stage": case.heads_per_stage,
+                                   "prefetch": case.prefetch, "inner_backend": inner_backend})
+    return block_grads(model, x, dout)

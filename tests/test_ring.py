@@ -129,12 +129,37 @@ def test_ring_by_all_to_all_matches_eager_on_every_rank(rank_pools, drawn):
 
 
 def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
-    """Packed documents and variants over a ring, a 2-D mesh with other names, a length the
-    zigzag layout cannot cut, and the compile backend (which takes a 1-D mesh) are refused
-    with the setting named, on every rank."""
+    """Packed documents and variants over a ring (eager API and compile backend, the latter
+    naming the call's line), a 2-D mesh with other names, a length the zigzag layout cannot
+    cut, and the fused block's eager API (1-D only) are refused with the setting named, on
+    every rank."""
     for messages in rank_pools(4).run(ring_jobs.hybrid_refusals):
         assert "no cu_seqlens, window, softcap or sinks" in messages["documents"]
         assert "no cu_seqlens, window, softcap or sinks" in messages["window"]
         assert "('cp_ring', 'cp_a2a')" in messages["names"] and "('dp', 'cp')" in messages["names"]
         assert "pad it to a multiple of 8" in messages["uneven"]
-        assert "cp_mesh must be a 1-D DeviceMesh here" in messages["backend"]
+        assert "a sliding window over a ring x all-to-all cp_mesh is not supported yet" in messages["backend"]
+        assert "ring_jobs.py" in messages["backend"]  # the call's source line
+        assert "cp_mesh must be a 1-D DeviceMesh here" in messages["fused eager API"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(drawn=hybrid_cases(), inner=st.sampled_from(["eager", "aot_eager"]))
+def test_compiled_model_over_ring_by_all_to_all_matches_eager(rank_pools, drawn, inner):
+    """An attention layer compiled with backend="upipe" over a (ring, all-to-all) mesh: every
+    rank's output and input gradient against the eager layer on the full sequence, and the
+    ranks' parameter gradients summed against its parameter gradients."""
+    from tests_support import eager_block_reference
+
+    case, ring = drawn
+    a2a = case.world // ring
+    shards = rank_pools(case.world).run(ring_jobs.compiled_hybrid_case, case, ring, inner)
+    out, dx, grads = eager_block_reference(case)
+    for rank, shard in enumerate(shards):
+        for name, got, full in (("out", shard[0], out), ("dx", shard[1], dx)):
+            expected = _expected_shard(full.unsqueeze(1), rank, ring, a2a).squeeze(1)
+            error = relative_error(got, expected)
+            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, ring)
+    for name, grad in grads.items():
+        error = relative_error(sum(s[2][name] for s in shards), grad)
+        assert error <= TOLERANCE[case.dtype], (name, error, case, ring)

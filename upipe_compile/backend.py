@@ -27,16 +27,16 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     projection are proven head-separable becomes one ``upipe::attention_block`` instead (one
     log line per block says whether it was fused, or which node blocked it and why).
     With one context-parallel rank the graph is left as it is."""
-    group = options.group
+    group, ring_group = options.group, options.ring_group
     world = group.size()
-    if world == 1:
+    if world == 1 and ring_group is None:
         return gm
     heads_per_stage = options.stage_heads()
     matches = find_attention(gm)
     problems = [
         f"  {match.source_line}\n" + "".join(f"    - {reason}\n" for reason in reasons)
         for match in matches
-        if (reasons := unsupported_reasons(match, world, heads_per_stage))
+        if (reasons := unsupported_reasons(match, world, heads_per_stage) + _ring_reasons(match, ring_group))
     ]
     # flex_attention and hand-written attention are not rewritten: they would see the local shard only
     problems += [f"  {match.source_line}\n    - {match.reason}\n" for match in find_unsupported_attention(gm)]
@@ -46,8 +46,10 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
             + "".join(problems)
         )
     fused = 0
+    if ring_group is not None and options.fuse_projections and matches:
+        log.info("upipe: ring x all-to-all: attention blocks are not fused over a ring yet, SDPA alone is rewritten")
     for match in matches:
-        block = find_block(match) if options.fuse_projections else None
+        block = find_block(match) if options.fuse_projections and ring_group is None else None
         if isinstance(block, BlockMatch):
             rewrite_block(block, heads_per_stage=heads_per_stage, world_size=world, group_name=group.group_name,
                           prefetch=options.prefetch, recompute_attention_output=options.recompute_attention_output)
@@ -57,13 +59,27 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
             continue
         if block is not None:
             log.info("upipe: attention block at %s not fused: %s", match.source_line, block.reason)
-        rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch)
+        rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch,
+                          "" if ring_group is None else ring_group.group_name)
     for module in {id(m.graph_module): m.graph_module for m in matches}.values():
         module.graph.lint()
         module.recompile()
     log.info("upipe: rewrote %d attention call(s) (%d fused blocks), P=%d, heads_per_stage=%d", len(matches), fused,
              world, heads_per_stage)
     return gm
+
+
+def _ring_reasons(match, ring_group) -> list[str]:
+    """What a ring x all-to-all mesh cannot run yet, for this call."""
+    if ring_group is None:
+        return []
+    found = [name for name, present in (
+        ("packed documents (cu_seqlens)", match.cu_seqlens is not None),
+        ("a sliding window", (int(match.window_left), int(match.window_right)) != (-1, -1)),
+        ("a softcap", float(match.softcap) != 0.0),
+        ("attention sinks", match.sinks is not None),
+    ) if present]
+    return [f"{', '.join(found)} over a ring x all-to-all cp_mesh is not supported yet: use a 1-D cp_mesh"] if found else []
 
 
 def _never_fall_back_to_eager() -> None:
@@ -92,7 +108,7 @@ def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
     if unused.get("mode") not in (None, "default"):
         raise UnsupportedAttention(f"backend='upipe' takes options=..., not mode={unused['mode']!r}")
     opts = UPipeOptions.from_user(options)
-    if opts.group.size() > 1:
+    if opts.group.size() > 1 or opts.ring_group is not None:
         _never_fall_back_to_eager()
     gm = apply_upipe_passes(gm, opts)
     return _inner_backend(opts.inner_backend)(gm, example_inputs)

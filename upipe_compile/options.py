@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from upipe_compile.attention.collectives import resolve_group
+from upipe_compile.attention.collectives import resolve_groups
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.kernels import NO_WINDOW, check_variant
 
@@ -141,7 +141,10 @@ class BlockSettings:
 @dataclass(frozen=True)
 class UPipeOptions:
     cp_mesh: DeviceMesh | dist.ProcessGroup | None = None
-    """1-D DeviceMesh or ProcessGroup of the context-parallel ranks; None = default group."""
+    """1-D DeviceMesh or ProcessGroup of the context-parallel ranks; None = default group. A
+    2-D DeviceMesh named ("cp_ring", "cp_a2a") is ring x all-to-all: the all-to-all runs over
+    "cp_a2a" (U counts its ranks) and each stage's attention as ring attention over "cp_ring"
+    (the plain op only: blocks are not fused over a ring yet)."""
     heads_per_stage: int | None = None
     """U: query heads per stage across all ranks, a multiple of P; None = P (least memory).
     U = number of query heads is plain Ulysses."""
@@ -181,7 +184,13 @@ class UPipeOptions:
 
     @property
     def group(self) -> dist.ProcessGroup:
-        return resolve_group(self.cp_mesh)
+        """The all-to-all group (the whole context-parallel group without a ring)."""
+        return resolve_groups(self.cp_mesh)[0]
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup | None:
+        """The ring group of a ring x all-to-all mesh; None otherwise."""
+        return resolve_groups(self.cp_mesh)[1]
 
     def stage_heads(self) -> int:
         return resolved_heads_per_stage(self.heads_per_stage, self.group.size())

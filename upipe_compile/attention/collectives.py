@@ -30,7 +30,8 @@ def resolve_group(cp_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.Proces
             raise UnsupportedAttention(
                 f"cp_mesh must be a 1-D DeviceMesh here, got {cp_mesh.ndim} dims "
                 f"{cp_mesh.mesh_dim_names}; pass the context-parallel sub-mesh, e.g. mesh['cp'] (a 2-D "
-                f"{RING_MESH_DIMS} mesh, ring x all-to-all, is taken by upipe_attention and shard_sequence only)"
+                f"{RING_MESH_DIMS} mesh, ring x all-to-all, is taken by upipe_attention, backend='upipe' and the "
+                f"shard_sequence helpers, not here yet)"
             )
         return cp_mesh.get_group()
     if isinstance(cp_mesh, dist.ProcessGroup):
@@ -58,9 +59,10 @@ def resolve_groups(cp_mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None
     if isinstance(cp_mesh, DeviceMesh) and cp_mesh.ndim == 2:
         if tuple(cp_mesh.mesh_dim_names or ()) != RING_MESH_DIMS:
             raise UnsupportedAttention(
-                f"a 2-D cp_mesh must name its dimensions {RING_MESH_DIMS} (ring across nodes, all-to-all "
-                f"within a node), got {cp_mesh.mesh_dim_names}: "
-                f"init_device_mesh(device, (R, A), mesh_dim_names={RING_MESH_DIMS})"
+                f"a 2-D cp_mesh is ring x all-to-all and must name its dimensions {RING_MESH_DIMS} (ring across "
+                f"nodes, all-to-all within a node), got {cp_mesh.mesh_dim_names}: "
+                f"init_device_mesh(device, (R, A), mesh_dim_names={RING_MESH_DIMS}); for one context-parallel "
+                f"dimension pass a 1-D DeviceMesh, e.g. mesh['cp']"
             )
         return cp_mesh[RING_MESH_DIMS[1]].get_group(), cp_mesh[RING_MESH_DIMS[0]].get_group()
     return resolve_group(cp_mesh), None
