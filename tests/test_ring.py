@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import ring_jobs
@@ -93,7 +93,7 @@ def _expected_shard(full: torch.Tensor, rank: int, ring: int, a2a: int) -> torch
 
 @st.composite
 def hybrid_cases(draw):
-    world, ring = draw(st.sampled_from([(4, 2), (8, 2), (8, 4)]))
+    world, ring = draw(st.sampled_from([(4, 2), (8, 2), (8, 4), (2, 1)]))  # (2, 1): a ring of one
     a2a = world // ring
     kv_heads = draw(st.sampled_from([1, a2a, 2 * a2a]))
     q_heads = kv_heads * draw(st.sampled_from([1, 2, 4]))
@@ -111,6 +111,8 @@ def hybrid_cases(draw):
 
 @settings(max_examples=10, deadline=None)
 @given(drawn=hybrid_cases())
+@example(drawn=(AttentionCase(world=2, batch=1, q_heads=4, kv_heads=2, seq_local=4, head_dim=8, heads_per_stage=2,
+                              is_causal=True, scale=None, dtype="float32"), 1))  # a ring of one
 def test_ring_by_all_to_all_matches_eager_on_every_rank(rank_pools, drawn):
     """upipe_attention over a (ring, all-to-all) mesh: every rank's out, dq, dk, dv against
     eager attention on the full sequence, laid out as shard_sequence lays it out; the

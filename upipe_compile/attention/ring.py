@@ -135,6 +135,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 dv_parts[kj].add_(dv_part)
         # The K/V share and its gradient move on together; after the last step only the
         # gradient does, to its home (the next rank holds the share this one came from).
+        if ring == 1:  # a ring of one: the share never leaves home
+            break
         incoming_dkv = torch.empty_like(dkv)
         if step + 1 < ring:
             incoming_kv = torch.empty_like(kv)
