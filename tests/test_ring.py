@@ -60,11 +60,10 @@ def test_ring_matches_eager_attention_on_every_rank(rank_pools, case):
 
 def test_zigzag_layout_balances_causal_work():
     """Each rank holds chunks r and 2R-1-r: the same number of visible (query, key) chunk pairs."""
-    from upipe_compile.attention.ring import _pair_mode, zigzag_chunks
+    from upipe_compile.attention.ring import _visible_pairs
 
     ring = 4
-    work = [sum(_pair_mode(qc, kc, True) is not None for qc in zigzag_chunks(r, ring) for kc in range(2 * ring))
-            for r in range(ring)]
+    work = [sum(1 for source in range(ring) for _ in _visible_pairs(r, source, ring, True)) for r in range(ring)]
     assert len(set(work)) == 1, work
     full = torch.arange(16).view(1, 1, 16, 1)
     shares = [zigzag_shard(full, r, ring, dim=2) for r in range(ring)]

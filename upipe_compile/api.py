@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from upipe_compile.attention import collectives, kernels
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import attention_op, op_arguments
+from upipe_compile.attention.ring import ring_problems
 from upipe_compile.options import (
     DEFAULT_PREFETCH, StageLoopSettings, normalised_variant, option_problems, resolved_heads_per_stage,
 )
@@ -68,9 +69,9 @@ def upipe_attention(
     if problems:
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
-    if ring_group is not None and (not plain or cu_seqlens is not None):
-        raise UnsupportedAttention("upipe_attention: a ring x all-to-all cp_mesh runs plain (causal or full) "
-                                   "attention only so far: no cu_seqlens, window, softcap or sinks; use a 1-D cp_mesh")
+    if ring_group is not None and (problems := ring_problems(cu_seqlens is not None, (window_left, window_right),
+                                                            softcap, sinks is not None)):
+        raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1 and ring_group is None and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch, window_left,

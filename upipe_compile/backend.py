@@ -9,6 +9,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
@@ -73,13 +74,8 @@ def _ring_reasons(match, ring_group) -> list[str]:
     """What a ring x all-to-all mesh cannot run yet, for this call."""
     if ring_group is None:
         return []
-    found = [name for name, present in (
-        ("packed documents (cu_seqlens)", match.cu_seqlens is not None),
-        ("a sliding window", (int(match.window_left), int(match.window_right)) != (-1, -1)),
-        ("a softcap", float(match.softcap) != 0.0),
-        ("attention sinks", match.sinks is not None),
-    ) if present]
-    return [f"{', '.join(found)} over a ring x all-to-all cp_mesh is not supported yet: use a 1-D cp_mesh"] if found else []
+    return ring_problems(match.cu_seqlens is not None, (int(match.window_left), int(match.window_right)),
+                         float(match.softcap), match.sinks is not None)
 
 
 def _never_fall_back_to_eager() -> None:

@@ -22,7 +22,7 @@ each chunk pair's gradient is exact without the partial outputs.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,28 @@ def _pair_mode(q_chunk: int, k_chunk: int, is_causal: bool) -> Optional[bool]:
     return k_chunk == q_chunk
 
 
+def _visible_pairs(rank: int, source: int, ring: int, is_causal: bool) -> Iterator[tuple[int, int, bool]]:
+    """``(query half, key half, kernel is_causal)`` for each pair of this rank's query chunks
+    and ``source``'s key chunks that has any visible key."""
+    for qi, q_chunk in enumerate(zigzag_chunks(rank, ring)):
+        for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
+            causal = _pair_mode(q_chunk, k_chunk, is_causal)
+            if causal is not None:
+                yield qi, kj, causal
+
+
+def ring_problems(documents: bool, window: tuple[int, int], softcap: float, sinks: bool) -> list[str]:
+    """What a call asks of ring attention that it does not run yet (empty: nothing)."""
+    found = [name for name, present in (
+        ("packed documents (cu_seqlens)", documents), ("a sliding window", tuple(window) != (-1, -1)),
+        ("a softcap", softcap != 0.0), ("attention sinks", sinks),
+    ) if present]
+    if not found:
+        return []
+    return [f"{', '.join(found)} over a ring x all-to-all cp_mesh is not supported yet (it runs no cu_seqlens, "
+            "window, softcap or sinks): use a 1-D cp_mesh"]
+
+
 def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Send each of ``sends`` to the next ring rank and receive ``recvs`` from the previous."""
     rank, ring = group.rank(), group.size()
@@ -87,20 +109,15 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     if q.shape[2] % 2:
         raise ValueError(f"a ring rank's share must hold two equal chunks; it has {q.shape[2]} tokens")
     q_parts = q.chunk(2, dim=2)
-    q_ids = zigzag_chunks(rank, ring)
     out = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in q_parts]
     lse = [torch.full(p.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) for p in q_parts]
     kv = torch.stack([k, v])
     for step in range(ring):
         source = (rank - step) % ring
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-        for qi, q_chunk in enumerate(q_ids):
-            for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
-                causal = _pair_mode(q_chunk, k_chunk, is_causal)
-                if causal is None:
-                    continue
-                part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale)
-                _merge(out[qi], lse[qi], part_out, part_lse)
+        for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
+            part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale)
+            _merge(out[qi], lse[qi], part_out, part_lse)
         if step + 1 < ring:
             incoming = torch.empty_like(kv)
             _exchange([kv], [incoming], group)
@@ -113,7 +130,6 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned."""
     rank, ring = group.rank(), group.size()
-    q_ids = zigzag_chunks(rank, ring)
     q_parts, dout_parts, out_parts = (t.chunk(2, dim=2) for t in (q, dout, out))
     lse_parts = lse.chunk(2, dim=2)
     dq = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in q_parts]
@@ -123,16 +139,12 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         source = (rank - step) % ring
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         dk_parts, dv_parts = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
-        for qi, q_chunk in enumerate(q_ids):
-            for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
-                causal = _pair_mode(q_chunk, k_chunk, is_causal)
-                if causal is None:
-                    continue
-                dq_part, dk_part, dv_part = kernels.backward(
-                    dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale)
-                dq[qi].add_(dq_part)
-                dk_parts[kj].add_(dk_part)
-                dv_parts[kj].add_(dv_part)
+        for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
+            dq_part, dk_part, dv_part = kernels.backward(
+                dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale)
+            dq[qi].add_(dq_part)
+            dk_parts[kj].add_(dk_part)
+            dv_parts[kj].add_(dv_part)
         # The K/V share and its gradient move on together; after the last step only the
         # gradient does, to its home (the next rank holds the share this one came from).
         if ring == 1:  # a ring of one: the share never leaves home

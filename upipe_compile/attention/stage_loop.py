@@ -116,8 +116,8 @@ def _ring_group(settings: StageLoopSettings):
     the ring does not run yet."""
     if not settings.ring_group_name:
         return None
-    if settings.window != (-1, -1) or settings.softcap:
-        raise UnsupportedAttention("ring x all-to-all attention runs no sliding window or softcap yet: use a 1-D cp_mesh")
+    if problems := ring.ring_problems(False, settings.window, settings.softcap, False):
+        raise UnsupportedAttention("; ".join(problems))
     return collectives.group_from_name(settings.ring_group_name)
 
 
@@ -126,8 +126,8 @@ def _stage_attention(settings: StageLoopSettings, q, k, v, documents):
     over the ring group (the buffers then hold this ring rank's share)."""
     ring_group = _ring_group(settings)
     if ring_group is not None:
-        if documents is not None:
-            raise UnsupportedAttention("ring x all-to-all attention runs no packed documents yet: use a 1-D cp_mesh")
+        if problems := ring.ring_problems(documents is not None, (-1, -1), 0.0, False):
+            raise UnsupportedAttention("; ".join(problems))
         return ring.ring_forward(q, k, v, settings.is_causal, settings.scale, ring_group)
     return kernels.forward(q, k, v, settings.is_causal, settings.scale, documents, window=settings.window,
                            softcap=settings.softcap)
