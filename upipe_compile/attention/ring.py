@@ -1,7 +1,7 @@
 """Ring attention over the R ranks of a ring group: exact attention of each rank's queries
 against the whole sequence, with K/V passed around the ring one rank's share at a time and
-the partial outputs merged by their log-sum-exp. The building block of the ring dimension of
-a two-dimensional (ring x all-to-all) context-parallel layout; not yet used by the ops.
+the partial outputs merged by their log-sum-exp. The ring dimension of a two-dimensional
+(ring x all-to-all) context-parallel layout: each UPipe stage's attention over the ring.
 
 Layout ("zigzag", for causal load balance): the sequence is cut into 2R equal chunks and ring
 rank ``r`` holds chunks ``r`` and ``2R - 1 - r``, concatenated, so every rank has the same
@@ -16,7 +16,8 @@ an earlier one is attended in full.
 
 Backward: each K/V share travels the ring again with an fp32 accumulator of its dK/dV,
 which every rank adds its queries' part to; after R steps the accumulator is one hop from
-home and is sent there. The kernels' backward takes the final output and log-sum-exp, so
+home and is sent there. Every exchange is started before the kernels it can run under and
+finished after them (:class:`_Exchange`). The kernels' backward takes the final output and log-sum-exp, so
 each chunk pair's gradient is exact without the partial outputs.
 """
 
@@ -86,13 +87,31 @@ def ring_problems(documents: bool, window: tuple[int, int], softcap: float, sink
             "window, softcap or sinks): use a 1-D cp_mesh"]
 
 
-def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Send each of ``sends`` to the next ring rank and receive ``recvs`` from the previous."""
-    rank, ring = group.rank(), group.size()
-    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % ring) for t in sends]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % ring) for t in recvs]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+class _Exchange:
+    """A started ring exchange: each of ``sends`` to the next ring rank, ``recvs`` from the
+    previous. Started before a step's kernels and finished after them, so the transfer runs
+    while they do: on NCCL the send/receive run on the process group's own stream and
+    :meth:`finish` only makes the compute stream wait for it (no host block); on gloo they run
+    on its background threads. The send tensors must stay untouched until :meth:`finish`."""
+
+    def __init__(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], group: dist.ProcessGroup):
+        rank, ring = group.rank(), group.size()
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % ring) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % ring) for t in recvs]
+        self.sends, self.recvs = sends, recvs
+        self.works = dist.batch_isend_irecv(ops)
+
+    def finish(self) -> list[torch.Tensor]:
+        """The received tensors, once they have landed."""
+        for work in self.works:
+            work.wait()
+        self.works, self.sends = [], []
+        return self.recvs
+
+
+def _pass_on(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> _Exchange:
+    """Start sending ``tensors`` to the next ring rank while receiving their likes from the previous."""
+    return _Exchange(tensors, [torch.empty_like(t) for t in tensors], group)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -104,57 +123,65 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
                  group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys."""
+    """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys.
+    The next step's K/V share is on its way while this step's chunk pairs run."""
     rank, ring = group.rank(), group.size()
     if q.shape[2] % 2:
         raise ValueError(f"a ring rank's share must hold two equal chunks; it has {q.shape[2]} tokens")
     q_parts = q.chunk(2, dim=2)
     out = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in q_parts]
     lse = [torch.full(p.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) for p in q_parts]
-    kv = torch.stack([k, v])
+    kv = [k.contiguous(), v.contiguous()]  # sent as they are: a stage's K/V may be a head slice
     for step in range(ring):
         source = (rank - step) % ring
+        incoming = _pass_on(kv, group) if step + 1 < ring else None
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
             part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale)
             _merge(out[qi], lse[qi], part_out, part_lse)
-        if step + 1 < ring:
-            incoming = torch.empty_like(kv)
-            _exchange([kv], [incoming], group)
-            kv = incoming
+        del k_parts, v_parts
+        if incoming is not None:
+            kv = incoming.finish()
     return torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, is_causal: bool, scale: Optional[float],
                   group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned."""
+    """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned.
+
+    Each step: the next K/V share is received while this one's chunk pairs run (into a fresh
+    fp32 buffer); only then is the share's travelling dK/dV accumulator awaited, the step's
+    part added and the sum passed on, so that exchange runs under the next step's kernels.
+    After R steps each accumulator has visited every rank and goes one more hop, home."""
     rank, ring = group.rank(), group.size()
     q_parts, dout_parts, out_parts = (t.chunk(2, dim=2) for t in (q, dout, out))
     lse_parts = lse.chunk(2, dim=2)
     dq = [torch.zeros(p.shape, dtype=torch.float32, device=q.device) for p in q_parts]
-    kv = torch.stack([k, v])
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # the gradient of the K/V held now
+    kv = [k.contiguous(), v.contiguous()]
+    travelling: Optional[_Exchange] = None  # the accumulator of the share held now, on its way here
     for step in range(ring):
         source = (rank - step) % ring
+        incoming = _pass_on(kv, group) if step + 1 < ring else None
+        part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-        dk_parts, dv_parts = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+        dk_parts, dv_parts = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
         for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
             dq_part, dk_part, dv_part = kernels.backward(
                 dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale)
             dq[qi].add_(dq_part)
             dk_parts[kj].add_(dk_part)
             dv_parts[kj].add_(dv_part)
-        # The K/V share and its gradient move on together; after the last step only the
-        # gradient does, to its home (the next rank holds the share this one came from).
+        del k_parts, v_parts, dk_parts, dv_parts
+        if travelling is not None:
+            part.add_(travelling.finish()[0])
         if ring == 1:  # a ring of one: the share never leaves home
+            dkv = part
             break
-        incoming_dkv = torch.empty_like(dkv)
-        if step + 1 < ring:
-            incoming_kv = torch.empty_like(kv)
-            _exchange([kv, dkv], [incoming_kv, incoming_dkv], group)
-            kv = incoming_kv
-        else:
-            _exchange([dkv], [incoming_dkv], group)
-        dkv = incoming_dkv
+        travelling = _pass_on([part], group)  # to the rank that holds this share next (or home)
+        del part
+        if incoming is not None:
+            kv = incoming.finish()
+    else:
+        dkv = travelling.finish()[0]
     return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
