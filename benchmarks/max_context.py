@@ -48,6 +48,12 @@ class Model:
     cp: int
     layers: int
     dim: int
+    rings: tuple[int, ...] = ()
+    """Ring degrees R of the ring x all-to-all rows (UPipe over CP / R ranks, U = CP / R)."""
+    overrides: tuple[str, ...] = ()
+    """torchtitan overrides of the TOML that make this row's job (e.g. its CP degree)."""
+    whole_stack_only: bool = False
+    """Only the whole-stack rows (each removed piece is shown by the one-node rows)."""
 
     def host_bytes_per_token(self) -> int:
         """Offloaded block inputs per token of the sequence, on one node (8 ranks): bf16."""
@@ -57,7 +63,13 @@ class Model:
 MODELS = {
     "llama3_8b": Model("llama3_8b", "Llama3-8B, 8 ranks", "llama3_8b_upipe_5m.toml", 32, 8, 32, 4096),
     "qwen3_32b": Model("qwen3_32b", "Qwen3-32B, 16 ranks", "qwen3_32b_upipe.toml", 64, 16, 64, 5120),
+    "llama3_8b_4_nodes": Model("llama3_8b_4_nodes", "Llama3-8B, 32 ranks (4 nodes)", "llama3_8b_upipe_4_nodes.toml",
+                               32, 32, 32, 4096, rings=(4,), whole_stack_only=True),
+    "qwen3_32b_4_nodes": Model("qwen3_32b_4_nodes", "Qwen3-32B, 32 ranks (4 nodes)", "qwen3_32b_upipe.toml",
+                               64, 32, 64, 5120, rings=(2, 4),
+                               overrides=("--parallelism.context_parallel_degree", "32"), whole_stack_only=True),
 }
+
 # Each piece of the stack, and the override that removes it from the shipped TOML (which has all on).
 VARIANTS = {
     "whole stack": [],
@@ -71,8 +83,23 @@ ADDITIONS = {"+ recomputed attention output"}
 """Opt-in keys beyond the shipped stack (rows for UPipe U = P only)."""
 
 
-def methods(model: Model) -> dict[str, int]:
-    return {"Ulysses": model.q_heads, "UPipe U = P": model.cp, "UPipe U = 2P": 2 * model.cp}
+def methods(model: Model) -> dict[str, tuple[int, int]]:
+    """Method name -> (U, ring degree R). Without a ring U = CP is Ulysses where CP is the
+    head count (then one row)."""
+    found = {"Ulysses": (model.q_heads, 1)}
+    if model.cp < model.q_heads:
+        found["UPipe U = P"] = (model.cp, 1)
+    if not model.rings:
+        found["UPipe U = 2P"] = (2 * model.cp, 1)
+    for ring in model.rings:
+        found[f"UPipe {model.cp // ring} x ring {ring}"] = (model.cp // ring, ring)
+    return found
+
+
+def method_name(model: Model, method: str) -> str:
+    if method == "Ulysses" and model.cp == model.q_heads:
+        return "Ulysses = UPipe U = P"
+    return method
 
 
 def rows(only: list[str] | None, whole_stack_only: bool = False) -> list[tuple[Model, str, int, str]]:
@@ -82,24 +109,33 @@ def rows(only: list[str] | None, whole_stack_only: bool = False) -> list[tuple[M
     for model in MODELS.values():
         if only and model.key not in only:
             continue
-        for method, u in methods(model).items():
+        for method, (u, _) in methods(model).items():
             for variant in VARIANTS:
                 if variant in ADDITIONS:
-                    wanted = method == "UPipe U = P" and not whole_stack_only
+                    wanted = method == "UPipe U = P" and not (whole_stack_only or model.whole_stack_only)
                 else:
-                    wanted = variant == "whole stack" or (method != "UPipe U = 2P" and not whole_stack_only)
+                    wanted = variant == "whole stack" or (
+                        method in ("Ulysses", "UPipe U = P") and not (whole_stack_only or model.whole_stack_only))
                 if wanted:
                     out.append((model, method, u, variant))
     return out
 
 
+def ring_of(model: Model, u: int) -> int:
+    return next(ring for u_, ring in methods(model).values() if u_ == u)
+
+
 def command(model: Model, u: int, variant: str) -> list[str]:
+    ring = ring_of(model, u)
     return ["python", "-m", "upipe_compile.estimate", "--config", f"integrations/torchtitan/{model.toml}",
-            "--upipe.heads_per_stage", str(u), *VARIANTS[variant], "--max-context", "--json"]
+            *model.overrides, "--upipe.heads_per_stage", str(u),
+            *(["--upipe.ring_degree", str(ring)] if ring > 1 else []), *VARIANTS[variant], "--max-context", "--json"]
 
 
 def run_path(model: Model, u: int, variant: str) -> str:
-    return os.path.join(RUNS, f"{model.key}_u{u}_{re.sub('[^A-Za-z0-9]+', '_', variant).strip('_')}.json")
+    ring = ring_of(model, u)
+    tag = "" if ring == 1 else f"_ring{ring}"
+    return os.path.join(RUNS, f"{model.key}_u{u}{tag}_{re.sub('[^A-Za-z0-9]+', '_', variant).strip('_')}.json")
 
 
 def run(model: Model, u: int, variant: str) -> dict:
@@ -130,7 +166,7 @@ def table(results) -> list[dict]:
     for (model, method, u, variant), r in results:
         stale = "" if r.get("code", 1) >= CODE_VERSION else " *"
         out.append({
-            "model": model.name, "method": f"{method} ({u})", "stack": variant,
+            "model": model.name, "method": f"{method_name(model, method)} ({u})", "stack": variant,
             "max seq_len": f"{r['max_context']:,}{stale}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
             "peak in": r["peak_phase"], "host GiB per node": f"{r['host_gib_per_node']:.0f}",
             "bound": r["bound"] or "probes spent", "probes": len(r["probes"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from tests_support import AttentionCase, make_inputs
 from upipe_compile.attention.ring import ring_backward, ring_forward, zigzag_shard
@@ -94,3 +95,100 @@ def compiled_hybrid_case(case: AttentionCase, ring: int, inner_backend: str):
                           options={"cp_mesh": mesh, "heads_per_stage": case.heads_per_stage,
                                    "prefetch": case.prefetch, "inner_backend": inner_backend})
     return block_grads(model, x, dout)
+
+
+class TinyRopeAttention(torch.nn.Module):
+    """A Llama-like attention layer: q/k/v/o projections, GQA, RoPE from the position ids the
+    caller passes (``global_positions`` under context parallelism), SDPA."""
+
+    def __init__(self, case: AttentionCase, theta: float = 10000.0):
+        from tests_support import TinyAttention
+
+        super().__init__()
+        self.case = case
+        self.layer = TinyAttention(case)  # its wq, wk, wv, wo (same seeds on every process)
+        dim = case.head_dim
+        inv_freq = theta ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def rotate(t, cos, sin):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+    def forward(self, x, positions):
+        b, s, _ = x.shape
+        c, layer = self.case, self.layer
+        freqs = positions[..., None].float() * self.inv_freq  # [1, s, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos().to(x.dtype).unsqueeze(1), angles.sin().to(x.dtype).unsqueeze(1)  # [1, 1, s, D]
+        q = self.rotate(layer.wq(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2), cos, sin)
+        k = self.rotate(layer.wk(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2), cos, sin)
+        v = layer.wv(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True)
+        return layer.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def rope_block_grads(model, x, dout, positions):
+    """(out, dx, param grads by name) of one forward + backward of a TinyRopeAttention."""
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x, positions)
+    out.backward(dout)
+    module = getattr(model, "_orig_mod", model)
+    return out.detach(), x.grad, {name: p.grad for name, p in module.named_parameters()}
+
+
+def compiled_fused_ring_case(case: AttentionCase, ring: int, recompute: bool):
+    """TinyRopeAttention compiled with backend="upipe" (aot_eager) over a (ring, all-to-all)
+    mesh, on this rank's shard with its global positions: (out, dx, param grads, the upipe
+    ops the rewritten graph holds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import upipe_compile
+    from tests_support import make_block_inputs
+    from upipe_compile.backend import _inner_backend, apply_upipe_passes
+    from upipe_compile.options import UPipeOptions
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
+    positions = upipe_compile.global_positions(x.shape[1], mesh)
+    options = UPipeOptions(cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
+                           inner_backend="aot_eager", recompute_attention_output=recompute)
+    seen = []
+
+    def backend(gm, example_inputs):  # the upipe backend, recording which upipe ops it left
+        gm = apply_upipe_passes(gm, options)
+        seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                    for n in m.graph.nodes if str(n.target).startswith("upipe."))
+        return _inner_backend("aot_eager")(gm, example_inputs)
+
+    model = torch.compile(TinyRopeAttention(case), backend=backend)
+    return (*rope_block_grads(model, x, dout, positions), sorted(set(seen)))
+
+
+def fused_block_ring_refusal(window=(-1, -1), softcap=0.0, with_sinks=False, cu_seqlens=None):
+    """upipe::attention_block called over a (2, 2) mesh's ring with what the ring does not run
+    (the backend refuses it at compile time; the op refuses it too): the message."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from upipe_compile.block.ops import attention_block_op
+    from upipe_compile.block.region import BlockRegion, register_region
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_a2a"))
+
+    def heads(p, n, *extras):
+        return p.view(p.shape[0], p.shape[1], n, 8).transpose(1, 2)
+
+    region = BlockRegion(2, 2, 8, heads, heads, heads, True, None, window=window, softcap=softcap,
+                         sinks_extra=0 if with_sinks else -1)
+    x, w = torch.randn(1, 4, 16), torch.randn(16, 16) / 4
+    extras = [torch.zeros(2)] if with_sinks else []
+    try:
+        attention_block_op(x, w, None, w, None, w, None, w, None, extras, cu_seqlens, register_region(region), 2, 2,
+                           mesh["cp_a2a"].get_group().group_name, "forward", False,
+                           mesh["cp_ring"].get_group().group_name)
+    except Exception as error:  # noqa: BLE001  (the test reads the message)
+        return f"{type(error).__name__}: {error}"
+    return None

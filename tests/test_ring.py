@@ -164,3 +164,47 @@ def test_compiled_model_over_ring_by_all_to_all_matches_eager(rank_pools, drawn,
     for name, grad in grads.items():
         error = relative_error(sum(s[2][name] for s in shards), grad)
         assert error <= TOLERANCE[case.dtype], (name, error, case, ring)
+
+
+@pytest.mark.parametrize("case, ring, recompute", [
+    (AttentionCase(4, 1, 4, 2, 4, 8, 2, True, None, "float32", seed=1), 2, False),
+    (AttentionCase(4, 2, 8, 2, 2, 8, 4, False, 0.3, "float32", seed=2, prefetch="both"), 2, True),
+    (AttentionCase(8, 1, 8, 4, 2, 8, 4, True, None, "float32", seed=3), 2, False),
+    (AttentionCase(8, 1, 4, 2, 2, 8, 2, False, None, "bfloat16", seed=4, prefetch="both"), 4, False),
+], ids=["2x2-causal", "2x2-full-recompute", "2x4-causal", "4x2-full-bf16"])
+def test_compiled_fused_block_over_ring_by_all_to_all_matches_eager(rank_pools, case, ring, recompute):
+    """A Llama-like layer (GQA, RoPE from global_positions) compiled with backend="upipe" over
+    a (ring, all-to-all) mesh runs as ONE fused upipe::attention_block (not the plain op): every
+    rank's output and input gradient against the eager layer on the full sequence (positions
+    0..S-1), and the ranks' parameter gradients summed against its parameter gradients."""
+    from tests_support import make_block_inputs
+
+    a2a = case.world // ring
+    shards = rank_pools(case.world).run(ring_jobs.compiled_fused_ring_case, case, ring, recompute)
+    for shard in shards:
+        assert shard[3] == ["upipe.attention_block.default"], shard[3]
+    x, dout = make_block_inputs(case)
+    out, dx, grads = ring_jobs.rope_block_grads(ring_jobs.TinyRopeAttention(case), x, dout,
+                                                torch.arange(case.seq).unsqueeze(0))
+    for rank, shard in enumerate(shards):
+        for name, got, full in (("out", shard[0], out), ("dx", shard[1], dx)):
+            expected = _expected_shard(full.unsqueeze(1), rank, ring, a2a).squeeze(1)
+            error = relative_error(got, expected)
+            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, ring)
+    assert set(grads) == {f"layer.w{r}.weight" for r in "qkvo"}
+    for name, grad in grads.items():
+        error = relative_error(sum(s[2][name] for s in shards), grad)
+        assert error <= TOLERANCE[case.dtype], (name, error, case, ring)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(window=(2, 0)), "a sliding window"), (dict(softcap=3.0), "a softcap"),
+    (dict(with_sinks=True), "attention sinks"),
+    (dict(cu_seqlens=torch.tensor([0, 4, 8])), "packed documents (cu_seqlens)"),
+])
+def test_fused_block_op_refuses_what_the_ring_cannot_run(rank_pools, kwargs, named):
+    """upipe::attention_block over a ring refuses variants and packed documents itself (the
+    backend already refuses them at compile time), with the setting named, on every rank."""
+    for message in rank_pools(4).run(ring_jobs.fused_block_ring_refusal, **kwargs):
+        assert message is not None and message.startswith("UnsupportedAttention"), message
+        assert f"{named} over a ring x all-to-all cp_mesh is not supported yet" in message, message

@@ -77,6 +77,50 @@ def test_h100_toml_parallel_dims_for_world_size_8():
         ParallelDims(dp_shard=1, dp_replicate=1, cp=8, tp=1, pp=1, ep=1, etp=1, world_size=16)
 
 
+def test_ring_degree_is_checked_against_the_job():
+    """[upipe] ring_degree: what a 32-rank, 4-node job may ask, and what it may not."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.errors import UnsupportedAttention
+    from upipe_compile.integrations.torchtitan import check_job
+
+    config = load_config(H100_TOML, "--parallelism.context_parallel_degree=32")
+    dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=32, tp=1, pp=1, ep=1, etp=1, world_size=32)
+    spec = get_train_spec("llama3")
+    args = spec.model_args["8B"]  # 32 q heads: a 1-D CP of 32 is Ulysses, 64 would be refused
+    check_job(config, dims, args)
+    config.upipe.ring_degree, config.upipe.heads_per_stage = 4, 8  # U counts the 8 all-to-all ranks
+    check_job(config, dims, args)
+    cases = [
+        ({"ring_degree": 3}, r"ring_degree = 3 must divide \[parallelism\] context_parallel_degree = 32"),
+        ({"ring_degree": 0}, r"ring_degree = 0 must be >= 1"),
+        ({"heads_per_stage": 4}, r"heads_per_stage=4 must be a positive multiple of the context-parallel size P=8"),
+        ({"ring_degree": 1, "heads_per_stage": 0}, None),
+    ]
+    for changes, message in cases:
+        saved = {key: getattr(config.upipe, key) for key in changes}
+        for key, value in changes.items():
+            setattr(config.upipe, key, value)
+        if message is None:
+            check_job(config, dims, args)
+        else:
+            with pytest.raises(UnsupportedAttention, match=message):
+                check_job(config, dims, args)
+        for key, value in saved.items():
+            setattr(config.upipe, key, value)
+    with pytest.raises(UnsupportedAttention, match=r"seq_len = .* must be divisible by 2 x context_parallel_degree = 64"):
+        config.training.seq_len = 32 * 1024 * 3 + 32
+        check_job(config, dims, args)
+    config.training.seq_len = 32 * 1024
+    with pytest.raises(UnsupportedAttention, match=r"ring_degree > 1 does not run packed documents"):
+        check_job(config, dims, spec.model_args["8B_varlen"])
+    config.upipe.ring_degree = 1
+    with pytest.raises(UnsupportedAttention, match=r"n_heads = 32 is not divisible by the CP degree 64: set \[upipe\] ring_degree"):
+        check_job(config, ParallelDims(dp_shard=1, dp_replicate=1, cp=64, tp=1, pp=1, ep=1, etp=1, world_size=64),
+                  args)
+
+
 def test_debug_toml_is_the_debug_model():
     config = load_config(DEBUG_TOML)
     assert (config.model.name, config.model.flavor) == ("llama3", "debugmodel")
@@ -91,12 +135,13 @@ def test_debug_model_cp2_matches_cp1(rank_pools):
     assert layers == 6
 
     for rank, result in enumerate(cp2):
-        # torchtitan's load balancer was turned off by the integration, so its own
-        # prepare_context_parallel_input sharded RoPE positions contiguously.
-        assert result["load_balancer"] is None
-        seq_local = result["positions"].shape[1]
-        expected = torch.arange(rank * seq_local, (rank + 1) * seq_local, dtype=torch.int32)
-        assert torch.equal(result["positions"], expected.expand_as(result["positions"])), rank
+        # torchtitan's load balancer was turned off by the integration, and the Trainer's
+        # input sharding (routed by it) gave contiguous shards and no positions: the rank's
+        # RoPE table holds exactly its tokens' rows.
+        assert result["load_balancer"] is None and result["positions"] is None
+        seq_local = result["seq_local"]
+        expected = result["full_rope_table"][rank * seq_local:(rank + 1) * seq_local]
+        assert torch.equal(result["rope_table"], expected), rank
         # Every layer's attention block ran as the fused upipe op (forward, plus AC
         # recomputation, and backward), and no SDPA kernel ran outside it: torchtitan's ring
         # attention is off.
@@ -121,6 +166,35 @@ def test_debug_model_cp2_matches_cp1(rank_pools):
             assert relative_error(result["grads"][name], ref) < 1e-5, name
 
 
+def test_debug_model_ring_2x2_matches_cp1(rank_pools):
+    """[upipe] ring_degree = 2 at CP = 4: two all-to-all pairs, ring attention between them;
+    inputs and labels sharded zigzag over the ring by the Trainer's own call, each rank's RoPE
+    table cut to its tokens' rows."""
+    from upipe_compile.attention.ring import zigzag_shard
+
+    ring = rank_pools(4).run(train_debug_model, 4, STEPS, None, ("--upipe.ring_degree=2",))
+    cp1 = rank_pools(1).run(train_debug_model, 1, STEPS)[0]
+    layers = cp1["n_layers"]
+    seq = ring[0]["seq_local"] * 4
+    for rank, result in enumerate(ring):
+        # rank = ring rank x 2 + all-to-all rank: its all-to-all pair holds two zigzag chunks,
+        # and its RoPE table those tokens' rows
+        share = zigzag_shard(torch.arange(seq), rank // 2, 2, dim=0).chunk(2)[rank % 2]
+        assert result["positions"] is None
+        assert torch.equal(result["rope_table"], result["full_rope_table"][share]), rank
+        counts = result["counts"]
+        assert counts.get("plain sdpa outside upipe", 0) == 0, counts
+        backwards = counts.get("upipe::attention_backward", 0) + counts.get("upipe::attention_block_backward", 0)
+        assert backwards == layers, counts
+        assert result["losses"] == ring[0]["losses"]
+    for step, (a, b) in enumerate(zip(ring[0]["losses"], cp1["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    assert set(ring[0]["grads"]) == set(cp1["grads"])
+    for name, ref in cp1["grads"].items():
+        for result in ring:
+            assert relative_error(result["grads"][name], ref) < 1e-5, name
+
+
 def test_blocks_are_compiled_with_the_backend_callable(monkeypatch):
     """Not the name "upipe", which resolves only through the installed entry point."""
     from types import SimpleNamespace
@@ -131,10 +205,11 @@ def test_blocks_are_compiled_with_the_backend_callable(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda module, **kwargs: seen.append(kwargs) or module)
     model = SimpleNamespace(layers=torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "1": torch.nn.Linear(2, 2)}))
-    dims = SimpleNamespace(cp_enabled=True, cp=2, get_mesh=lambda name: f"<{name} mesh>")
+    cp_mesh = SimpleNamespace(device_type="cpu", mesh=torch.arange(2))  # stands in for torchtitan's "cp" mesh
+    dims = SimpleNamespace(cp_enabled=True, cp=2, get_mesh=lambda name: {"cp": cp_mesh}[name])
     parallelize.compile_blocks(model, load_config(DEBUG_TOML), dims)
     assert [kwargs["backend"] for kwargs in seen] == [upipe_backend, upipe_backend]
-    assert all(kwargs["options"]["cp_mesh"] == "<cp mesh>" for kwargs in seen)
+    assert all(kwargs["options"]["cp_mesh"] is cp_mesh for kwargs in seen)
 
 
 def test_debug_model_with_stack_cp2_matches_cp1(rank_pools):

@@ -75,15 +75,17 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     """Train the debug model for ``steps`` steps with context-parallel degree ``cp`` on all
     ranks of the current (gloo) world, the debug TOML changed by ``overrides`` (torchtitan
     command-line style) and the flavor's model args by ``model_changes``. Returns (losses, first-step grads by parameter name, first-step local
-    positions, upipe op counts of the last step, load balancer seen, what the offloader moved
+    positions (None under upipe's sharding), the RoPE table the model read in step 1 and the
+    full-sequence one, upipe op counts of the last step, load balancer seen, what the offloader moved
     in each step). ``documents``: the varlen flavor on one packed row of EOS-separated
     documents, its boundaries made by the model's get_attention_masks on the full batch (as
-    the Trainer does) and passed whole to every rank (prepare_packed_input)."""
+    the Trainer does) and passed whole to every rank (cp_layout.shard_batch)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
-    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
     from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan.rope_rows import rope_buffer_name
 
     torchtitan_on_cpu()
     torch._dynamo.reset()
@@ -113,6 +115,8 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     with torch.no_grad():
         reference.init_weights()
     full_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    rope_name = rope_buffer_name(reference)
+    full_rope = getattr(reference, rope_name).detach().clone()
     del reference
 
     with torch.device("meta"):
@@ -134,6 +138,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
 
     losses, first_grads, first_positions, counts, offloaded, document_counts = [], None, None, None, [], []
+    first_rope = None
     offloader = getattr(model, "upipe_offloader", None)
     for step in range(1, steps + 1):
         optimizers.zero_grad()
@@ -153,8 +158,10 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
                     inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
                     job_config.parallelism.context_parallel_load_balancer,
                 )
-        elif parallel_dims.cp_enabled:
-            inputs, labels, extra_kwargs = prepare_context_parallel_input(
+        elif parallel_dims.cp_enabled:  # the function the Trainer calls (routed by the integration)
+            import torchtitan.train
+
+            inputs, labels, extra_kwargs = torchtitan.train.prepare_context_parallel_input(
                 inputs, labels, extra_kwargs, parallel_dims.get_mesh("cp"), torch.device("cpu"),
                 job_config.parallelism.context_parallel_load_balancer,
             )
@@ -175,6 +182,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         if step == 1:
             first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
             first_positions = extra_kwargs.get("positions")
+            first_rope = getattr(model, rope_name).detach().clone()
         dist_utils.clip_grad_norm_(list(model.parameters()), job_config.training.max_norm, foreach=True)
         optimizers.step()
         lr_schedulers.step()
@@ -184,7 +192,8 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         losses.append(float(loss))
     return {
         "losses": losses, "grads": first_grads, "positions": first_positions, "counts": counts,
+        "rope_table": first_rope, "full_rope_table": full_rope,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
         "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type, "documents": document_counts,
-        "local_tokens": inputs.numel(), "dim": model_args.dim,
+        "local_tokens": inputs.numel(), "seq_local": inputs.shape[1], "dim": model_args.dim,
     }

@@ -47,21 +47,20 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
             + "".join(problems)
         )
     fused = 0
-    if ring_group is not None and options.fuse_projections and matches:
-        log.info("upipe: ring x all-to-all: attention blocks are not fused over a ring yet, SDPA alone is rewritten")
+    ring_group_name = "" if ring_group is None else ring_group.group_name
     for match in matches:
-        block = find_block(match) if options.fuse_projections and ring_group is None else None
+        block = find_block(match) if options.fuse_projections else None
         if isinstance(block, BlockMatch):
             rewrite_block(block, heads_per_stage=heads_per_stage, world_size=world, group_name=group.group_name,
-                          prefetch=options.prefetch, recompute_attention_output=options.recompute_attention_output)
+                          prefetch=options.prefetch, recompute_attention_output=options.recompute_attention_output,
+                          ring_group_name=ring_group_name)
             fused += 1
             log.info("upipe: fused attention block at %s (%d q / %d kv heads of %d)", match.source_line,
                      block.q_heads, block.kv_heads, block.head_dim)
             continue
         if block is not None:
             log.info("upipe: attention block at %s not fused: %s", match.source_line, block.reason)
-        rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch,
-                          "" if ring_group is None else ring_group.group_name)
+        rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch, ring_group_name)
     for module in {id(m.graph_module): m.graph_module for m in matches}.values():
         module.graph.lint()
         module.recompile()

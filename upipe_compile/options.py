@@ -128,14 +128,20 @@ class BlockSettings:
     prefetch: str = DEFAULT_PREFETCH
     recompute_attention_output: bool = False
     """Keep no attention output for backward; each stage's attention forward runs again there."""
+    ring_group_name: str = ""
+    """Ring x all-to-all, as :attr:`StageLoopSettings.ring_group_name`: each stage's attention
+    runs as ring attention over this group; ``group_name``/``world_size`` are the
+    all-to-all's. Empty: no ring."""
 
     def op_args(self) -> tuple:
         return astuple(self)
 
     @classmethod
     def from_op_args(cls, region_id: int, heads_per_stage: int, world_size: int, group_name: str,
-                     prefetch: str = DEFAULT_PREFETCH, recompute_attention_output: bool = False) -> "BlockSettings":
-        return cls(region_id, heads_per_stage, world_size, group_name, prefetch, recompute_attention_output)
+                     prefetch: str = DEFAULT_PREFETCH, recompute_attention_output: bool = False,
+                     ring_group_name: str = "") -> "BlockSettings":
+        return cls(region_id, heads_per_stage, world_size, group_name, prefetch, recompute_attention_output,
+                   ring_group_name)
 
 
 @dataclass(frozen=True)
@@ -143,8 +149,8 @@ class UPipeOptions:
     cp_mesh: DeviceMesh | dist.ProcessGroup | None = None
     """1-D DeviceMesh or ProcessGroup of the context-parallel ranks; None = default group. A
     2-D DeviceMesh named ("cp_ring", "cp_a2a") is ring x all-to-all: the all-to-all runs over
-    "cp_a2a" (U counts its ranks) and each stage's attention as ring attention over "cp_ring"
-    (the plain op only: blocks are not fused over a ring yet)."""
+    "cp_a2a" (U counts its ranks) and each stage's attention as ring attention over "cp_ring",
+    in the plain op and in fused blocks alike."""
     heads_per_stage: int | None = None
     """U: query heads per stage across all ranks, a multiple of P; None = P (least memory).
     U = number of query heads is plain Ulysses."""

@@ -39,9 +39,10 @@ def get_train_spec(name: str = MODEL_NAME):
     import dataclasses
     import importlib
 
-    from upipe_compile.integrations.torchtitan.documents import install_varlen_input_sharding, varlen_model_args
+    from upipe_compile.integrations.torchtitan.cp_layout import install_input_sharding
+    from upipe_compile.integrations.torchtitan.documents import varlen_model_args
 
-    install_varlen_input_sharding()  # the Trainer shards varlen batches UPipe's way (documents.py)
+    install_input_sharding()  # the Trainer shards ring layouts and varlen batches upipe's way (cp_layout.py)
 
     stock = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     return dataclasses.replace(

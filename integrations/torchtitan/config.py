@@ -6,7 +6,8 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     custom_config_module = "upipe_compile.integrations.torchtitan.config"
 
     [upipe]
-    heads_per_stage = 0         # U; 0 = P (one head per rank per stage, least memory)
+    heads_per_stage = 0         # U; 0 = the all-to-all degree (one head per rank per stage, least memory)
+    ring_degree = 1             # R > 1: ring attention over R groups of CP / R all-to-all ranks (multi-node)
     inner_backend = "inductor"  # what compiles each block after the UPipe rewrite
     prefetch = "forward"        # overlap the next stage's all-to-alls: none | forward | both
     fuse_projections = true     # projections, RoPE/QK-norm, attention, output projection: one stage loop
@@ -31,10 +32,19 @@ from upipe_compile.options import DEFAULT_PREFETCH
 @dataclass
 class UPipe:
     heads_per_stage: int = 0
-    """U: query heads per stage across the CP ranks, a multiple of the CP degree P.
-    0 means U = P (least attention memory; TOML has no None: 0 becomes UPipeOptions'
-    heads_per_stage=None); U = number of query heads is plain Ulysses. Checked by
+    """U: query heads per stage across the all-to-all ranks, a multiple of their number A
+    (A = the CP degree P without a ring, P / ring_degree with one). 0 means U = A (least
+    attention memory; TOML has no None: 0 becomes UPipeOptions' heads_per_stage=None); U =
+    number of query heads is plain Ulysses. Checked by
     upipe_compile.options.option_problems, as UPipeOptions is."""
+
+    ring_degree: int = 1
+    """R: split the CP ranks ([parallelism] context_parallel_degree = P) into R groups of
+    A = P / R consecutive ranks: the all-to-all (UPipe) runs within a group (put one group
+    in a node: 8 on an 8-GPU node) and each stage's attention as ring attention across the R
+    groups (K/V passed point-to-point, overlapped with the kernels). P is then no longer
+    bounded by the head count, only A is. The sequence is laid out zigzag over the ring
+    (cp_layout.py). 1 = no ring: the all-to-all over all P ranks."""
 
     @property
     def heads_per_stage_option(self):

@@ -11,11 +11,9 @@ they describe the full sequence, which each rank holds for its heads after the a
 - :class:`DocumentAttention` replaces ``VarlenAttentionWrapper`` in each layer: it calls
   :func:`upipe_compile.document_sdpa` with ``cu_seq_q``; the upipe pass rewrites it into
   UPipe inside the compiled blocks (CP = 1: exact attention per document on one process).
-- :func:`prepare_packed_input` is ``prepare_context_parallel_input`` for varlen: contiguous
-  shards of inputs, labels and positions, the metadata passed on unsharded.
-  :func:`install_varlen_input_sharding` makes the Trainer (and its validator) call it when
-  the attention masks are VarlenMetadata, which stock ``cp_shard`` cannot take (it asserts
-  BlockMask); every other call goes to torchtitan's function unchanged.
+- The Trainer's ``prepare_context_parallel_input``, routed by
+  :mod:`upipe_compile.integrations.torchtitan.cp_layout`, shards inputs and labels and passes
+  the metadata on unsharded (stock ``cp_shard`` cannot take it: it asserts BlockMask).
 - :func:`varlen_model_args` lets the varlen flavors through ``update_from_config`` with CP.
 
 One packed row per rank batch (``local_batch_size = 1``): torchtitan's metadata flattens the
@@ -25,9 +23,7 @@ batch into one sequence, and UPipe takes one set of boundaries for every row.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import torch
 import torch.nn as nn
 
 from upipe_compile.packed.document_sdpa import document_sdpa
@@ -60,43 +56,6 @@ def use_document_attention(model: nn.Module) -> int:
             module.inner_attention = DocumentAttention()
             swapped += 1
     return swapped
-
-
-def prepare_packed_input(inputs, labels, attention_masks, cp_mesh):
-    """This rank's contiguous shard of ``inputs``/``labels`` [1, S] and of the positions
-    0..S-1 (RoPE over the packed row, as torchtitan's varlen model uses without CP), with
-    the full-sequence ``attention_masks`` (VarlenMetadata) unchanged: (inputs, labels, kwargs)."""
-    from upipe_compile.sharding import shard_sequence
-
-    positions = torch.arange(inputs.shape[1], dtype=torch.int32, device=inputs.device).expand(inputs.shape)
-    inputs, labels, positions = (shard_sequence(t, cp_mesh, dim=1) for t in (inputs, labels, positions))
-    return inputs, labels, {"positions": positions, "attention_masks": attention_masks}
-
-
-def _varlen_aware(original):
-    @functools.wraps(original)
-    def prepare_context_parallel_input(inputs, labels, extra_kwargs, cp_mesh, device, load_balancer_type="headtail"):
-        from torchtitan.models.attention import VarlenMetadata
-
-        masks = extra_kwargs.get("attention_masks")
-        if not isinstance(masks, VarlenMetadata):
-            return original(inputs, labels, extra_kwargs, cp_mesh, device, load_balancer_type)
-        inputs, labels, kwargs = prepare_packed_input(inputs, labels, masks, cp_mesh)
-        return inputs, labels, {**extra_kwargs, **kwargs}
-
-    prepare_context_parallel_input.upipe_varlen = True
-    return prepare_context_parallel_input
-
-
-def install_varlen_input_sharding() -> None:
-    """Route the Trainer's and validator's ``prepare_context_parallel_input`` through
-    :func:`prepare_packed_input` for VarlenMetadata (idempotent)."""
-    import torchtitan.components.validate as validate
-    import torchtitan.train as train
-
-    for module in (train, validate):
-        if not getattr(module.prepare_context_parallel_input, "upipe_varlen", False):
-            module.prepare_context_parallel_input = _varlen_aware(module.prepare_context_parallel_input)
 
 
 def varlen_model_args(args):

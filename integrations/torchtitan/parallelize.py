@@ -7,9 +7,10 @@ Differences from stock ``parallelize_llama`` when ``[compile] backend = "upipe"`
 - no ``apply_cp_to_attention_module``: torchtitan's ring attention (the DTensor CP dispatcher
   and the ``_ContextParallel`` module plan) is never installed; the UPipe rewrite inside the
   compiled blocks does the context parallelism instead;
-- ``parallelism.context_parallel_load_balancer`` is forced to None, so torchtitan's own
-  ``prepare_context_parallel_input`` (called by the Trainer every step) shards inputs, labels
-  and RoPE positions contiguously: rank r holds tokens [r*S/P, (r+1)*S/P);
+- ``parallelism.context_parallel_load_balancer`` is forced to None, and the Trainer's
+  ``prepare_context_parallel_input`` (routed by this package's import, cp_layout.py) shards
+  inputs and labels in upipe's layout (rank r of a 1-D CP holds tokens [r*S/P, (r+1)*S/P)),
+  with no positions: each rank's RoPE table is cut to its own rows (rope_rows.py);
 - each TransformerBlock is compiled with ``backend="upipe"`` and the CP mesh of torchtitan's
   ParallelDims (``parallel_dims.get_mesh("cp")``), U and the inner backend from [upipe];
 - FSDP shards over torchtitan's "fsdp" mesh (dp_shard x cp), as stock torchtitan does, so
@@ -36,6 +37,8 @@ from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack
 from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.cp_layout import forget_layout, upipe_cp_mesh
+from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
 from upipe_compile.integrations.torchtitan.documents import use_document_attention
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.options import option_problems
@@ -50,9 +53,10 @@ def upipe_enabled(job_config) -> bool:
 
 
 def compile_options(job_config, parallel_dims) -> dict:
-    """The options each block is compiled with (``cp_mesh`` is torchtitan's CP mesh)."""
+    """The options each block is compiled with (``cp_mesh``: torchtitan's CP mesh, or its
+    (cp_ring, cp_a2a) unflattening with [upipe] ring_degree > 1)."""
     cfg = upipe_config(job_config)
-    options = {"cp_mesh": parallel_dims.get_mesh("cp"), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch,
+    options = {"cp_mesh": upipe_cp_mesh(job_config, parallel_dims), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch,
                "fuse_projections": cfg.fuse_projections,
                "recompute_attention_output": cfg.recompute_attention_output,
                "heads_per_stage": cfg.heads_per_stage_option}
@@ -79,9 +83,13 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     """Everything the UPipe path refuses, with the TOML key to change."""
     cfg = upipe_config(job_config)
     problems = stack.stack_problems(job_config)
+    cp, ring = parallel_dims.cp, cfg.ring_degree
+    ring_problems = _ring_problems(job_config, cp, ring, model_args)
+    problems += ring_problems
+    a2a = cp // ring if ring >= 1 and cp % ring == 0 else cp  # the all-to-all degree: U and the heads count over it
     # the options' own check (UPipeOptions'), named by their [upipe] keys
     problems += [f"[upipe] {p}" for p in option_problems(
-        world=parallel_dims.cp, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,
+        world=a2a, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,
         inner_backend=cfg.inner_backend, fuse_projections=cfg.fuse_projections,
         recompute_attention_output=cfg.recompute_attention_output)]
     if "model" not in job_config.compile.components:
@@ -92,7 +100,6 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
         problems.append("[parallelism] pipeline_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
     if parallel_dims.ep_enabled:
         problems.append("[parallelism] expert_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
-    cp = parallel_dims.cp
     if job_config.training.seq_len % cp:
         problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by the CP degree {cp}")
     if model_args is not None:
@@ -107,13 +114,37 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
             problems.append("[training] local_batch_size must be 1 with a varlen flavor (one packed row per rank; "
                             "see documents.py)")
         heads = model_args.n_heads
-        if heads % cp:
-            problems.append(f"n_heads = {heads} is not divisible by the CP degree {cp}")
+        if heads % a2a:
+            problems.append(f"n_heads = {heads} is not divisible by the all-to-all degree {a2a} (the CP degree "
+                            f"{cp} / [upipe] ring_degree {ring}): raise ring_degree" if ring > 1 else
+                            f"n_heads = {heads} is not divisible by the CP degree {cp}: set [upipe] ring_degree "
+                            "so that CP / ring_degree divides it (ring attention across the groups)")
         if cfg.heads_per_stage and heads % cfg.heads_per_stage:
             problems.append(f"[upipe] heads_per_stage = {cfg.heads_per_stage} must divide n_heads = {heads}")
     if model is not None:
         problems += stack.model_problems(model, job_config)
     _refuse(problems)
+
+
+def _ring_problems(job_config, cp: int, ring: int, model_args) -> list[str]:
+    """What [upipe] ring_degree asks that the job cannot do."""
+    if ring < 1:
+        return [f"[upipe] ring_degree = {ring} must be >= 1 (1 = no ring)"]
+    if ring == 1:
+        return []
+    if cp % ring:
+        return [f"[upipe] ring_degree = {ring} must divide [parallelism] context_parallel_degree = {cp} "
+                "(the CP ranks split into ring_degree groups of equal size)"]
+    problems = []
+    pieces = 2 * cp
+    if job_config.training.seq_len % pieces:
+        problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by 2 x "
+                        f"context_parallel_degree = {pieces} with [upipe] ring_degree = {ring} (two zigzag "
+                        "chunks per ring rank, split over its all-to-all ranks)")
+    if model_args is not None and getattr(model_args, "attn_type", "sdpa") == "varlen":
+        problems.append("[upipe] ring_degree > 1 does not run packed documents (a varlen flavor) yet: use "
+                        "ring_degree = 1 or an sdpa flavor")
+    return problems
 
 
 def disable_torchtitan_cp_sharding_balance(job_config) -> None:
@@ -168,7 +199,7 @@ def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims
                                                     fullgraph=True, dynamic=False)
         else:
             _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(),
-                                                                    options.prefetch))
+                                                                    options.prefetch, options.ring_group))
 
 
 def _run_forward_under(module: nn.Module, make_mode) -> None:
@@ -212,6 +243,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
 
     refuse_stack_without_upipe(job_config)
     if not upipe_enabled(job_config):
+        forget_layout(parallel_dims)
         return stock(model, parallel_dims, job_config)
 
     check_job(job_config, parallel_dims, getattr(model, "model_args", None), model)
@@ -225,6 +257,8 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
                  op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
 
     compile_blocks(model, job_config, parallel_dims)
+    if parallel_dims.cp_enabled:  # before FSDP's hooks: the root-buffer cast then casts the cut table
+        keep_local_rope_rows(model, upipe_cp_mesh(job_config, parallel_dims))
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -2,12 +2,14 @@
 a time. Plain functions of tensors and a :class:`~upipe_compile.options.StageLoopSettings`
 (no torch.library, no FX), so the custom ops (:mod:`upipe_compile.attention.ops`), the eager
 memory measurements and the fused block's loops (:mod:`upipe_compile.block.loop`, which
-reuses the exchange helpers here) all run the same code.
+reuses the exchange helpers and :class:`StageAttention` here) all run the same code.
 
 Forward, per stage (see :mod:`upipe_compile.attention.schedule` for which heads): all-to-all this
 stage's query heads sequence->head (KV only when the stage starts a new KV group), run
 attention over the full sequence for ``m`` heads per rank, all-to-all the output
-head->sequence straight into the preallocated local output. One full-sequence buffer per
+head->sequence straight into the preallocated local output. Over a ring x all-to-all mesh
+the "full sequence" is this ring rank's zigzag share and the attention is ring attention
+(:class:`StageAttention`). One full-sequence buffer per
 role lives from stage to stage (with one head and batch 1 the received tensor is that
 buffer, no copy), so intermediate memory is O(U) heads, not O(H). By default the next
 stage's input all-to-alls run during this stage's forward kernel (``prefetch``).
@@ -19,6 +21,7 @@ dq (per stage) and dk/dv (per KV group) back to their sequence shards.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -111,34 +114,50 @@ def full_sequence_to_heads(full: torch.Tensor, heads: torch.Tensor, world: int, 
     collectives.scatter_heads_back(recv, heads, dest, accumulate)
 
 
-def _ring_group(settings: StageLoopSettings):
-    """The ring group of a ring x all-to-all call (None without one), after refusing what
-    the ring does not run yet."""
-    if not settings.ring_group_name:
-        return None
-    if problems := ring.ring_problems(False, settings.window, settings.softcap, False):
-        raise UnsupportedAttention("; ".join(problems))
-    return collectives.group_from_name(settings.ring_group_name)
+@dataclass(frozen=True)
+class StageAttention:
+    """How each stage's attention runs, shared by the plain loops here and the fused block's
+    (:mod:`upipe_compile.block.loop`): the kernel over the full sequence the stage buffers
+    hold, or, with ``ring_group_name``, ring attention over that ring group (the buffers then
+    hold this ring rank's zigzag share of the sequence)."""
 
+    is_causal: bool
+    scale: Optional[float]
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    ring_group_name: str = ""
 
-def _stage_attention(settings: StageLoopSettings, q, k, v, documents):
-    """A stage's attention over the sequence its buffers hold: the kernel, or ring attention
-    over the ring group (the buffers then hold this ring rank's share)."""
-    ring_group = _ring_group(settings)
-    if ring_group is not None:
-        if problems := ring.ring_problems(documents is not None, (-1, -1), 0.0, False):
+    def refuse_unsupported(self, documents: Optional[Documents], sinks: bool) -> None:
+        """Refuse what the ring does not run, before any collective starts (every rank has
+        the same settings, so every rank refuses)."""
+        if self.ring_group_name and (problems := ring.ring_problems(documents is not None, self.window, self.softcap,
+                                                                     sinks)):
             raise UnsupportedAttention("; ".join(problems))
-        return ring.ring_forward(q, k, v, settings.is_causal, settings.scale, ring_group)
-    return kernels.forward(q, k, v, settings.is_causal, settings.scale, documents, window=settings.window,
-                           softcap=settings.softcap)
+
+    def _ring_group(self):
+        return collectives.group_from_name(self.ring_group_name) if self.ring_group_name else None
+
+    def forward(self, q, k, v, documents: Optional[Documents]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of a stage's heads over the sequence its buffers hold."""
+        ring_group = self._ring_group()
+        if ring_group is not None:
+            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group)
+        return kernels.forward(q, k, v, self.is_causal, self.scale, documents, window=self.window,
+                               softcap=self.softcap)
+
+    def backward(self, dout, q, k, v, out, lse, documents: Optional[Documents]) -> tuple:
+        """``(dq, dk, dv)`` of a stage, from its output and log-sum-exp."""
+        ring_group = self._ring_group()
+        if ring_group is not None:
+            return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group)
+        return kernels.backward(dout, q, k, v, out, lse, self.is_causal, self.scale, documents,
+                                window=self.window, softcap=self.softcap)
 
 
-def _stage_attention_backward(settings: StageLoopSettings, dout, q, k, v, out, lse, documents):
-    ring_group = _ring_group(settings)
-    if ring_group is not None:
-        return ring.ring_backward(dout, q, k, v, out, lse, settings.is_causal, settings.scale, ring_group)
-    return kernels.backward(dout, q, k, v, out, lse, settings.is_causal, settings.scale, documents,
-                            window=settings.window, softcap=settings.softcap)
+def stage_attention(settings: StageLoopSettings) -> StageAttention:
+    """The plain op's stage attention from its settings."""
+    return StageAttention(settings.is_causal, settings.scale, settings.window, settings.softcap,
+                          settings.ring_group_name)
 
 
 def stage_inputs(schedule: StageSchedule, index: int, local_q_side: dict, local_kv: dict, buffers: dict, world: int,
@@ -201,6 +220,8 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
         collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group)
     schedule = schedule_for(q, k, world, settings.heads_per_stage)
     batch, _, s_local, _ = q.shape
+    attention = stage_attention(settings)
+    attention.refuse_unsupported(documents, sinks is not None)
 
     out = q.new_empty(q.shape)
     lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
@@ -213,7 +234,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
-        out_stage, lse_stage = _stage_attention(settings, buffers["q"], k_stage, v_stage, documents)
+        out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents)
         del k_stage, v_stage
         if sinks is not None:
             out_stage, lse_stage = apply_sinks(out_stage, lse_stage, stage_sinks(sinks, stage, group.rank()))
@@ -239,6 +260,8 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     batch, _, s_local, dim = q.shape
     seq = s_local * world
     kv_per_rank = schedule.kv_per_rank
+    attention = stage_attention(settings)
+    attention.refuse_unsupported(documents, sinks is not None)
 
     dq = q.new_empty(q.shape)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
@@ -271,8 +294,8 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             dkv_full.zero_()
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
-        dq_stage, dk_stage, dv_stage = _stage_attention_backward(
-            settings, buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], documents)
+        dq_stage, dk_stage, dv_stage = attention.backward(
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], documents)
         del k_stage, v_stage
         if sinks is not None:
             heads = head_index(my_heads(stage, group.rank()), q.device)

@@ -19,6 +19,12 @@ avoids recomputing attention) and one log-sum-exp per stage. Backward recomputes
 stage's projections and per-head ops and takes their gradients with ``torch.func.vjp``
 (which records its own graph even inside a custom op's kernel, where autograd is off);
 the projections' gradients are matrix products written into place.
+
+Ring x all-to-all: the per-head ops (RoPE, QK-norm) run on the local tokens before the
+all-to-all, with the position-dependent extras the caller computed for them (its
+``global_positions``), so nothing here depends on the sequence layout; only each stage's
+attention changes, to ring attention over the ring group (the plain loop's
+:class:`~upipe_compile.attention.stage_loop.StageAttention`).
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile.attention import collectives, kernels
+from upipe_compile.attention import collectives
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
-from upipe_compile.attention.stage_loop import Incoming, InputPipeline, head_index, my_heads, stage_kv
+from upipe_compile.attention.stage_loop import Incoming, InputPipeline, StageAttention, head_index, my_heads, stage_kv
 from upipe_compile.block.region import BlockRegion
 from upipe_compile.packed.documents import Documents
 from upipe_compile.options import DEFAULT_PREFETCH, prefetches
@@ -70,6 +76,15 @@ def block_schedule(region: BlockRegion, world: int, heads_per_stage: int) -> Sta
     return plan_stages(region.q_heads, region.kv_heads, world, heads_per_stage)
 
 
+def _stage_attention(region: BlockRegion, ring_group_name: str, documents: Optional[Documents]) -> StageAttention:
+    """The block's stage attention (the plain loop's: kernel, or ring attention over a ring),
+    after refusing what a ring does not run. The per-head ops (RoPE) run on the local tokens
+    before the all-to-all, with the caller's positions, so a ring needs nothing more here."""
+    attention = StageAttention(region.is_causal, region.scale, region.window, region.softcap, ring_group_name)
+    attention.refuse_unsupported(documents, region.sinks_extra >= 0)
+    return attention
+
+
 def _rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Weight rows of ``heads`` (in that order): head h owns rows [h*D, (h+1)*D)."""
     return (heads[:, None] * head_dim + torch.arange(head_dim, device=heads.device)).reshape(-1)
@@ -105,10 +120,13 @@ def _flat_heads(heads_first: torch.Tensor) -> torch.Tensor:
 
 
 def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage: int, group_name: str,
-                  prefetch: str = DEFAULT_PREFETCH, documents: Optional[Documents] = None, keep_output: bool = True):
+                  prefetch: str = DEFAULT_PREFETCH, documents: Optional[Documents] = None, keep_output: bool = True,
+                  ring_group_name: str = ""):
     """``(y, o, lse)``: the block output ``[B, s, d_out]``, the local attention output of all
     heads ``[B, Hq, s, D]`` and the per-stage log-sum-exp (both kept for backward). With
-    ``keep_output=False``, ``o`` is an empty tensor (backward recomputes each stage's)."""
+    ``keep_output=False``, ``o`` is an empty tensor (backward recomputes each stage's).
+    ``ring_group_name``: ring x all-to-all (``group_name`` is then the all-to-all group, and
+    each stage's attention runs as ring attention over the ring group)."""
     group = collectives.group_from_name(group_name)
     world, rank = group.size(), group.rank()
     if not is_fake(x):
@@ -116,6 +134,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
+    attention = _stage_attention(region, ring_group_name, documents)
 
     o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
     lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
@@ -137,8 +156,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
-        out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
-                                               documents, window=region.window, softcap=region.softcap)
+        out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents)
         del k_stage, v_stage
         if region.sinks_extra >= 0:
             out_stage, lse_stage = apply_sinks(out_stage, lse_stage, _stage_sinks(region, weights, stage, rank))
@@ -280,7 +298,7 @@ def extras_needing_grad(extras: list, requested: Optional[list[bool]] = None) ->
 
 def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, heads_per_stage: int,
                    group_name: str, prefetch: str = DEFAULT_PREFETCH, documents: Optional[Documents] = None,
-                   extras_need_grad: Optional[list[bool]] = None):
+                   extras_need_grad: Optional[list[bool]] = None, ring_group_name: str = ""):
     """Gradients ``(dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, [dextras])`` (None where
     the input was None, not differentiable, or not in ``extras_need_grad``). ``o``: the
     forward's local attention output, or None (``keep_output=False``): each stage then runs
@@ -299,6 +317,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
+    attention = _stage_attention(region, ring_group_name, documents)
     # Extras enter vjp as primals; those taking no gradient (integer positions, the RoPE
     # table) are closed over.
     extras_need_grad = extras_needing_grad(weights.extras, extras_need_grad)  # None: all that can
@@ -348,16 +367,14 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         k_stage, v_stage = stage_kv(buffers, stage, device)
         sinks = _stage_sinks(region, weights, stage, rank)
         if o is None:
-            out_stage, lse_stage = kernels.forward(buffers["q"], k_stage, v_stage, region.is_causal, region.scale,
-                                                   documents, window=region.window, softcap=region.softcap)
+            out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents)
             if sinks is not None:
                 out_stage, _ = apply_sinks(out_stage, lse_stage, sinks)
             del lse_stage
         else:
             out_stage = buffers["out"]
-        dq_stage, dk_stage, dv_stage = kernels.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], region.is_causal,
-            region.scale, documents, window=region.window, softcap=region.softcap)
+        dq_stage, dk_stage, dv_stage = attention.backward(
+            buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], documents)
         del k_stage, v_stage
         dsinks = grads.dextras[region.sinks_extra] if sinks is not None else None
         if dsinks is not None:  # this rank's heads only: the ranks' gradients sum to the full one

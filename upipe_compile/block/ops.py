@@ -34,17 +34,18 @@ def attention_block_op(
     x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], cu_seqlens: Optional[Tensor],
     region_id: int, heads_per_stage: int, world_size: int, group_name: str, prefetch: str,
-    recompute_attention_output: bool,
+    recompute_attention_output: bool, ring_group_name: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                         documents_of(cu_seqlens, x.shape[1], group_name, x.device), keep_output=not recompute_attention_output)
+                         documents_of(cu_seqlens, x.shape[1], group_name, x.device),
+                         keep_output=not recompute_attention_output, ring_group_name=ring_group_name)
 
 
 @attention_block_op.register_fake
 def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, heads_per_stage,
-                          world_size, group_name, prefetch, recompute_attention_output):
+                          world_size, group_name, prefetch, recompute_attention_output, ring_group_name=""):
     region = region_by_id(region_id)
     schedule = block_schedule(region, world_size, heads_per_stage)
     batch, s_local, _ = x.shape
@@ -78,20 +79,20 @@ def attention_block_backward_op(
     dy: Tensor, x: Tensor, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor], wv: Tensor,
     bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], extras: list[Tensor], o: Tensor, lse: Tensor,
     cu_seqlens: Optional[Tensor], extras_need_grad: list[bool], region_id: int, heads_per_stage: int,
-    world_size: int, group_name: str, prefetch: str, recompute_attention_output: bool,
+    world_size: int, group_name: str, prefetch: str, recompute_attention_output: bool, ring_group_name: str = "",
 ) -> list[Tensor]:
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     grads = block_backward(dy, x, weights, None if recompute_attention_output else o, lse, region_by_id(region_id),
                            heads_per_stage, group_name, prefetch, documents_of(cu_seqlens, x.shape[1], group_name, x.device),
-                           list(extras_need_grad))
+                           list(extras_need_grad), ring_group_name=ring_group_name)
     return _gradient_list(grads, weights)
 
 
 @attention_block_backward_op.register_fake
 def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras, o, lse, cu_seqlens, extras_need_grad,
                                    region_id, heads_per_stage, world_size, group_name, prefetch,
-                                   recompute_attention_output):
+                                   recompute_attention_output, ring_group_name=""):
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     like = lambda t: None if t is None else torch.empty_like(t)  # noqa: E731
     dextras = [torch.empty_like(e) if need else None
@@ -137,7 +138,8 @@ def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_
     x = tensors[0]
     return block_backward(dy, x, BlockWeights(*tensors[1:], extras), None if settings.recompute_attention_output else o,
                           lse, region_by_id(settings.region_id), settings.heads_per_stage, settings.group_name,
-                          settings.prefetch, documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device), extras_need_grad)
+                          settings.prefetch, documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device),
+                          extras_need_grad, ring_group_name=settings.ring_group_name)
 
 
 def _setup_context(ctx, inputs, output):
@@ -151,7 +153,11 @@ def _op_backward(ctx, dy, _do, _dlse):
     # for a list input, needs_input_grad holds a list of bools (the op's inputs: extras is 10th)
     dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras = _replay(ctx, dy, _backward_through_op,
                                                                    ctx.needs_input_grad[9])
-    return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras, None) + (None,) * len(ctx.settings.op_args())
+    # One None per scalar argument the call passed: the dispatcher drops trailing arguments
+    # equal to their defaults (ring_group_name=""), and the tensor-list wrapper wants exactly
+    # the call's structure back (needs_input_grad has it).
+    scalars = len(ctx.needs_input_grad) - 11  # x, 8 weights, extras, cu_seqlens
+    return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dextras, None) + (None,) * scalars
 
 
 attention_block_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -167,7 +173,8 @@ class BlockFunction(torch.autograd.Function):
         y, o, lse = block_forward(x, weights, region_by_id(settings.region_id), settings.heads_per_stage,
                                   settings.group_name, settings.prefetch,
                                   documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device),
-                                  keep_output=not settings.recompute_attention_output)
+                                  keep_output=not settings.recompute_attention_output,
+                                  ring_group_name=settings.ring_group_name)
         _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, cu_seqlens)
         return y
 

@@ -38,6 +38,9 @@ class Estimate:
     world_size: int
     cp: int
     heads_per_stage: int
+    """U, counted over the all-to-all ranks (``cp / ring_degree``)."""
+    ring_degree: int
+    """R of a ring x all-to-all layout ([upipe] ring_degree); 1: no ring."""
     peak_device_gib: float
     """Per-rank device peak of the step (measured on fake tensors + the kernels' workspaces)."""
     reserve_gib: float
@@ -96,7 +99,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         job = build_job(job_config, fake_mode)
         memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
-    heads_per_stage = resolved_heads_per_stage(upipe_config(job_config).heads_per_stage_option, cp)
+    ring = max(1, upipe_config(job_config).ring_degree)
+    heads_per_stage = resolved_heads_per_stage(upipe_config(job_config).heads_per_stage_option, cp // ring)
     calls = dict(eager_calls)
     modelled = {}
     if cp > 1 and _op_selective_ac(job_config):
@@ -109,6 +113,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     fits_device, fits_host = peak <= budget, host_per_node <= host_gib
     return Estimate(
         seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
+        ring_degree=ring,
         peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
         budget_gib=round(budget, 6), fits=fits_device and fits_host, fits_device=fits_device, fits_host=fits_host,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host_per_node, 6),
@@ -130,19 +135,22 @@ def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, fus
     recomputes them, as aten's CPU attention kernels are not in torchtitan's list. Counted for
     all layers (they are all alive at the loss, and the peak is never before it by more than a
     layer's worth): out ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE
-    ``[B, m, S]`` fp32; a fused block's output ``[B, S/P, dim]`` too."""
+    ``[B, m, S/R]`` fp32 (over the all-to-all's tokens: the ring rank's share with a ring of
+    R); a fused block's output ``[B, S/P, dim]`` too."""
     from torchtitan.config import TORCH_DTYPE_MAP
 
     from upipe_compile.attention.schedule import plan_stages
+    from upipe_compile.integrations.torchtitan.config import upipe_config
 
     cp = job_config.parallelism.context_parallel_degree
+    ring = max(1, upipe_config(job_config).ring_degree)
     batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
     q_heads, kv_heads = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
     head_dim = model_args.dim // q_heads
     element = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
-    schedule = plan_stages(q_heads, kv_heads, cp, heads_per_stage)
+    schedule = plan_stages(q_heads, kv_heads, cp // ring, heads_per_stage)
     out = batch * q_heads * (seq // cp) * head_dim * element
-    lse = len(schedule.stages) * batch * schedule.q_per_rank * seq * 4
+    lse = len(schedule.stages) * batch * schedule.q_per_rank * (seq // ring) * 4
     block_output = batch * (seq // cp) * model_args.dim * element if fused else 0
     return model_args.n_layers * (out + lse + block_output)
 

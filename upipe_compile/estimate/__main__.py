@@ -46,8 +46,10 @@ def parse_args(argv):
 
 def format_report(result: Estimate) -> str:
     lines = [
-        f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}, "
-        f"U = {result.heads_per_stage} heads per stage, {result.cuda_kernel} workspaces), "
+        f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}"
+        + ("" if result.ring_degree == 1 else
+           f" = ring {result.ring_degree} x all-to-all {result.cp // result.ring_degree}")
+        + f", U = {result.heads_per_stage} heads per stage, {result.cuda_kernel} workspaces), "
         f"estimated in {result.seconds:.0f} s",
         "attention ran as: " + (", ".join(f"{kind} x{n}" for kind, n in result.attention_calls.items())
                                   or "plain SDPA (CP = 1)") + " (forward calls, recompute included)",

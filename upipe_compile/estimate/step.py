@@ -193,7 +193,7 @@ def _train_step(job: Job, tracker: PhaseTracker):
     """torchtitan 0.2.2's Trainer.train_step for one microbatch, without PP."""
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+    from torchtitan.train import prepare_context_parallel_input  # the Trainer's (upipe's layouts: cp_layout.py)
 
     config, dims = job.job_config, job.parallel_dims
 

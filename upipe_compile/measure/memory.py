@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -137,11 +138,14 @@ class SDPAThroughStageLoops(TorchFunctionMode):
     :class:`StageLoopFunction` over ``group``: the eager twin of what the "upipe" backend
     compiles SDPA into, for fake-tensor memory measurements of whole models (the whole-step
     estimate), where the compiled custom op would run only its fake kernel. Calls the backend
-    would refuse are refused here too, with the same wording."""
+    would refuse are refused here too, with the same wording. ``ring_group``: ring x
+    all-to-all (``group`` is then the all-to-all group)."""
 
-    def __init__(self, group: dist.ProcessGroup, heads_per_stage: int, prefetch: str = DEFAULT_PREFETCH):
+    def __init__(self, group: dist.ProcessGroup, heads_per_stage: int, prefetch: str = DEFAULT_PREFETCH,
+                 ring_group: Optional[dist.ProcessGroup] = None):
         super().__init__()
         self.group, self.heads_per_stage, self.prefetch = group, heads_per_stage, prefetch
+        self.ring_group_name = "" if ring_group is None else ring_group.group_name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -160,7 +164,7 @@ class SDPAThroughStageLoops(TorchFunctionMode):
         if problems:
             raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
         settings = StageLoopSettings(a["is_causal"], a["scale"], self.heads_per_stage, self.group.size(),
-                                     self.group.group_name, self.prefetch)
+                                     self.group.group_name, self.prefetch, ring_group_name=self.ring_group_name)
         return StageLoopFunction.apply(q, k, v, settings)
 
 
