@@ -24,13 +24,13 @@ import functools
 from upipe_compile.attention.collectives import RING_MESH_DIMS
 from upipe_compile.integrations.torchtitan.config import upipe_config
 
-_LAYOUTS: dict[tuple, object] = {}
-"""Per "cp" mesh (by device type and ranks): the mesh upipe's layout follows (the "cp" mesh
-itself, or its (cp_ring, cp_a2a) unflattening). The Trainer hands the sharding the "cp" mesh."""
+_LAYOUTS: dict[str, object] = {}
+"""Per "cp" mesh (by its process group's name): the mesh upipe's layout follows (the "cp"
+mesh itself, or its (cp_ring, cp_a2a) unflattening). The Trainer hands the sharding the "cp" mesh."""
 
 
-def _key(cp_mesh) -> tuple:
-    return cp_mesh.device_type, tuple(cp_mesh.mesh.flatten().tolist())
+def _key(cp_mesh) -> str:
+    return cp_mesh.get_group().group_name
 
 
 def upipe_cp_mesh(job_config, parallel_dims):
