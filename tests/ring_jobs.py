@@ -168,6 +168,35 @@ def compiled_fused_ring_case(case: AttentionCase, ring: int, recompute: bool):
     return (*rope_block_grads(model, x, dout, positions), sorted(set(seen)))
 
 
+def compiled_variant_ring_case(case: AttentionCase, ring: int, softcap, with_sinks: bool, fuse: bool):
+    """TinyVariantAttention (softcap and/or sinks) compiled with backend="upipe" (aot_eager)
+    over a (ring, all-to-all) mesh, on this rank's shard: (out, dx, param grads, the upipe ops
+    the rewritten graph holds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import upipe_compile
+    from tests_support import TinyVariantAttention, block_grads, make_block_inputs
+    from upipe_compile.backend import _inner_backend, apply_upipe_passes
+    from upipe_compile.options import UPipeOptions
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
+    options = UPipeOptions(cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
+                           inner_backend="aot_eager", fuse_projections=fuse)
+    seen = []
+
+    def backend(gm, example_inputs):  # the upipe backend, recording which upipe ops it left
+        gm = apply_upipe_passes(gm, options)
+        seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                    for n in m.graph.nodes if str(n.target).startswith("upipe."))
+        return _inner_backend("aot_eager")(gm, example_inputs)
+
+    model = torch.compile(TinyVariantAttention(case, None, softcap, with_sinks), backend=backend)
+    return (*block_grads(model, x, dout), sorted(set(seen)))
+
+
 def fused_block_ring_refusal(window=(-1, -1), softcap=0.0, with_sinks=False, cu_seqlens=None):
     """upipe::attention_block called over a (2, 2) mesh's ring with what the ring does not run
     (the backend refuses it at compile time; the op refuses it too): the message."""

@@ -135,8 +135,8 @@ def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
     cut, and the fused block's eager API (1-D only) are refused with the setting named, on
     every rank."""
     for messages in rank_pools(4).run(ring_jobs.hybrid_refusals):
-        assert "no cu_seqlens, window, softcap or sinks" in messages["documents"]
-        assert "no cu_seqlens, window, softcap or sinks" in messages["window"]
+        assert "packed documents (cu_seqlens) over a ring x all-to-all" in messages["documents"]
+        assert "a sliding window over a ring x all-to-all" in messages["window"]
         assert "('cp_ring', 'cp_a2a')" in messages["names"] and "('dp', 'cp')" in messages["names"]
         assert "pad it to a multiple of 8" in messages["uneven"]
         assert "a sliding window over a ring x all-to-all cp_mesh is not supported yet" in messages["backend"]
@@ -198,13 +198,41 @@ def test_compiled_fused_block_over_ring_by_all_to_all_matches_eager(rank_pools, 
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    (dict(window=(2, 0)), "a sliding window"), (dict(softcap=3.0), "a softcap"),
-    (dict(with_sinks=True), "attention sinks"),
+    (dict(window=(2, 0)), "a sliding window"),
     (dict(cu_seqlens=torch.tensor([0, 4, 8])), "packed documents (cu_seqlens)"),
 ])
 def test_fused_block_op_refuses_what_the_ring_cannot_run(rank_pools, kwargs, named):
-    """upipe::attention_block over a ring refuses variants and packed documents itself (the
+    """upipe::attention_block over a ring refuses a window and packed documents itself (the
     backend already refuses them at compile time), with the setting named, on every rank."""
     for message in rank_pools(4).run(ring_jobs.fused_block_ring_refusal, **kwargs):
         assert message is not None and message.startswith("UnsupportedAttention"), message
         assert f"{named} over a ring x all-to-all cp_mesh is not supported yet" in message, message
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("case, ring, softcap, with_sinks", [
+    (AttentionCase(4, 1, 4, 2, 4, 8, 2, True, None, "float32", seed=3), 2, 3.0, True),
+    (AttentionCase(8, 1, 8, 2, 2, 8, 4, False, 0.4, "float32", seed=4), 2, 2.0, False),
+    (AttentionCase(8, 2, 4, 2, 4, 8, 2, True, None, "bfloat16", seed=5), 4, None, True),
+], ids=["2x2-causal-softcap-sinks", "2x4-full-softcap", "4x2-causal-sinks-bf16"])
+def test_softcap_and_sinks_over_ring_by_all_to_all(rank_pools, case, ring, softcap, with_sinks, fuse):
+    """Softcap (every chunk pair's kernel applies it) and sinks (joined once, after the
+    ring's merge) under backend="upipe" over a (ring, all-to-all) mesh: every rank's output
+    and input gradient, and the summed parameter gradients (sinks included), against the
+    written-out attention on the full sequence."""
+    from tests_support import TinyVariantAttention, block_grads, make_block_inputs
+
+    a2a = case.world // ring
+    shards = rank_pools(case.world).run(ring_jobs.compiled_variant_ring_case, case, ring, softcap, with_sinks, fuse)
+    for shard in shards:
+        assert shard[3] == ["upipe.attention_block.default" if fuse else "upipe.attention.default"], shard[3]
+    x, dout = make_block_inputs(case)
+    out, dx, grads = block_grads(TinyVariantAttention(case, None, softcap, with_sinks, reference=True), x, dout)
+    for rank, shard in enumerate(shards):
+        for name, got, full in (("out", shard[0], out), ("dx", shard[1], dx)):
+            error = relative_error(got, _expected_shard(full.unsqueeze(1), rank, ring, a2a).squeeze(1))
+            assert error <= TOLERANCE[case.dtype], (name, rank, error)
+    assert ("sinks" in grads) == with_sinks
+    for name, grad in grads.items():
+        error = relative_error(sum(s[2][name] for s in shards), grad)
+        assert error <= TOLERANCE[case.dtype], (name, error)

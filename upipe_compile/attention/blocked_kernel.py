@@ -16,8 +16,8 @@ the block can see, so the scores held at once are ``B x Hq x block x keys-it-see
 ``S x S`` (``block_rows=`` overrides the block size per call). The query heads of one KV
 head are stacked as rows of one matmul, so K/V are never repeated. Low-precision inputs
 are computed in float32 (float64 in float64) and returned in their dtype;
-the backward recomputes each block's probabilities from ``lse`` (as flash does) and sums
-dk/dv in float32. A row that sees no key (possible only through a caller's masking, never
+the backward recomputes each block's probabilities from ``lse`` and takes rowsum(dO * O)
+from ``out`` (as flash does), and sums dk/dv in float32. A row that sees no key (possible only through a caller's masking, never
 with valid windows) gets out 0, lse -inf and zero gradients.
 """
 
@@ -51,10 +51,11 @@ def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), soft
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=(-1, -1), softcap: float = 0.0,
              block_rows: int | None = None):
     """Flash's backward, one query block at a time: P = exp(s - lse), dP = dO V^T,
-    dS = P * (dP - rowsum(P * dP)), through tanh' when soft-capped, then dq = dS K,
-    dk += dS^T Q, dv += P^T dO. ``out`` is not needed: rowsum(P * dP) equals flash's
-    rowsum(dO * O) without inheriting out's rounding to a low-precision dtype."""
-    del out
+    dS = P * (dP - rowsum(dO * O)), through tanh' when soft-capped, then dq = dS K,
+    dk += dS^T Q, dv += P^T dO. rowsum(dO * O) comes from the final output, as in flash:
+    a call that sees only some of a row's keys (a ring's chunk pair, with ``lse`` and
+    ``out`` over all of them) then gets its share of the exact gradient, which rowsum(P *
+    dP) over its own keys would not give."""
     batch, q_heads, seq, dim = q.shape
     kv_heads, group = k.shape[1], q_heads // k.shape[1]
     compute = _compute_dtype(q.dtype)
@@ -63,13 +64,14 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, wind
     dk = torch.zeros(k.shape, dtype=compute, device=k.device)
     dv = torch.zeros(v.shape, dtype=compute, device=v.device)
     q5, dout5, lse5 = (t.unflatten(1, (kv_heads, group)) for t in (q, dout, lse))
+    delta5 = (dout.to(compute) * out.to(compute)).sum(-1).unflatten(1, (kv_heads, group))  # rowsum(dO * O)
     for rows, keys in _blocks(seq, is_causal, window, block_rows):
         qb, dob = q5[:, :, :, rows].to(compute), dout5[:, :, :, rows].to(compute)
         kb, vb = k[:, :, keys].to(compute), v[:, :, keys].to(compute)
         scores, capped = _scores(qb, kb, rows, keys, is_causal, window, scale, softcap)
         probs = scores.sub_(_finite(lse5[:, :, :, rows]).unsqueeze(-1)).exp_()
         dprobs = _rows_matmul(dob, vb.transpose(-1, -2))
-        dscores = dprobs.sub_((probs * dprobs).sum(-1, keepdim=True)).mul_(probs)
+        dscores = dprobs.sub_(delta5[:, :, :, rows].unsqueeze(-1)).mul_(probs)
         if capped is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
             dscores.mul_(capped.square_().neg_().add_(1))
         # dS without the scale: it goes on the (smaller) dq block and on dk once at the end

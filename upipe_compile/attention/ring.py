@@ -75,16 +75,17 @@ def _visible_pairs(rank: int, source: int, ring: int, is_causal: bool) -> Iterat
                 yield qi, kj, causal
 
 
-def ring_problems(documents: bool, window: tuple[int, int], softcap: float, sinks: bool) -> list[str]:
-    """What a call asks of ring attention that it does not run yet (empty: nothing)."""
+def ring_problems(documents: bool, window: tuple[int, int]) -> list[str]:
+    """What a call asks of ring attention that it does not run yet (empty: nothing). A
+    softcap acts on each score, so every chunk pair's kernel applies it; sinks join the
+    softmax once, after the merge (the stage loops apply them to the merged output)."""
     found = [name for name, present in (
         ("packed documents (cu_seqlens)", documents), ("a sliding window", tuple(window) != (-1, -1)),
-        ("a softcap", softcap != 0.0), ("attention sinks", sinks),
     ) if present]
     if not found:
         return []
-    return [f"{', '.join(found)} over a ring x all-to-all cp_mesh is not supported yet (it runs no cu_seqlens, "
-            "window, softcap or sinks): use a 1-D cp_mesh"]
+    return [f"{' and '.join(found)} over a ring x all-to-all cp_mesh is not supported yet (a chunk pair's kernel "
+            "would need the documents or the window shifted to its chunks' global positions): use a 1-D cp_mesh"]
 
 
 class _Exchange:
@@ -122,7 +123,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
-                 group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+                 group: dist.ProcessGroup, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys.
     The next step's K/V share is on its way while this step's chunk pairs run."""
     rank, ring = group.rank(), group.size()
@@ -137,7 +138,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         incoming = _pass_on(kv, group) if step + 1 < ring else None
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
-            part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale)
+            part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale,
+                                                 softcap=softcap)
             _merge(out[qi], lse[qi], part_out, part_lse)
         del k_parts, v_parts
         if incoming is not None:
@@ -147,7 +149,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, is_causal: bool, scale: Optional[float],
-                  group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  group: dist.ProcessGroup, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned.
 
     Each step: the next K/V share is received while this one's chunk pairs run (their dK/dV
@@ -168,7 +170,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         dk_parts, dv_parts = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
         for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
             dq_part, dk_part, dv_part = kernels.backward(
-                dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale)
+                dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale,
+                softcap=softcap)
             dq[qi].add_(dq_part)
             dk_parts[kj].add_(dk_part)
             dv_parts[kj].add_(dv_part)

@@ -127,11 +127,10 @@ class StageAttention:
     softcap: float = 0.0
     ring_group_name: str = ""
 
-    def refuse_unsupported(self, documents: Optional[Documents], sinks: bool) -> None:
+    def refuse_unsupported(self, documents: Optional[Documents]) -> None:
         """Refuse what the ring does not run, before any collective starts (every rank has
         the same settings, so every rank refuses)."""
-        if self.ring_group_name and (problems := ring.ring_problems(documents is not None, self.window, self.softcap,
-                                                                     sinks)):
+        if self.ring_group_name and (problems := ring.ring_problems(documents is not None, self.window)):
             raise UnsupportedAttention("; ".join(problems))
 
     def _ring_group(self):
@@ -141,7 +140,7 @@ class StageAttention:
         """``(out, lse)`` of a stage's heads over the sequence its buffers hold."""
         ring_group = self._ring_group()
         if ring_group is not None:
-            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group)
+            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group, self.softcap)
         return kernels.forward(q, k, v, self.is_causal, self.scale, documents, window=self.window,
                                softcap=self.softcap)
 
@@ -149,7 +148,7 @@ class StageAttention:
         """``(dq, dk, dv)`` of a stage, from its output and log-sum-exp."""
         ring_group = self._ring_group()
         if ring_group is not None:
-            return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group)
+            return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group, self.softcap)
         return kernels.backward(dout, q, k, v, out, lse, self.is_causal, self.scale, documents,
                                 window=self.window, softcap=self.softcap)
 
@@ -221,7 +220,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     schedule = schedule_for(q, k, world, settings.heads_per_stage)
     batch, _, s_local, _ = q.shape
     attention = stage_attention(settings)
-    attention.refuse_unsupported(documents, sinks is not None)
+    attention.refuse_unsupported(documents)
 
     out = q.new_empty(q.shape)
     lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
@@ -261,7 +260,7 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     seq = s_local * world
     kv_per_rank = schedule.kv_per_rank
     attention = stage_attention(settings)
-    attention.refuse_unsupported(documents, sinks is not None)
+    attention.refuse_unsupported(documents)
 
     dq = q.new_empty(q.shape)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)

@@ -81,7 +81,7 @@ def _stage_attention(region: BlockRegion, ring_group_name: str, documents: Optio
     after refusing what a ring does not run. The per-head ops (RoPE) run on the local tokens
     before the all-to-all, with the caller's positions, so a ring needs nothing more here."""
     attention = StageAttention(region.is_causal, region.scale, region.window, region.softcap, ring_group_name)
-    attention.refuse_unsupported(documents, region.sinks_extra >= 0)
+    attention.refuse_unsupported(documents)
     return attention
 
 
