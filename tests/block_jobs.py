@@ -11,13 +11,24 @@ from upipe_compile.block.region import register_region
 from upipe_compile.options import BlockSettings
 
 
-def fused_block_case(case: BlockCase, mode: str):
+def fused_block_case(case: BlockCase, mode: str, ring: int = 1):
     """The fused op on this rank's shard (``mode``: "op", "eager" twin, or "compiled" with
-    aot_eager): (y shard, dx shard, weight grads, grads of the non-positional extras)."""
+    aot_eager): (y shard, dx shard, weight grads, grads of the non-positional extras).
+    ``ring`` > 1: over a (ring, all-to-all) mesh, on the shards ``shard_sequence`` lays out;
+    y and dx are gathered and handed back as contiguous shards, so callers compare alike."""
+    from upipe_compile.sharding import gather_sequence, shard_sequence
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = None
+    if ring > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    shard = ((lambda t: t.chunk(world, dim=1)[rank].clone()) if mesh is None else
+             (lambda t: shard_sequence(t, mesh, dim=1).clone()))
     x, dy, weights, extras = make_tensors(case)
-    x, dy = (t.chunk(world, dim=1)[rank].clone() for t in (x, dy))
-    extras = [e.chunk(world, dim=1)[rank].clone() if per_position(case, e) else e.requires_grad_() for e in extras]
+    x, dy = shard(x), shard(dy)
+    extras = [shard(e) if per_position(case, e) else e.requires_grad_() for e in extras]
     weights = [None if w is None else w.requires_grad_() for w in weights]
     x.requires_grad_()
     region = make_region(case)
@@ -26,7 +37,7 @@ def fused_block_case(case: BlockCase, mode: str):
         return upipe_attention_block(x, *tensors[:8], list(tensors[8:]), region,
                                      heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
                                      recompute_attention_output=case.recompute_output,
-                                     eager=mode == "eager")
+                                     eager=mode == "eager", cp_mesh=mesh)
 
     if mode == "compiled":  # the op as the fusion pass inserts it: a graph node, region by id
         torch._dynamo.reset()
@@ -38,5 +49,8 @@ def fused_block_case(case: BlockCase, mode: str):
             return attention_block_op(x, *tensors[:8], list(tensors[8:]), None, *settings)[0]
     y = block(x, *weights, *extras)
     y.backward(dy)
-    return (y.detach(), x.grad, [None if w is None else w.grad for w in weights],
+    y, dx = y.detach(), x.grad
+    if mesh is not None:
+        y, dx = (gather_sequence(t, mesh, dim=1).chunk(world, dim=1)[rank] for t in (y, dx))
+    return (y, dx, [None if w is None else w.grad for w in weights],
             [e.grad for e in extras if e.requires_grad])

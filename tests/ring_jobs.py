@@ -66,8 +66,6 @@ def hybrid_refusals():
         "names": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=wrong),
         "uneven": lambda: upipe_compile.shard_sequence(torch.zeros(1, 12), mesh, dim=1),
         "backend": lambda: torch.compile(windowed_attention, backend="upipe", options={"cp_mesh": mesh})(q),
-        "fused eager API": lambda: upipe_compile.upipe_attention_block(
-            q.view(1, 4, 32), *([None] * 8), [], None, cp_mesh=mesh),
     }
     messages = {}
     for name, attempt in attempts.items():

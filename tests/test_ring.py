@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+import block_jobs
 import ring_jobs
+from block_support import BlockCase
 from tests_support import DTYPES, TOLERANCE, AttentionCase, make_inputs, relative_error
 from upipe_compile.attention.ring import zigzag_shard, zigzag_unshard
 from upipe_compile.attention.schedule import shape_problems
@@ -131,9 +133,8 @@ def test_ring_by_all_to_all_matches_eager_on_every_rank(rank_pools, drawn):
 
 def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
     """Packed documents and variants over a ring (eager API and compile backend, the latter
-    naming the call's line), a 2-D mesh with other names, a length the zigzag layout cannot
-    cut, and the fused block's eager API (1-D only) are refused with the setting named, on
-    every rank."""
+    naming the call's line), a 2-D mesh with other names and a length the zigzag layout
+    cannot cut are refused with the setting named, on every rank."""
     for messages in rank_pools(4).run(ring_jobs.hybrid_refusals):
         assert "packed documents (cu_seqlens) over a ring x all-to-all" in messages["documents"]
         assert "a sliding window over a ring x all-to-all" in messages["window"]
@@ -141,7 +142,6 @@ def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
         assert "pad it to a multiple of 8" in messages["uneven"]
         assert "a sliding window over a ring x all-to-all cp_mesh is not supported yet" in messages["backend"]
         assert "ring_jobs.py" in messages["backend"]  # the call's source line
-        assert "cp_mesh must be a 1-D DeviceMesh here" in messages["fused eager API"]
 
 
 @settings(max_examples=6, deadline=None)
@@ -236,3 +236,19 @@ def test_softcap_and_sinks_over_ring_by_all_to_all(rank_pools, case, ring, softc
     for name, grad in grads.items():
         error = relative_error(sum(s[2][name] for s in shards), grad)
         assert error <= TOLERANCE[case.dtype], (name, error)
+
+
+@pytest.mark.parametrize("mode", ["op", "eager"])
+@pytest.mark.parametrize("case, ring", [
+    (BlockCase(4, 1, 8, 2, 2, 8, 2, True, None, "float32", seed=2, kind="rope"), 2),
+    (BlockCase(8, 1, 8, 4, 2, 8, 4, True, None, "float32", seed=3, kind="qwen3", biases=True,
+               recompute_output=True), 2),
+    (BlockCase(8, 2, 4, 2, 2, 8, 2, False, 0.5, "bfloat16", seed=4, kind="rope"), 4),
+], ids=["2x2-rope", "2x4-qwen3-recompute", "4x2-full-bf16"])
+def test_fused_block_api_over_ring_by_all_to_all(rank_pools, case, ring, mode):
+    """upipe_attention_block (the op, and its eager twin) with a (ring, all-to-all) cp_mesh:
+    every rank's shard and every weight and norm gradient against the eager block on the full
+    sequence (the checks of tests/test_block_loop.py)."""
+    from test_block_loop import _check
+
+    _check(rank_pools(case.world).run(block_jobs.fused_block_case, case, mode, ring), case)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from upipe_compile.attention import collectives
 from upipe_compile.attention.ops import OP_TAGS, check_world
+from upipe_compile.attention.ring import ring_problems
 from upipe_compile.block.loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block.region import BlockRegion, region_by_id, register_region
 from upipe_compile.packed.documents import documents_of
@@ -202,8 +203,11 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
     :mod:`upipe_compile.block.region`). ``recompute_attention_output=True`` keeps no
     attention output for backward (each stage's attention forward runs again there: less
     memory, more compute). ``eager=True`` runs the loops as an
-    autograd.Function instead of the custom op (for fake-tensor memory measurements)."""
-    group = collectives.resolve_group(cp_mesh)
+    autograd.Function instead of the custom op (for fake-tensor memory measurements).
+    ``cp_mesh`` may be a ("cp_ring", "cp_a2a") mesh: ``x`` is then this rank's shard as
+    :func:`upipe_compile.shard_sequence` lays it out, U counts the all-to-all ranks and each
+    stage's attention is ring attention."""
+    group, ring_group = collectives.resolve_groups(cp_mesh)
     world = group.size()
     problems = option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch,
                                recompute_attention_output=recompute_attention_output)
@@ -211,10 +215,12 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     problems = block_problems(region, x, world, heads_per_stage)
+    if ring_group is not None:
+        problems += ring_problems(cu_seqlens is not None, region.window)
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,
-                             recompute_attention_output)
+                             recompute_attention_output, "" if ring_group is None else ring_group.group_name)
     if eager:
         return BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, settings, cu_seqlens, *extras)
     y, _, _ = attention_block_op(x, wq, bq, wk, bk, wv, bv, wo, bo, list(extras), cu_seqlens, *settings.op_args())
