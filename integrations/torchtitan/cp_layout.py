@@ -24,13 +24,15 @@ import functools
 from upipe_compile.attention.collectives import RING_MESH_DIMS
 from upipe_compile.integrations.torchtitan.config import upipe_config
 
-_LAYOUTS: dict[str, object] = {}
-"""Per "cp" mesh (by its process group's name): the mesh upipe's layout follows (the "cp"
-mesh itself, or its (cp_ring, cp_a2a) unflattening). The Trainer hands the sharding the "cp" mesh."""
+_LAYOUTS: dict[int, tuple] = {}
+"""Per "cp" mesh object (torchtitan's ParallelDims hands out the same one for the job):
+``(that mesh, the mesh upipe's layout follows)`` -- the "cp" mesh itself, or its (cp_ring,
+cp_a2a) unflattening. The mesh is kept so its id is not reused while the entry lives."""
 
 
-def _key(cp_mesh) -> str:
-    return cp_mesh.get_group().group_name
+def _recorded(cp_mesh):
+    entry = _LAYOUTS.get(id(cp_mesh))
+    return entry[1] if entry is not None and entry[0] is cp_mesh else None
 
 
 def upipe_cp_mesh(job_config, parallel_dims):
@@ -39,27 +41,26 @@ def upipe_cp_mesh(job_config, parallel_dims):
     rank: it creates process groups). Recorded for the input sharding."""
     cp_mesh = parallel_dims.get_mesh("cp")
     ring = upipe_config(job_config).ring_degree
-    key = _key(cp_mesh)
     mesh = cp_mesh
     if ring > 1:
-        known = _LAYOUTS.get(key)
+        known = _recorded(cp_mesh)
         if known is not None and known.ndim == 2 and known.size(0) == ring:
             mesh = known
         else:
             mesh = cp_mesh._unflatten(0, (ring, cp_mesh.size() // ring), RING_MESH_DIMS)
-    _LAYOUTS[key] = mesh
+    _LAYOUTS[id(cp_mesh)] = (cp_mesh, mesh)
     return mesh
 
 
 def forget_layout(parallel_dims) -> None:
     """A job that does not run upipe's context parallelism: torchtitan shards its inputs."""
     if parallel_dims.cp_enabled:
-        _LAYOUTS.pop(_key(parallel_dims.get_mesh("cp")), None)
+        _LAYOUTS.pop(id(parallel_dims.get_mesh("cp")), None)
 
 
 def layout_of(cp_mesh):
     """The upipe layout mesh recorded for ``cp_mesh``'s job; None for a job without upipe."""
-    return _LAYOUTS.get(_key(cp_mesh))
+    return _recorded(cp_mesh)
 
 
 def shard_batch(inputs, labels, extra_kwargs, layout_mesh):
