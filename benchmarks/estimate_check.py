@@ -235,7 +235,7 @@ def measure_step(size: Size, explain: bool = False) -> dict:
 
     import torch.distributed as dist
     from torchtitan.distributed import ParallelDims, utils as dist_utils
-    from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+    import torchtitan.train  # its prepare_context_parallel_input, as the upipe import routes it
     from torchtitan.protocols.train_spec import get_train_spec
 
     from upipe_compile.estimate.job import torchtitan_on_cpu
@@ -273,7 +273,7 @@ def measure_step(size: Size, explain: bool = False) -> dict:
         inputs = torch.randint(0, model_args.vocab_size, (size.batch, size.seq_len), generator=gen)
         labels = torch.randint(0, model_args.vocab_size, (size.batch, size.seq_len), generator=gen)
         global_valid_tokens = labels.numel() * torch.ones((), dtype=torch.float32)
-        inputs, labels, extra = prepare_context_parallel_input(
+        inputs, labels, extra = torchtitan.train.prepare_context_parallel_input(
             inputs, labels, {}, dims.get_mesh("cp"), torch.device("cpu"), config.parallelism.context_parallel_load_balancer)
         pred = model(inputs, **extra)
         loss = loss_fn(pred, labels) / global_valid_tokens
