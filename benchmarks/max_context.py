@@ -33,10 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RUNS = os.path.join(RESULTS, "max_context")
 TOMLS = os.path.join(ROOT, "integrations", "torchtitan")
-CODE_VERSION = 2
+CODE_VERSION = 3
 """Bumped when a change lowers the step's peak (version 2: the block-input copy back waits
-for the block's own backward; a fused block takes no RoPE-table gradient). A row run with an
-older version is marked in the table: its max seq_len is a lower bound for today's code."""
+for the block's own backward; a fused block takes no RoPE-table gradient; version 3: each
+rank keeps only its own rows of the RoPE table). A row run with an older version is marked
+in the table: its max seq_len is a lower bound for today's code."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def command(model: Model, u: int, variant: str) -> list[str]:
     ring = ring_of(model, u)
     return ["python", "-m", "upipe_compile.estimate", "--config", f"integrations/torchtitan/{model.toml}",
             *model.overrides, "--upipe.heads_per_stage", str(u),
-            *(["--upipe.ring_degree", str(ring)] if ring > 1 else []), *VARIANTS[variant], "--max-context", "--json"]
+            *(["--upipe.ring_degree", str(ring)] if model.rings else []), *VARIANTS[variant], "--max-context", "--json"]
 
 
 def run_path(model: Model, u: int, variant: str) -> str:
@@ -183,13 +184,18 @@ def plot(results, path: str) -> None:
     models = sorted({m.key for (m, _, _, variant), _ in results if variant == "whole stack"})
     if not models:  # a --rows run without whole-stack rows: nothing to draw
         return
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
-    for ax, key in zip(axes[0], models):
+    columns = min(2, len(models))
+    rows_of_plots = -(-len(models) // columns)
+    fig, axes = plt.subplots(rows_of_plots, columns, figsize=(6.5 * columns, 4.5 * rows_of_plots), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, models):
         for (model, method, u, variant), r in results:
             if model.key != key or variant != "whole stack":
                 continue
             probes = sorted(r["probes"])
-            ax.plot([s / 2**20 for s, _ in probes], [p for _, p in probes], marker="o", label=f"{method} (U={u})")
+            ax.plot([s / 2**20 for s, _ in probes], [p for _, p in probes], marker="o",
+                    label=f"{method_name(model, method)} (U={u})")
             ax.set_title(f"{model.name}, whole stack")
             budget, gpu = r["budget_gib"], r["gpu_gib"]
         ax.axhline(gpu, color="k", linestyle="--", linewidth=1, label=f"80 GB H100 ({gpu} GiB to torch)")
@@ -263,12 +269,17 @@ def write_report(results) -> str:
         "OS, the 8 trainer processes, the dataloader and CUDA/NCCL host buffers (the same reserve",
         "as `[upipe] host_memory_reserve_gib`'s default, which the job checks at start). \"bound\"",
         "says which budget the next grid step breaks: device or host.", "",
+        "The rows on 32 ranks (four 8-GPU nodes, CP = 32, FSDP over all 32) compare three layouts",
+        "at the same CP degree: Ulysses (U = all query heads; with Llama3-8B's 32 heads that is also",
+        "UPipe U = P), UPipe U = P over all 32 ranks where the heads allow it, and UPipe over A ranks",
+        "(a node, or two) x ring attention across R = 32 / A groups (`[upipe] ring_degree = R`,",
+        "U = A). Their host memory per node is the node's 8 ranks' share.", "",
         tabulate(table(results), headers="keys", tablefmt="github"), "",
     ]
     if any(r.get("code", 1) < CODE_VERSION for _, r in results):
-        lines += ["\\* run by an earlier version of the code, whose peak was higher (the previous block's",
-                  "input came back during this block's backward, and a fused block formed the RoPE table's",
-                  "gradient): a lower bound. Delete its JSON and rerun to measure it again.", ""]
+        lines += ["\\* run by an earlier version of the code, whose peak was higher (every rank held the",
+                  "whole sequence's RoPE table: seq_len x 64 x 8 B): a lower bound. Delete its JSON and",
+                  "rerun to measure it again.", ""]
     lines += ["Commands (from the repository root):", "", "```"]
     for (model, method, u, variant), _ in results:
         lines.append(" ".join(command(model, u, variant)))
