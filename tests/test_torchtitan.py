@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests_support import relative_error
-from torchtitan_jobs import DEBUG_TOML, load_config, train_debug_model
+from torchtitan_jobs import DEBUG_TOML, load_config, rope_rows_across_lengths, train_debug_model
 
 TOML_DIR = os.path.join(os.path.dirname(__file__), "..", "integrations", "torchtitan")
 H100_TOML = os.path.join(TOML_DIR, "llama3_8b_upipe.toml")
@@ -193,6 +193,17 @@ def test_debug_model_ring_2x2_matches_cp1(rank_pools):
     for name, ref in cp1["grads"].items():
         for result in ring:
             assert relative_error(result["grads"][name], ref) < 1e-5, name
+
+
+def test_rope_rows_follow_the_step_length(rank_pools):
+    """Each rank's cut RoPE table holds its own tokens' rows at every length (a validation
+    step of another length is cut again from the whole table), positions are refused, and
+    a sequence longer than the table is named."""
+    for rank, (read, errors) in enumerate(rank_pools(2).run(rope_rows_across_lengths)):
+        assert read == [list(range(8 * rank, 8 * rank + 8)), list(range(4 * rank, 4 * rank + 4)),
+                        list(range(8 * rank, 8 * rank + 8))], rank
+        assert "the model got RoPE positions" in errors[0]
+        assert "fewer than the 64 tokens of this step's sequence" in errors[1]
 
 
 def test_blocks_are_compiled_with_the_backend_callable(monkeypatch):

@@ -197,3 +197,38 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type, "documents": document_counts,
         "local_tokens": inputs.numel(), "seq_local": inputs.shape[1], "dim": model_args.dim,
     }
+
+
+def rope_rows_across_lengths():
+    """rope_rows' hook on a toy model whose RoPE table row i holds i: the rows each forward
+    read, for steps of 8, 4 and again 8 tokens per rank over this world's 1-D mesh, and what a
+    step with positions and one longer than the table raise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
+
+    class Toy(torch.nn.Module):
+        max_seq_len = 32
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+
+        def _precompute_freqs_cis(self):
+            return torch.arange(self.max_seq_len, dtype=torch.float32)
+
+        def forward(self, tokens, positions=None):
+            return self.freqs_cis[: tokens.shape[1]].clone()
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    model = Toy()
+    keep_local_rope_rows(model, mesh)
+    read = [model(torch.zeros(1, n)).tolist() for n in (8, 4, 8)]
+    errors = []
+    for call in (lambda: model(torch.zeros(1, 8), positions=torch.zeros(1, 8)), lambda: model(torch.zeros(1, 32))):
+        try:
+            call()
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001  (the test reads the message)
+            errors.append(str(error))
+    return read, errors

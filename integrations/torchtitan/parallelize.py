@@ -257,8 +257,6 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
                  op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
 
     compile_blocks(model, job_config, parallel_dims)
-    if parallel_dims.cp_enabled:  # before FSDP's hooks: the root-buffer cast then casts the cut table
-        keep_local_rope_rows(model, upipe_cp_mesh(job_config, parallel_dims))
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
@@ -278,6 +276,8 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
         if parallel_dims.world_size != mesh.size():
             raise RuntimeError("DDP has not supported > 1D parallelism")
         apply_ddp(model, mesh, enable_compile=True)
+    if parallel_dims.cp_enabled:  # after the root-buffer cast's hook: the table it cuts is the one kept
+        keep_local_rope_rows(model, upipe_cp_mesh(job_config, parallel_dims))
     stack.install_offload(model, job_config, parallel_dims)
     return model
 

@@ -9,7 +9,8 @@ layout (:func:`upipe_compile.sharding.global_positions`), so before the model's 
 table is cut down to exactly those rows, in the rank's token order, and the model is called
 without ``positions``: it then reads rows ``0 .. seq_len / P - 1`` of the cut table, the same
 values it would have gathered from the full one. The input sharding
-(:mod:`upipe_compile.integrations.torchtitan.cp_layout`) gives no positions to match.
+(:mod:`upipe_compile.integrations.torchtitan.cp_layout`) gives no positions to match. A step
+of another length (the validator's) cuts again from a freshly made whole table.
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ def rope_buffer_name(model: nn.Module) -> str | None:
     return next((name for name in ROPE_BUFFERS if getattr(model, name, None) is not None), None)
 
 
+_PRECOMPUTE = {"freqs_cis": "_precompute_freqs_cis", "rope_cache": "_precompute_rope_cache"}
+"""The model method that makes each table for the whole sequence (torchtitan 0.2.2)."""
+
+
 def keep_local_rope_rows(model: nn.Module, layout_mesh) -> None:
-    """Cut ``model``'s RoPE table to this rank's rows before each forward that finds it whole
-    (the first one, and after ``init_weights`` rebuilds it); refuse ``positions``."""
+    """Cut ``model``'s RoPE table to this rank's rows before a forward that finds a table it
+    did not cut (the first one, and after ``init_weights`` rebuilds it), or a step of
+    another length (the validator's); refuse ``positions``. Register it after any hook that
+    casts the model's buffers, so the table it cut is the one the next forward finds."""
     name = rope_buffer_name(model)
     if name is None:
         raise UnsupportedAttention(f"{type(model).__name__} has none of the RoPE tables {ROPE_BUFFERS} that the "
@@ -45,15 +52,19 @@ def keep_local_rope_rows(model: nn.Module, layout_mesh) -> None:
         tokens = args[0] if args else kwargs["tokens"]
         local = tokens.shape[1]
         table = getattr(module, name)
-        if table.shape[0] == local and getattr(module, "upipe_local_rope_rows", None) == local:
-            return None
+        made, made_for = getattr(module, "upipe_rope_cut", (None, None))
+        if table is made:
+            if made_for == local:
+                return None
+            # cut for another length: start again from the whole sequence's table
+            table = getattr(module, _PRECOMPUTE[name])().to(device=table.device, dtype=table.dtype)
         if table.shape[0] < local * ranks:
             raise UnsupportedAttention(
                 f"the RoPE table has {table.shape[0]} rows, fewer than the {local * ranks} tokens of this step's "
-                "sequence: it was cut for another sequence length (one seq_len per job under upipe)")
-        rows = global_positions(local, layout_mesh, device=table.device)[0]
-        setattr(module, name, table.index_select(0, rows))
-        module.upipe_local_rope_rows = local
+                "sequence: raise the model's max_seq_len to the job's seq_len")
+        cut = table.index_select(0, global_positions(local, layout_mesh, device=table.device)[0])
+        setattr(module, name, cut)
+        module.upipe_rope_cut = (cut, local)
         return None
 
     model.register_forward_pre_hook(cut_table, with_kwargs=True)
