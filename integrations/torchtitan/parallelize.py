@@ -12,7 +12,8 @@ Differences from stock ``parallelize_llama`` when ``[compile] backend = "upipe"`
   inputs and labels in upipe's layout (rank r of a 1-D CP holds tokens [r*S/P, (r+1)*S/P)),
   with no positions: each rank's RoPE table is cut to its own rows (rope_rows.py);
 - each TransformerBlock is compiled with ``backend="upipe"`` and the CP mesh of torchtitan's
-  ParallelDims (``parallel_dims.get_mesh("cp")``), U and the inner backend from [upipe];
+  ParallelDims (``parallel_dims.get_mesh("cp")``; with [upipe] ring_degree its (cp_ring,
+  cp_a2a) unflattening, cp_layout.py), U and the inner backend from [upipe];
 - FSDP shards over torchtitan's "fsdp" mesh (dp_shard x cp), as stock torchtitan does, so
   gradients are reduced over data-parallel x CP ranks; HSDP/DDP over dp_replicate likewise.
 
@@ -56,8 +57,8 @@ def compile_options(job_config, parallel_dims) -> dict:
     """The options each block is compiled with (``cp_mesh``: torchtitan's CP mesh, or its
     (cp_ring, cp_a2a) unflattening with [upipe] ring_degree > 1)."""
     cfg = upipe_config(job_config)
-    options = {"cp_mesh": upipe_cp_mesh(job_config, parallel_dims), "inner_backend": cfg.inner_backend, "prefetch": cfg.prefetch,
-               "fuse_projections": cfg.fuse_projections,
+    options = {"cp_mesh": upipe_cp_mesh(job_config, parallel_dims), "inner_backend": cfg.inner_backend,
+               "prefetch": cfg.prefetch, "fuse_projections": cfg.fuse_projections,
                "recompute_attention_output": cfg.recompute_attention_output,
                "heads_per_stage": cfg.heads_per_stage_option}
     return options
