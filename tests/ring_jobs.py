@@ -136,33 +136,44 @@ def rope_block_grads(model, x, dout, positions):
     return out.detach(), x.grad, {name: p.grad for name, p in module.named_parameters()}
 
 
-def compiled_fused_ring_case(case: AttentionCase, ring: int, recompute: bool):
-    """TinyRopeAttention compiled with backend="upipe" (aot_eager) over a (ring, all-to-all)
-    mesh, on this rank's shard with its global positions: (out, dx, param grads, the upipe
-    ops the rewritten graph holds)."""
+def _ring_mesh(ring: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import upipe_compile
-    from tests_support import make_block_inputs
+    world = dist.get_world_size()
+    return init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+
+
+def _compiled_recording(module: torch.nn.Module, options) -> tuple[torch.nn.Module, list[str]]:
+    """``module`` compiled by the upipe passes with ``options`` (then aot_eager), and the list
+    the upipe ops left in its graphs are recorded into as it compiles."""
     from upipe_compile.backend import _inner_backend, apply_upipe_passes
-    from upipe_compile.options import UPipeOptions
 
     torch._dynamo.reset()
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
-    x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
-    positions = upipe_compile.global_positions(x.shape[1], mesh)
-    options = UPipeOptions(cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
-                           inner_backend="aot_eager", recompute_attention_output=recompute)
     seen = []
 
-    def backend(gm, example_inputs):  # the upipe backend, recording which upipe ops it left
+    def backend(gm, example_inputs):
         gm = apply_upipe_passes(gm, options)
         seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
                     for n in m.graph.nodes if str(n.target).startswith("upipe."))
         return _inner_backend("aot_eager")(gm, example_inputs)
 
-    model = torch.compile(TinyRopeAttention(case), backend=backend)
+    return torch.compile(module, backend=backend), seen
+
+
+def compiled_fused_ring_case(case: AttentionCase, ring: int, recompute: bool):
+    """TinyRopeAttention compiled with backend="upipe" (aot_eager) over a (ring, all-to-all)
+    mesh, on this rank's shard with its global positions: (out, dx, param grads, the upipe
+    ops the rewritten graph holds)."""
+    import upipe_compile
+    from tests_support import make_block_inputs
+    from upipe_compile.options import UPipeOptions
+
+    mesh = _ring_mesh(ring)
+    x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
+    positions = upipe_compile.global_positions(x.shape[1], mesh)
+    options = UPipeOptions(cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
+                           inner_backend="aot_eager", recompute_attention_output=recompute)
+    model, seen = _compiled_recording(TinyRopeAttention(case), options)
     return (*rope_block_grads(model, x, dout, positions), sorted(set(seen)))
 
 
@@ -170,28 +181,15 @@ def compiled_variant_ring_case(case: AttentionCase, ring: int, softcap, with_sin
     """TinyVariantAttention (softcap and/or sinks) compiled with backend="upipe" (aot_eager)
     over a (ring, all-to-all) mesh, on this rank's shard: (out, dx, param grads, the upipe ops
     the rewritten graph holds)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     import upipe_compile
     from tests_support import TinyVariantAttention, block_grads, make_block_inputs
-    from upipe_compile.backend import _inner_backend, apply_upipe_passes
     from upipe_compile.options import UPipeOptions
 
-    torch._dynamo.reset()
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    mesh = _ring_mesh(ring)
     x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
     options = UPipeOptions(cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
                            inner_backend="aot_eager", fuse_projections=fuse)
-    seen = []
-
-    def backend(gm, example_inputs):  # the upipe backend, recording which upipe ops it left
-        gm = apply_upipe_passes(gm, options)
-        seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
-                    for n in m.graph.nodes if str(n.target).startswith("upipe."))
-        return _inner_backend("aot_eager")(gm, example_inputs)
-
-    model = torch.compile(TinyVariantAttention(case, None, softcap, with_sinks), backend=backend)
+    model, seen = _compiled_recording(TinyVariantAttention(case, None, softcap, with_sinks), options)
     return (*block_grads(model, x, dout), sorted(set(seen)))
 
 
