@@ -10,13 +10,14 @@ from tests_support import AttentionCase, make_inputs
 from upipe_compile.attention.ring import ring_backward, ring_forward, zigzag_shard
 
 
-def ring_case(case: AttentionCase):
+def ring_case(case: AttentionCase, window=(-1, -1), softcap: float = 0.0):
     """Ring attention of this rank's zigzag share over the whole world as the ring:
     (out, lse, dq, dk, dv) shares."""
     rank, ring = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (zigzag_shard(x, rank, ring, dim=2) for x in make_inputs(case))
-    out, lse = ring_forward(q, k, v, case.is_causal, case.scale, dist.group.WORLD)
-    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, case.is_causal, case.scale, dist.group.WORLD)
+    out, lse = ring_forward(q, k, v, case.is_causal, case.scale, dist.group.WORLD, softcap, window)
+    dq, dk, dv = ring_backward(dout, q, k, v, out, lse, case.is_causal, case.scale, dist.group.WORLD, softcap,
+                               window)
     return out, lse, dq, dk, dv
 
 
@@ -45,10 +46,10 @@ def hybrid_case(case: AttentionCase, ring: int):
     return out.detach(), q.grad, k.grad, v.grad, positions, gathered
 
 
-def windowed_attention(x):
+def packed_attention(x):
     import upipe_compile
 
-    return upipe_compile.document_sdpa(x, x, x, None, is_causal=True, window=(2, 0))
+    return upipe_compile.document_sdpa(x, x, x, torch.tensor([0, 8, 16], dtype=torch.int32), is_causal=True)
 
 
 def hybrid_refusals():
@@ -62,10 +63,9 @@ def hybrid_refusals():
     q = torch.randn(1, 4, 4, 8)
     attempts = {
         "documents": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=mesh, cu_seqlens=torch.tensor([0, 8, 16])),
-        "window": lambda: upipe_compile.upipe_attention(q, q, q, is_causal=True, cp_mesh=mesh, window=(4, 0)),
         "names": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=wrong),
         "uneven": lambda: upipe_compile.shard_sequence(torch.zeros(1, 12), mesh, dim=1),
-        "backend": lambda: torch.compile(windowed_attention, backend="upipe", options={"cp_mesh": mesh})(q),
+        "backend": lambda: torch.compile(packed_attention, backend="upipe", options={"cp_mesh": mesh})(q),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -177,8 +177,8 @@ def compiled_fused_ring_case(case: AttentionCase, ring: int, recompute: bool):
     return (*rope_block_grads(model, x, dout, positions), sorted(set(seen)))
 
 
-def compiled_variant_ring_case(case: AttentionCase, ring: int, softcap, with_sinks: bool, fuse: bool):
-    """TinyVariantAttention (softcap and/or sinks) compiled with backend="upipe" (aot_eager)
+def compiled_variant_ring_case(case: AttentionCase, ring: int, window, softcap, with_sinks: bool, fuse: bool):
+    """TinyVariantAttention (a window, softcap and/or sinks) compiled with backend="upipe" (aot_eager)
     over a (ring, all-to-all) mesh, on this rank's shard: (out, dx, param grads, the upipe ops
     the rewritten graph holds)."""
     import upipe_compile
@@ -189,7 +189,7 @@ def compiled_variant_ring_case(case: AttentionCase, ring: int, softcap, with_sin
     x, dout = (upipe_compile.shard_sequence(t, mesh, dim=1) for t in make_block_inputs(case))
     options = UPipeOptions(cp_mesh=mesh, heads_per_stage=case.heads_per_stage, prefetch=case.prefetch,
                            inner_backend="aot_eager", fuse_projections=fuse)
-    model, seen = _compiled_recording(TinyVariantAttention(case, None, softcap, with_sinks), options)
+    model, seen = _compiled_recording(TinyVariantAttention(case, window, softcap, with_sinks), options)
     return (*block_grads(model, x, dout), sorted(set(seen)))
 
 

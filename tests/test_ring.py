@@ -60,12 +60,33 @@ def test_ring_matches_eager_attention_on_every_rank(rank_pools, case):
         assert relative_error(zigzag_unshard([s[index] for s in shares], dim=2), wanted) <= TOLERANCE[case.dtype]
 
 
+@settings(max_examples=16, deadline=None)
+# left = 0 is left out: a causal query that sees only itself has dq = dk = 0 exactly, where
+# relative error means nothing
+@given(case=ring_cases(), left=st.sampled_from([-1, 1, 3, 7, 20]), right=st.sampled_from([-1, 0, 2, 5]),
+       softcap=st.sampled_from([0.0, 2.0]))
+def test_ring_with_window_and_softcap_matches_attention_on_every_rank(rank_pools, case, left, right, softcap):
+    """A sliding window in global positions, shifted to each chunk pair (bands right or left
+    of a pair's diagonal run on the rows and keys that see each other), and a softcap: every
+    rank's out, dq, dk, dv against the written-out attention on the full sequence."""
+    from tests_support import variant_reference
+
+    window = (left, right)
+    shares = rank_pools(case.world).run(ring_jobs.ring_case, case, window, softcap)
+    expected = variant_reference(case, window, softcap or None)
+    for name, index, wanted in (("out", 0, expected[0]), ("dq", 2, expected[1]), ("dk", 3, expected[2]),
+                                ("dv", 4, expected[3])):
+        for rank, share in enumerate(shares):
+            error = relative_error(share[index], zigzag_shard(wanted, rank, case.world, dim=2))
+            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, window, softcap)
+
+
 def test_zigzag_layout_balances_causal_work():
     """Each rank holds chunks r and 2R-1-r: the same number of visible (query, key) chunk pairs."""
     from upipe_compile.attention.ring import _visible_pairs
 
     ring = 4
-    work = [sum(1 for source in range(ring) for _ in _visible_pairs(r, source, ring, True)) for r in range(ring)]
+    work = [sum(1 for source in range(ring) for _ in _visible_pairs(r, source, ring, 4, True)) for r in range(ring)]
     assert len(set(work)) == 1, work
     full = torch.arange(16).view(1, 1, 16, 1)
     shares = [zigzag_shard(full, r, ring, dim=2) for r in range(ring)]
@@ -137,10 +158,9 @@ def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
     cannot cut are refused with the setting named, on every rank."""
     for messages in rank_pools(4).run(ring_jobs.hybrid_refusals):
         assert "packed documents (cu_seqlens) over a ring x all-to-all" in messages["documents"]
-        assert "a sliding window over a ring x all-to-all" in messages["window"]
         assert "('cp_ring', 'cp_a2a')" in messages["names"] and "('dp', 'cp')" in messages["names"]
         assert "pad it to a multiple of 8" in messages["uneven"]
-        assert "a sliding window over a ring x all-to-all cp_mesh is not supported yet" in messages["backend"]
+        assert "packed documents (cu_seqlens) over a ring x all-to-all cp_mesh are not supported yet" in messages["backend"]
         assert "ring_jobs.py" in messages["backend"]  # the call's source line
 
 
@@ -197,37 +217,34 @@ def test_compiled_fused_block_over_ring_by_all_to_all_matches_eager(rank_pools, 
         assert error <= TOLERANCE[case.dtype], (name, error, case, ring)
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    (dict(window=(2, 0)), "a sliding window"),
-    (dict(cu_seqlens=torch.tensor([0, 4, 8])), "packed documents (cu_seqlens)"),
-])
-def test_fused_block_op_refuses_what_the_ring_cannot_run(rank_pools, kwargs, named):
-    """upipe::attention_block over a ring refuses a window and packed documents itself (the
-    backend already refuses them at compile time), with the setting named, on every rank."""
-    for message in rank_pools(4).run(ring_jobs.fused_block_ring_refusal, **kwargs):
+def test_fused_block_op_refuses_what_the_ring_cannot_run(rank_pools):
+    """upipe::attention_block over a ring refuses packed documents itself (the backend
+    already refuses them at compile time), with the setting named, on every rank."""
+    for message in rank_pools(4).run(ring_jobs.fused_block_ring_refusal, cu_seqlens=torch.tensor([0, 4, 8])):
         assert message is not None and message.startswith("UnsupportedAttention"), message
-        assert f"{named} over a ring x all-to-all cp_mesh is not supported yet" in message, message
+        assert "packed documents (cu_seqlens) over a ring x all-to-all cp_mesh are not supported yet" in message
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("case, ring, softcap, with_sinks", [
-    (AttentionCase(4, 1, 4, 2, 4, 8, 2, True, None, "float32", seed=3), 2, 3.0, True),
-    (AttentionCase(8, 1, 8, 2, 2, 8, 4, False, 0.4, "float32", seed=4), 2, 2.0, False),
-    (AttentionCase(8, 2, 4, 2, 4, 8, 2, True, None, "bfloat16", seed=5), 4, None, True),
-], ids=["2x2-causal-softcap-sinks", "2x4-full-softcap", "4x2-causal-sinks-bf16"])
-def test_softcap_and_sinks_over_ring_by_all_to_all(rank_pools, case, ring, softcap, with_sinks, fuse):
-    """Softcap (every chunk pair's kernel applies it) and sinks (joined once, after the
-    ring's merge) under backend="upipe" over a (ring, all-to-all) mesh: every rank's output
-    and input gradient, and the summed parameter gradients (sinks included), against the
-    written-out attention on the full sequence."""
+@pytest.mark.parametrize("case, ring, window, softcap, with_sinks", [
+    (AttentionCase(4, 1, 4, 2, 4, 8, 2, True, None, "float32", seed=3), 2, (3, 0), 3.0, True),
+    (AttentionCase(8, 1, 8, 2, 2, 8, 4, False, 0.4, "float32", seed=4), 2, (2, 3), 2.0, False),
+    (AttentionCase(8, 2, 4, 2, 4, 8, 2, True, None, "bfloat16", seed=5), 4, None, None, True),
+], ids=["2x2-causal-window-softcap-sinks", "2x4-full-window-softcap", "4x2-causal-sinks-bf16"])
+def test_variants_over_ring_by_all_to_all(rank_pools, case, ring, window, softcap, with_sinks, fuse):
+    """A sliding window (shifted to each chunk pair), softcap (every chunk pair's kernel
+    applies it) and sinks (joined once, after the ring's merge) under backend="upipe" over a
+    (ring, all-to-all) mesh: every rank's output and input gradient, and the summed parameter
+    gradients (sinks included), against the written-out attention on the full sequence."""
     from tests_support import TinyVariantAttention, block_grads, make_block_inputs
 
     a2a = case.world // ring
-    shards = rank_pools(case.world).run(ring_jobs.compiled_variant_ring_case, case, ring, softcap, with_sinks, fuse)
+    shards = rank_pools(case.world).run(ring_jobs.compiled_variant_ring_case, case, ring, window, softcap, with_sinks,
+                                        fuse)
     for shard in shards:
         assert shard[3] == ["upipe.attention_block.default" if fuse else "upipe.attention.default"], shard[3]
     x, dout = make_block_inputs(case)
-    out, dx, grads = block_grads(TinyVariantAttention(case, None, softcap, with_sinks, reference=True), x, dout)
+    out, dx, grads = block_grads(TinyVariantAttention(case, window, softcap, with_sinks, reference=True), x, dout)
     for rank, shard in enumerate(shards):
         for name, got, full in (("out", shard[0], out), ("dx", shard[1], dx)):
             error = relative_error(got, _expected_shard(full.unsqueeze(1), rank, ring, a2a).squeeze(1))

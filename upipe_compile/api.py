@@ -69,7 +69,7 @@ def upipe_attention(
     if problems:
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
-    if ring_group is not None and (problems := ring_problems(cu_seqlens is not None, (window_left, window_right))):
+    if ring_group is not None and (problems := ring_problems(cu_seqlens is not None)):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1 and ring_group is None and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

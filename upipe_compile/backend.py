@@ -73,7 +73,7 @@ def _ring_reasons(match, ring_group) -> list[str]:
     """What a ring x all-to-all mesh cannot run yet, for this call."""
     if ring_group is None:
         return []
-    return ring_problems(match.cu_seqlens is not None, (int(match.window_left), int(match.window_right)))
+    return ring_problems(match.cu_seqlens is not None)
 
 
 def _never_fall_back_to_eager() -> None:

@@ -7,12 +7,13 @@ Layout ("zigzag", for causal load balance): the sequence is cut into 2R equal ch
 rank ``r`` holds chunks ``r`` and ``2R - 1 - r``, concatenated, so every rank has the same
 amount of causal work. :func:`zigzag_chunks` names them; :func:`zigzag_shard` and
 :func:`zigzag_unshard` cut a full-sequence tensor into a rank's share and put the shares back.
+A sliding window (global positions) is shifted to each chunk pair by :func:`_band`.
 
 Shapes as :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, s, D]``, k/v ``[B, Hkv, s, D]``
 (``Hkv`` divides ``Hq``), ``s`` this rank's tokens (two chunks of ``s / 2``); ``lse`` is
 ``[B, Hq, s]`` float32. Every kernel call pairs one query chunk with one key chunk of the
-same length: a later key chunk is skipped under causal attention, the same chunk is causal,
-an earlier one is attended in full.
+same length (or equal row ranges of them, under a window): a later key chunk is skipped
+under causal attention, the same chunk is causal, an earlier one is attended in full.
 
 Backward: each K/V share travels the ring again with an accumulator of its dK/dV (in K/V's
 dtype), which every rank adds its queries' part to in fp32; after R steps the accumulator
@@ -23,6 +24,7 @@ each chunk pair's gradient is exact without the partial outputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -56,36 +58,62 @@ def zigzag_unshard(shares: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def _pair_mode(q_chunk: int, k_chunk: int, is_causal: bool) -> Optional[bool]:
-    """For a query chunk against a key chunk: None (no key visible), or the kernel's is_causal."""
-    if not is_causal:
-        return False
-    if k_chunk > q_chunk:
+@dataclass(frozen=True)
+class PairBand:
+    """One kernel call of a chunk pair: this rank's query chunk ``qi`` (0 or 1) against the
+    held share's key chunk ``kj``, over query rows ``rows`` and key rows ``keys`` of the
+    two chunks (equal lengths), with the kernel's ``window`` in those rows' own indices
+    (causal attention is the window ``(-1, 0)``; the kernels run each window in its
+    plainest form)."""
+
+    qi: int
+    kj: int
+    rows: slice
+    keys: slice
+    window: tuple[int, int]
+
+
+def _band(q_chunk: int, k_chunk: int, chunk: int, is_causal: bool, window: tuple[int, int]):
+    """Query chunk ``q_chunk`` against key chunk ``k_chunk`` (``chunk`` tokens each): None when
+    no key is visible, else ``(rows, keys, window)``. Query i and key j (chunk-local) see each
+    other when ``lo <= j - i <= hi``: the global window shifted by the chunks' distance. A
+    band wholly right (left) of the diagonal is moved onto it by dropping the rows that see
+    nothing and the keys no row sees, so every call is a square the kernels take."""
+    distance = (q_chunk - k_chunk) * chunk
+    left, right = window
+    lo = -(chunk - 1) if left < 0 else max(distance - left, -(chunk - 1))
+    hi = chunk - 1 if right < 0 else min(distance + right, chunk - 1)
+    if is_causal:
+        hi = min(hi, distance)
+    if lo > hi:
         return None
-    return k_chunk == q_chunk
+    if lo > 0:  # keys only right of the diagonal: rows [0, chunk - lo) against keys [lo, chunk)
+        return slice(0, chunk - lo), slice(lo, chunk), (0, hi - lo)
+    if hi < 0:  # keys only left of it: rows [-hi, chunk) against keys [0, chunk + hi)
+        return slice(-hi, chunk), slice(0, chunk + hi), (hi - lo, 0)
+    return slice(0, chunk), slice(0, chunk), (-lo, hi)
 
 
-def _visible_pairs(rank: int, source: int, ring: int, is_causal: bool) -> Iterator[tuple[int, int, bool]]:
-    """``(query half, key half, kernel is_causal)`` for each pair of this rank's query chunks
-    and ``source``'s key chunks that has any visible key."""
+def _visible_pairs(rank: int, source: int, ring: int, chunk: int, is_causal: bool,
+                   window: tuple[int, int] = (-1, -1)) -> Iterator[PairBand]:
+    """Each kernel call between this rank's query chunks and ``source``'s key chunks that has
+    any visible key."""
     for qi, q_chunk in enumerate(zigzag_chunks(rank, ring)):
         for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
-            causal = _pair_mode(q_chunk, k_chunk, is_causal)
-            if causal is not None:
-                yield qi, kj, causal
+            band = _band(q_chunk, k_chunk, chunk, is_causal, window)
+            if band is not None:
+                yield PairBand(qi, kj, *band)
 
 
-def ring_problems(documents: bool, window: tuple[int, int]) -> list[str]:
+def ring_problems(documents: bool) -> list[str]:
     """What a call asks of ring attention that it does not run yet (empty: nothing). A
-    softcap acts on each score, so every chunk pair's kernel applies it; sinks join the
-    softmax once, after the merge (the stage loops apply them to the merged output)."""
-    found = [name for name, present in (
-        ("packed documents (cu_seqlens)", documents), ("a sliding window", tuple(window) != (-1, -1)),
-    ) if present]
-    if not found:
+    softcap acts on each score, so every chunk pair's kernel applies it; a sliding window is
+    shifted to each pair's chunks (:func:`_band`); sinks join the softmax once, after the
+    merge (the stage loops apply them to the merged output)."""
+    if not documents:
         return []
-    return [f"{' and '.join(found)} over a ring x all-to-all cp_mesh is not supported yet (a chunk pair's kernel "
-            "would need the documents or the window shifted to its chunks' global positions): use a 1-D cp_mesh"]
+    return ["packed documents (cu_seqlens) over a ring x all-to-all cp_mesh are not supported yet (a chunk "
+            "pair's kernel would need the documents cut to its chunks): use a 1-D cp_mesh"]
 
 
 class _Exchange:
@@ -123,7 +151,8 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
-                 group: dist.ProcessGroup, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 group: dist.ProcessGroup, softcap: float = 0.0,
+                 window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys.
     The next step's K/V share is on its way while this step's chunk pairs run."""
     rank, ring = group.rank(), group.size()
@@ -137,10 +166,12 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         source = (rank - step) % ring
         incoming = _pass_on(kv, group) if step + 1 < ring else None
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-        for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
-            part_out, part_lse = kernels.forward(q_parts[qi], k_parts[kj], v_parts[kj], causal, scale,
+        for pair in _visible_pairs(rank, source, ring, q_parts[0].shape[2], is_causal, window):
+            rows, keys = pair.rows, pair.keys
+            part_out, part_lse = kernels.forward(q_parts[pair.qi][:, :, rows], k_parts[pair.kj][:, :, keys],
+                                                 v_parts[pair.kj][:, :, keys], False, scale, window=pair.window,
                                                  softcap=softcap)
-            _merge(out[qi], lse[qi], part_out, part_lse)
+            _merge(out[pair.qi][:, :, rows], lse[pair.qi][:, :, rows], part_out, part_lse)
         del k_parts, v_parts
         if incoming is not None:
             kv = incoming.finish()
@@ -148,8 +179,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, is_causal: bool, scale: Optional[float],
-                  group: dist.ProcessGroup, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor, is_causal: bool, scale: Optional[float], group: dist.ProcessGroup,
+                  softcap: float = 0.0,
+                  window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned.
 
     Each step: the next K/V share is received while this one's chunk pairs run (their dK/dV
@@ -168,13 +200,15 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         dk_parts, dv_parts = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
-        for qi, kj, causal in _visible_pairs(rank, source, ring, is_causal):
+        for pair in _visible_pairs(rank, source, ring, q_parts[0].shape[2], is_causal, window):
+            rows, keys, qi, kj = pair.rows, pair.keys, pair.qi, pair.kj
             dq_part, dk_part, dv_part = kernels.backward(
-                dout_parts[qi], q_parts[qi], k_parts[kj], v_parts[kj], out_parts[qi], lse_parts[qi], causal, scale,
-                softcap=softcap)
-            dq[qi].add_(dq_part)
-            dk_parts[kj].add_(dk_part)
-            dv_parts[kj].add_(dv_part)
+                dout_parts[qi][:, :, rows], q_parts[qi][:, :, rows], k_parts[kj][:, :, keys],
+                v_parts[kj][:, :, keys], out_parts[qi][:, :, rows], lse_parts[qi][:, :, rows], False, scale,
+                window=pair.window, softcap=softcap)
+            dq[qi][:, :, rows].add_(dq_part)
+            dk_parts[kj][:, :, keys].add_(dk_part)
+            dv_parts[kj][:, :, keys].add_(dv_part)
         del k_parts, v_parts, dk_parts, dv_parts
         if travelling is not None:
             part.add_(travelling.finish()[0])

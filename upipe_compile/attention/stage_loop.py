@@ -130,7 +130,7 @@ class StageAttention:
     def refuse_unsupported(self, documents: Optional[Documents]) -> None:
         """Refuse what the ring does not run, before any collective starts (every rank has
         the same settings, so every rank refuses)."""
-        if self.ring_group_name and (problems := ring.ring_problems(documents is not None, self.window)):
+        if self.ring_group_name and (problems := ring.ring_problems(documents is not None)):
             raise UnsupportedAttention("; ".join(problems))
 
     def _ring_group(self):
@@ -140,7 +140,7 @@ class StageAttention:
         """``(out, lse)`` of a stage's heads over the sequence its buffers hold."""
         ring_group = self._ring_group()
         if ring_group is not None:
-            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group, self.softcap)
+            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group, self.softcap, self.window)
         return kernels.forward(q, k, v, self.is_causal, self.scale, documents, window=self.window,
                                softcap=self.softcap)
 
@@ -148,7 +148,8 @@ class StageAttention:
         """``(dq, dk, dv)`` of a stage, from its output and log-sum-exp."""
         ring_group = self._ring_group()
         if ring_group is not None:
-            return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group, self.softcap)
+            return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group, self.softcap,
+                                      self.window)
         return kernels.backward(dout, q, k, v, out, lse, self.is_causal, self.scale, documents,
                                 window=self.window, softcap=self.softcap)
 

@@ -216,7 +216,7 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     problems = block_problems(region, x, world, heads_per_stage)
     if ring_group is not None:
-        problems += ring_problems(cu_seqlens is not None, region.window)
+        problems += ring_problems(cu_seqlens is not None)
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,
