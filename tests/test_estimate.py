@@ -271,9 +271,9 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
     out = batch * args.n_heads * (SEQ // world) * head_dim * 4  # fp32 debug TOML
     stages, q_per_rank = args.n_heads // heads_per_stage, heads_per_stage // world
     lse = stages * batch * q_per_rank * SEQ * 4
-    assert _sac_saved_attention_bytes(config, args, heads_per_stage, fused=False) == args.n_layers * (out + lse)
+    assert _sac_saved_attention_bytes(config, args, heads_per_stage, world, fused=False) == args.n_layers * (out + lse)
     block_output = batch * (SEQ // world) * args.dim * 4  # the fused block's y is saved too
-    assert _sac_saved_attention_bytes(config, args, heads_per_stage, fused=True) == args.n_layers * (
+    assert _sac_saved_attention_bytes(config, args, heads_per_stage, world, fused=True) == args.n_layers * (
         out + lse + block_output)
 
 

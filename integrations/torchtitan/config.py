@@ -46,6 +46,12 @@ class UPipe:
     bounded by the head count, only A is. The sequence is laid out zigzag over the ring
     (cp_layout.py). 1 = no ring: the all-to-all over all P ranks."""
 
+    def all_to_all_degree(self, cp: int) -> int:
+        """A, the ranks each all-to-all spans (U and the heads are counted over them):
+        ``cp / ring_degree``, or ``cp`` while ring_degree is 1 or invalid (check_job names it)."""
+        ring = self.ring_degree
+        return cp // ring if ring >= 1 and cp % ring == 0 else cp
+
     @property
     def heads_per_stage_option(self):
         """``heads_per_stage`` as UPipeOptions takes it (None = the default, P)."""

@@ -87,7 +87,7 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     cp, ring = parallel_dims.cp, cfg.ring_degree
     ring_problems = _ring_problems(job_config, cp, ring, model_args)
     problems += ring_problems
-    a2a = cp // ring if ring >= 1 and cp % ring == 0 else cp  # the all-to-all degree: U and the heads count over it
+    a2a = cfg.all_to_all_degree(cp)
     # the options' own check (UPipeOptions'), named by their [upipe] keys
     problems += [f"[upipe] {p}" for p in option_problems(
         world=a2a, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,

@@ -30,8 +30,8 @@ def resolve_group(cp_mesh: DeviceMesh | dist.ProcessGroup | None) -> dist.Proces
             raise UnsupportedAttention(
                 f"cp_mesh must be a 1-D DeviceMesh here, got {cp_mesh.ndim} dims "
                 f"{cp_mesh.mesh_dim_names}; pass the context-parallel sub-mesh, e.g. mesh['cp'] (a 2-D "
-                f"{RING_MESH_DIMS} mesh, ring x all-to-all, is taken by upipe_attention, backend='upipe' and the "
-                f"shard_sequence helpers, not here yet)"
+                f"{RING_MESH_DIMS} mesh, ring x all-to-all, is taken by upipe_attention, upipe_attention_block, "
+                f"backend='upipe' and the shard_sequence helpers, not here yet)"
             )
         return cp_mesh.get_group()
     if isinstance(cp_mesh, dist.ProcessGroup):

@@ -99,13 +99,14 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         job = build_job(job_config, fake_mode)
         memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
-    ring = max(1, upipe_config(job_config).ring_degree)
-    heads_per_stage = resolved_heads_per_stage(upipe_config(job_config).heads_per_stage_option, cp // ring)
+    cfg = upipe_config(job_config)
+    a2a = cfg.all_to_all_degree(cp)
+    heads_per_stage = resolved_heads_per_stage(cfg.heads_per_stage_option, a2a)
     calls = dict(eager_calls)
     modelled = {}
     if cp > 1 and _op_selective_ac(job_config):
         modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(
-            job_config, job.model_args, heads_per_stage, fused="fused block" in calls))
+            job_config, job.model_args, heads_per_stage, a2a, fused="fused block" in calls))
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB
@@ -113,7 +114,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     fits_device, fits_host = peak <= budget, host_per_node <= host_gib
     return Estimate(
         seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
-        ring_degree=ring,
+        ring_degree=cp // a2a,
         peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
         budget_gib=round(budget, 6), fits=fits_device and fits_host, fits_device=fits_device, fits_host=fits_host,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host_per_node, 6),
@@ -129,26 +130,25 @@ def _op_selective_ac(job_config) -> bool:
     return ac.mode == "selective" and ac.selective_ac_option == "op"
 
 
-def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, fused: bool) -> int:
+def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, a2a: int, fused: bool) -> int:
     """Selective op AC: the compiled path saves every layer's ``upipe::attention`` (or
     ``upipe::attention_block``) outputs (the ops are in the save list) where the eager route
     recomputes them, as aten's CPU attention kernels are not in torchtitan's list. Counted for
     all layers (they are all alive at the loss, and the peak is never before it by more than a
     layer's worth): out ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE
-    ``[B, m, S/R]`` fp32 (over the all-to-all's tokens: the ring rank's share with a ring of
-    R); a fused block's output ``[B, S/P, dim]`` too."""
+    ``[B, m, S/R]`` fp32 (over the all-to-all's ``a2a`` ranks' tokens: the ring rank's share
+    with a ring of R); a fused block's output ``[B, S/P, dim]`` too."""
     from torchtitan.config import TORCH_DTYPE_MAP
 
     from upipe_compile.attention.schedule import plan_stages
-    from upipe_compile.integrations.torchtitan.config import upipe_config
 
     cp = job_config.parallelism.context_parallel_degree
-    ring = max(1, upipe_config(job_config).ring_degree)
+    ring = cp // a2a
     batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
     q_heads, kv_heads = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
     head_dim = model_args.dim // q_heads
     element = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
-    schedule = plan_stages(q_heads, kv_heads, cp // ring, heads_per_stage)
+    schedule = plan_stages(q_heads, kv_heads, a2a, heads_per_stage)
     out = batch * q_heads * (seq // cp) * head_dim * element
     lse = len(schedule.stages) * batch * schedule.q_per_rank * (seq // ring) * 4
     block_output = batch * (seq // cp) * model_args.dim * element if fused else 0
