@@ -13,7 +13,7 @@ from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
-    BlockMatch, find_attention, find_block, find_unsupported_attention, rewrite_attention, rewrite_block,
+    BlockMatch, find_attention, find_block, find_token_mixing, find_unsupported_attention, rewrite_attention, rewrite_block,
     unsupported_reasons,
 )
 
@@ -40,11 +40,16 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
         if (reasons := unsupported_reasons(match, world, heads_per_stage) + _ring_reasons(match, ring_group))
     ]
     # flex_attention and hand-written attention are not rewritten: they would see the local shard only
-    problems += [f"  {match.source_line}\n    - {match.reason}\n" for match in find_unsupported_attention(gm)]
-    if problems:
+    unsupported = find_unsupported_attention(gm)
+    problems += [f"  {match.source_line}\n    - {match.reason}\n" for match in unsupported]
+    # any other op that mixes tokens across the sharded sequence (convolutions, scans, ...)
+    mixing = [f"  {found.source_line}\n    - {found.reason}\n" for found in _token_mixing(gm, matches, unsupported)]
+    if problems or mixing:
+        what = [f"{len(problems)} attention call(s)"] * bool(problems)
+        what += [f"{len(mixing)} op(s) that mix tokens across the sharded sequence"] * bool(mixing)
         raise UnsupportedAttention(
-            f"upipe cannot run {len(problems)} attention call(s) with context parallelism over P={world} ranks:\n"
-            + "".join(problems)
+            f"upipe cannot run {' and '.join(what)} with context parallelism over P={world} ranks:\n"
+            + "".join(problems + mixing)
         )
     fused = 0
     ring_group_name = "" if ring_group is None else ring_group.group_name
@@ -67,6 +72,21 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     log.info("upipe: rewrote %d attention call(s) (%d fused blocks), P=%d, heads_per_stage=%d", len(matches), fused,
              world, heads_per_stage)
     return gm
+
+
+def _token_mixing(gm: fx.GraphModule, matches, unsupported) -> list:
+    """Ops other than the attention calls upipe rewrites that need other ranks' tokens; the
+    parts of hand-written attention already refused are not named twice."""
+    rewritten = {match.node for match in matches}
+    lengths = [_query_length(match) for match in matches]
+    known = {node for match in unsupported for node in (match.node, match.scores, match.output) if node is not None}
+    found = find_token_mixing(gm, rewritten.__contains__, next((n for n in lengths if n), None))
+    return [item for item in found if item.node not in known]
+
+
+def _query_length(match) -> int | None:
+    value = match.query.meta.get("example_value", match.query.meta.get("val"))
+    return int(value.shape[-2]) if isinstance(value, torch.Tensor) and isinstance(value.shape[-2], int) else None
 
 
 def _ring_reasons(match, ring_group) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 from upipe_compile.attention.collectives import all_gather, resolve_groups
 from upipe_compile.attention.ring import zigzag_shard, zigzag_unshard
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.passes.token_mixing import mark_sequence_dim
 
 
 def shard_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor:
@@ -33,7 +34,8 @@ def shard_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor:
     if ring_group is not None:
         t = zigzag_shard(t, ring_group.rank(), ring, dim)
     share = t.shape[dim] // world
-    return t.narrow(dim, group.rank() * share, share)
+    # the backend follows this dimension through the graph to refuse ops that mix tokens
+    return mark_sequence_dim(t.narrow(dim, group.rank() * share, share), dim)
 
 
 def gather_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor:
@@ -52,6 +54,6 @@ def global_positions(local_length: int, cp_mesh=None, device=None) -> torch.Tens
     group, ring_group = resolve_groups(cp_mesh)
     if ring_group is None:
         start = group.rank() * local_length
-        return torch.arange(start, start + local_length, device=device).unsqueeze(0)
+        return mark_sequence_dim(torch.arange(start, start + local_length, device=device).unsqueeze(0), 1)
     full = torch.arange(local_length * group.size() * ring_group.size(), device=device).unsqueeze(0)
     return shard_sequence(full, cp_mesh, dim=1)

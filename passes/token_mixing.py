@@ -1,0 +1,454 @@
+"""Ops that mix tokens across the sharded sequence and that upipe does not rewrite.
+
+Under context parallelism each rank holds one shard of the sequence. Attention is rewritten
+into UPipe; every other op runs on the shard as it is. That is exact for ops that treat each
+token on its own (projections, norms over features, RoPE from the shard's positions, MoE
+routing) and silently wrong for ops that make one token's value depend on another's along the
+sharded dimension: a convolution or a cumulative op over the sequence (Mamba's conv and scan,
+a token shift, linear attention), a product contracting it, sorting or indexing across it, or
+a reduction over it that flows back into per-token values.
+
+:func:`find_token_mixing` follows the sequence dimension through the graph with torch's own
+knowledge of each op: DTensor's sharding propagation. The graph runs once on fake tensors
+under a dispatch mode; each tensor that holds tokens carries a placement on a 2-rank
+stand-in mesh: ``Shard(d)`` (dimension ``d`` runs along the sequence) or ``Partial`` (a sum or
+mean over tokens). For every aten op with such an input, the propagator is asked what the op
+needs of its inputs:
+
+- a ``Shard(d)`` input it cannot keep sharded (it must be all-gathered first): the op needs
+  other ranks' tokens -- refused;
+- a ``Partial`` input it must reduce first (``x - x.mean(seq)``): a reduction over tokens
+  flows back into per-token values -- refused, naming the reduction's line too;
+- otherwise the output's placement is recorded and followed.
+
+A ``Partial`` that reaches the graph's outputs (a loss, an aux loss, a metric) is fine: the
+training loop sums it over ranks. Ops with no sharding rule in torch that get a token input
+are refused as "cannot tell" rather than guessed. Shapes are the shard's own (the stand-in
+mesh is only asked about placements), so the graph's own size arguments stay consistent.
+
+Seeds, in each graph and nested body: the inputs ``shard_sequence`` / ``global_positions``
+made (their dimension is recorded on the tensor), and the activation inputs whose shape has
+the shard's length (the query length of the graph's attention calls) in one dimension. The
+attention calls upipe rewrites (and its own ops) are not asked: their output holds the same
+tokens as their query.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from upipe_compile.passes.find import source_line
+from upipe_compile.passes.find_unsupported import _is_weight_placeholder
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_FIX = ("upipe runs every op but attention on this rank's shard of the sequence; run this layer "
+                "without context parallelism, or express it as scaled_dot_product_attention")
+
+_SHARDED_DIM_ATTR = "_upipe_sequence_dim"
+"""Set by ``shard_sequence`` / ``global_positions`` on the tensors they return."""
+
+
+def mark_sequence_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Record that ``t``'s dimension ``dim`` is this rank's shard of the sequence (read back
+    when ``t`` is a compiled graph's input)."""
+    setattr(t, _SHARDED_DIM_ATTR, dim % t.dim())
+    return t
+
+
+@dataclass
+class TokenMixing:
+    """One op that needs other ranks' tokens and that upipe did not rewrite."""
+
+    node: fx.Node
+    op: str
+    """The aten op that mixes (``aten.cumsum.default``, ...)."""
+    why: str
+    source_line: str
+    reduction_line: str | None = None
+    """Where the reduction over tokens was made, when that is what flows back."""
+
+    @property
+    def reason(self) -> str:
+        where = f" (the reduction over tokens at {self.reduction_line})" if self.reduction_line else ""
+        return f"{self.op} {self.why}{where}; {SEQUENCE_FIX}"
+
+
+@dataclass
+class _Seeds:
+    local_length: int | None
+    exempt: Callable[[fx.Node], bool]
+    found: list[TokenMixing] = field(default_factory=list)
+
+
+def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
+                      local_length: int | None) -> list[TokenMixing]:
+    """Every op in ``gm`` (nested bodies included) that mixes tokens along the sharded sequence
+    dimension, one per source line. ``exempt(node)``: the calls upipe rewrites (their outputs
+    keep the query's placement). ``local_length``: the shard's length (the attention calls'
+    query length), or None when the graph has none."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    values = [_value(node) for node in placeholders]
+    fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None or any(isinstance(v, torch.Tensor) and _is_symbolic(v) for v in values):
+        log.info("upipe: token-mixing check skipped (no fake values or dynamic shapes)")
+        return []
+    seeds = _Seeds(local_length, exempt)
+    tracker = _SequenceTracker(seeds)
+    with fake_mode, tracker:
+        inputs = [tracker.seed(node, v) for node, v in zip(placeholders, values)]
+        try:
+            _Walker(gm, tracker).run(*inputs)
+        except Exception as error:  # never silent: what cannot be followed is refused
+            tracker.found_failure(error)
+    unique: dict[str, TokenMixing] = {}
+    for found in seeds.found:
+        unique.setdefault(found.source_line, found)
+    return list(unique.values())
+
+
+def _value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _is_symbolic(t: torch.Tensor) -> bool:
+    return any(not isinstance(s, int) for s in t.shape)
+
+
+def _stand_in_mesh() -> DeviceMesh:
+    """Two ranks, no process group: the propagator asks only about placements."""
+    return DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=0)
+
+
+class _SequenceTracker(TorchDispatchMode):
+    """Follows token placements through aten ops (see the module docstring)."""
+
+    def __init__(self, seeds: _Seeds):
+        super().__init__()
+        self.seeds = seeds
+        self.placement = WeakIdKeyDictionary()  # tensor -> Shard(d) | Partial
+        self.span = WeakIdKeyDictionary()  # Shard(d) tensor -> (tokens, inner) when d is not tokens alone
+        self.partial_origin = WeakIdKeyDictionary()  # Partial tensor -> source line of its reduction
+        self.mesh = _stand_in_mesh()
+        self.node: fx.Node | None = None
+
+    # -- seeds --------------------------------------------------------------------------------
+    def seed(self, node: fx.Node, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = _fresh(value)
+        dim = self._sequence_dim(node, value)
+        if dim is not None:
+            self.placement[value] = Shard(dim)
+        return value
+
+    def _sequence_dim(self, node: fx.Node, value: torch.Tensor) -> int | None:
+        example = getattr(node.meta.get("grapharg"), "example", None)
+        marked = getattr(example, _SHARDED_DIM_ATTR, None)
+        if marked is not None:
+            return marked
+        if _is_weight_placeholder(node) or self.seeds.local_length is None or value.dim() < 2:
+            return None
+        length = self.seeds.local_length
+        dims = [d for d in range(1, value.dim()) if value.shape[d] == length]
+        return dims[0] if dims else None
+
+    def mark(self, t: Any, placement, span: tuple[int, int] | None = None) -> None:
+        if isinstance(t, torch.Tensor) and placement is not None:
+            self.placement[t] = placement
+            if span is not None:
+                self.span[t] = span
+
+    def get(self, t: Any):
+        return self.placement.get(t) if isinstance(t, torch.Tensor) else None
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat, _ = tree_flatten((args, kwargs))
+        if not any(self.get(t) is not None for t in flat):
+            return out
+        if not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+            return out  # metadata (device, sizes): nothing per token
+        if func in _VIEW_ALIASES:  # shape-only: the placement moves with the view
+            self._follow_view(func, args, out)
+            return out
+        if not any(isinstance(self.get(t), Shard) for t in flat):
+            # rank-local aggregates only (a loss, an aux loss, a metric): still an aggregate,
+            # refused only where it flows back into per-token values
+            origin = next((self.partial_origin.get(t) for t in flat if isinstance(self.get(t), Partial)), None)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.mark(t, Partial())
+                    self.partial_origin[t] = origin
+            return out
+        self._propagate(func, args, kwargs, out)
+        return out
+
+    def _follow_view(self, func, args, out) -> None:
+        source = args[0]
+        placement = self.get(source)
+        if placement is None or not isinstance(out, torch.Tensor):
+            return
+        if isinstance(placement, Partial):
+            self.mark(out, placement)
+            self.partial_origin[out] = self.partial_origin.get(source)
+            return
+        if out.dim() == source.dim() and tuple(out.shape) == tuple(source.shape):
+            self.mark(out, placement, self.span.get(source))
+            return
+        size, inner = self.span.get(source) or (source.shape[placement.dim], 1)
+        moved = _view_dim(tuple(source.shape), tuple(out.shape), placement.dim, size, inner)
+        if moved is not None:
+            dim, span = moved
+            self.mark(out, Shard(dim), span)
+
+    def _propagate(self, func, args, kwargs, out) -> None:
+        to_dtensor = self._wrapper()
+        self.partial_origin_by_spec = {}
+        try:
+            d_args, d_kwargs = tree_map(to_dtensor, (args, kwargs))
+            op_info = DTensor._op_dispatcher.unwrap_to_op_info(func, d_args, d_kwargs)
+            DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
+        except Exception as error:  # no sharding rule: refuse rather than guess
+            first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+            self.found(func, f"takes this rank's tokens and torch has no sharding rule to tell whether it "
+                              f"mixes them ({first})")
+            return
+        sharding = op_info.output_sharding
+        if sharding.needs_redistribute and sharding.redistribute_schema is not None:
+            if self._mixes(func, op_info.schema, sharding.redistribute_schema):
+                return
+        self._record_outputs(func, args, kwargs, out, sharding.output_spec)
+
+    def _wrapper(self):
+        mesh = self.mesh
+
+        def to_dtensor(t):
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                return t
+            placement = self.get(t) or Replicate()
+            spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+            if isinstance(placement, Partial):
+                self.partial_origin_by_spec[id(spec)] = self.partial_origin.get(t)
+            return DTensor(t.detach(), spec, requires_grad=False)
+
+        return to_dtensor
+
+    def _mixes(self, func, schema, wanted) -> bool:
+        changed = [(have, want.placements[0]) for have, want in zip(schema.args_spec, wanted.args_spec)
+                   if have.placements[0] != want.placements[0] and not isinstance(have.placements[0], Replicate)]
+        if not changed:
+            return False
+        # a sum or mean over tokens next to per-token values: whichever side the propagator
+        # would move, the reduction is what needs the other ranks
+        partial = next((have for have in schema.args_spec if isinstance(have.placements[0], Partial)), None)
+        if partial is not None:
+            self.found(func, "uses a sum or mean over the sequence as a per-token value",
+                        reduction_line=self.partial_origin_by_spec.get(id(partial)))
+            return True
+        if changed:
+            have, needs = changed[0]
+            self.found(func, f"needs other ranks' tokens (its sequence dimension {have.placements[0].dim} cannot "
+                              f"stay sharded: it would be {_placement_name(needs)})")
+            return True
+        return False
+
+    def _record_outputs(self, func, args, kwargs, out, spec) -> None:
+        outs, _ = tree_flatten(out)
+        specs = spec if isinstance(spec, (list, tuple)) else [spec]
+        specs, _ = tree_flatten(list(specs), is_leaf=lambda s: isinstance(s, DTensorSpec) or s is None)
+        tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        origins = [self.partial_origin.get(a) for a in inputs if isinstance(self.get(a), Partial)]
+        for t, s in zip(tensors, specs):
+            if not isinstance(s, DTensorSpec):
+                continue
+            placement = s.placements[0]
+            if isinstance(placement, Replicate):
+                continue
+            if isinstance(placement, Partial):
+                self.mark(t, placement)
+                self.partial_origin[t] = next(iter(origins), None) or self._line()
+                continue
+            span = next((self.span.get(a) for a in inputs if self.get(a) == placement
+                         and a.dim() == t.dim() and a.shape[placement.dim] == t.shape[placement.dim]), None)
+            self.mark(t, placement, span)
+        # an in-place op's first argument is its output
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor) and tensors:
+            placement = self.get(tensors[0])
+            if placement is not None:
+                self.mark(args[0], placement)
+
+    def found_failure(self, error: Exception) -> None:
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        self.found(self.node.target if self.node is not None else "?",
+                    f"could not be followed along the sequence by upipe's check ({type(error).__name__}: {text}); "
+                    "please report it")
+
+    def found(self, func, why: str, reduction_line: str | None = None) -> None:
+        node = self.node
+        if node is None:
+            return
+        self.seeds.found.append(TokenMixing(node, str(func), why, self._line(), reduction_line))
+
+    def _line(self) -> str:
+        return source_line(self.node) if self.node is not None else "<unknown>"
+
+
+def _placement_name(p) -> str:
+    return "replicated (all-gathered)" if isinstance(p, Replicate) else f"sharded on dimension {p.dim}"
+
+
+_aten = torch.ops.aten
+_VIEW_ALIASES = {
+    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
+    _aten.view.dtype, _aten.lift_fresh.default, _aten.detach.default,
+}
+
+
+def _view_dim(src: tuple, dst: tuple, dim: int, size: int, inner: int) -> tuple[int, tuple[int, int]] | None:
+    """Where the tokens of a ``src``-shaped tensor's dimension ``dim`` land in its ``dst``-shaped
+    view, and their span there: along a dimension, the token index is ``(i // inner) % size``.
+    Dimensions that merge keep the tokens with the inner dimensions' product as ``inner`` (tokens
+    flattened with the batch); a dimension that splits puts them in the piece holding the
+    tokens' fastest-varying factor."""
+    groups = _view_groups(src, dst)
+    for src_dims, dst_dims in groups:
+        if dim not in src_dims:
+            continue
+        # the token factor's stride within the merged group
+        after = 1
+        for d in src_dims[src_dims.index(dim) + 1:]:
+            after *= src[d]
+        low = inner * after  # the stride of the token index within the group
+        stride = 1
+        for d in reversed(dst_dims):
+            if stride <= low < stride * dst[d] and dst[d] != 1:
+                return d, (size, low // stride)
+            stride *= dst[d]
+        return None
+    return None
+
+
+def _view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
+    """The smallest runs of ``src`` and ``dst`` dimensions with equal products (a view merges
+    and splits within such runs); size-1 dimensions join the run before them."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        src_dims, dst_dims = [], []
+        src_prod = dst_prod = 1
+        while True:
+            if i < len(src) and (src_prod < dst_prod or not src_dims or (j == len(dst) and src_prod == dst_prod)):
+                src_prod *= src[i]
+                src_dims.append(i)
+                i += 1
+            elif j < len(dst) and (dst_prod < src_prod or not dst_dims):
+                dst_prod *= dst[j]
+                dst_dims.append(j)
+                j += 1
+            else:
+                break
+            if src_prod == dst_prod and src_dims and dst_dims:
+                # size-1 dimensions that follow belong to this run
+                while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+                    src_dims.append(i)
+                    i += 1
+                while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+                    dst_dims.append(j)
+                    j += 1
+                break
+            if i >= len(src) and j >= len(dst):
+                break
+        groups.append((src_dims, dst_dims))
+    return groups
+
+
+def _fresh(value: torch.Tensor) -> torch.Tensor:
+    """A tensor of the same fake mode, shape, stride and dtype (the graph's own example value
+    must not carry our placements)."""
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
+                               requires_grad=value.requires_grad)
+
+
+class _Walker(fx.Interpreter):
+    """Runs the graph node by node (nested bodies too), telling the tracker which node runs."""
+
+    def __init__(self, gm: fx.GraphModule, tracker: _SequenceTracker):
+        super().__init__(gm, garbage_collect_values=True)
+        self.tracker = tracker
+
+    def run_node(self, node: fx.Node) -> Any:
+        self.tracker.node = node
+        if node.op in ("call_function", "call_method") and self.tracker.seeds.exempt(node):
+            return self._exempt(node)
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            if node.target in _BODY_CALLS:
+                return self._run_body(node, self._body(node))
+            return self._opaque(node)
+        return super().run_node(node)
+
+    def _opaque(self, node: fx.Node) -> Any:
+        """Another higher-order op (flex_attention, ...): run untracked; one that takes tokens
+        cannot be followed and is refused."""
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        if any(self.tracker.get(t) is not None for t in tree_flatten((args, kwargs))[0]):
+            self.tracker.found(node.target, "takes this rank's tokens and upipe cannot follow them through it")
+        with _paused():
+            return super().run_node(node)
+
+    def _exempt(self, node: fx.Node) -> Any:
+        """A call upipe rewrites: run it without asking, its outputs hold the query's tokens."""
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        query = args[0] if args else next(iter(kwargs.values()))
+        placement = self.tracker.get(query)
+        with _paused():
+            out = getattr(self, node.op)(node.target, args, kwargs)
+        tracker = self.tracker
+        for t in tree_flatten(out)[0]:  # the output, and the log-sum-exp without head_dim
+            if isinstance(t, torch.Tensor) and isinstance(placement, Shard) and placement.dim < t.dim() <= query.dim():
+                tracker.mark(t, placement)
+        return out
+
+    def _body(self, node: fx.Node):
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                body = self.fetch_attr(arg.target)
+                if isinstance(body, fx.GraphModule):
+                    return arg, body
+        return None
+
+    def _run_body(self, node: fx.Node, found) -> Any:
+        body_node, body = found
+        args, _ = self.fetch_args_kwargs_from_env(node)
+        position = node.args.index(body_node)
+        operands = [a for a in args[position + 1:] if not isinstance(a, str)]
+        inner = _Walker(body, self.tracker)
+        out = inner.run(*operands)
+        self.tracker.node = node
+        return out
+
+
+_BODY_CALLS = {op for name in ("tag_activation_checkpoint", "wrap", "invoke_subgraph", "wrap_with_set_grad_enabled",
+                                 "wrap_with_autocast", "inductor_compiled_code")
+               if (op := getattr(torch.ops.higher_order, name, None)) is not None}
+"""Higher-order ops that call a body on their operands: the body is walked in place."""
+
+
+def _paused():
+    """Leave the tracker's mode (the top of the stack) while an exempt call runs."""
+    return torch.utils._python_dispatch._pop_mode_temporarily()
