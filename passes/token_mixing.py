@@ -61,11 +61,22 @@ _SHARDED_DIM_ATTR = "_upipe_sequence_dim"
 """Set by ``shard_sequence`` / ``global_positions`` on the tensors they return."""
 
 
+_SHARD_LENGTHS: set[int] = set()
+"""Shard lengths cut in this process: a graph that a break split off from its attention (a
+Mamba layer alone) still knows which dimension holds the tokens."""
+
+
 def mark_sequence_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Record that ``t``'s dimension ``dim`` is this rank's shard of the sequence (read back
     when ``t`` is a compiled graph's input)."""
-    setattr(t, _SHARDED_DIM_ATTR, dim % t.dim())
+    dim %= t.dim()
+    setattr(t, _SHARDED_DIM_ATTR, dim)
+    _SHARD_LENGTHS.add(int(t.shape[dim]))
     return t
+
+
+def known_shard_lengths() -> set[int]:
+    return set(_SHARD_LENGTHS)
 
 
 @dataclass
@@ -88,26 +99,46 @@ class TokenMixing:
 
 @dataclass
 class _Seeds:
-    local_length: int | None
+    local_lengths: frozenset[int]
     exempt: Callable[[fx.Node], bool]
+    live: set[fx.Node]
     found: list[TokenMixing] = field(default_factory=list)
 
 
+def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value reaches a graph output or an op with side effects, in ``gm`` and its
+    nested bodies (a body's output counts as reached)."""
+    live: set[fx.Node] = set()
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        stack = [n for n in module.graph.nodes if n.op == "output" or (n.op != "placeholder" and n.is_impure())]
+        while stack:
+            node = stack.pop()
+            if node not in live:
+                live.add(node)
+                stack.extend(node.all_input_nodes)
+    return live
+
+
 def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
-                      local_length: int | None) -> list[TokenMixing]:
+                      local_lengths: set[int]) -> list[TokenMixing]:
     """Every op in ``gm`` (nested bodies included) that mixes tokens along the sharded sequence
     dimension, one per source line. ``exempt(node)``: the calls upipe rewrites (their outputs
-    keep the query's placement). ``local_length``: the shard's length (the attention calls'
-    query length), or None when the graph has none."""
+    keep the query's placement). ``local_lengths``: the shard lengths known (the attention calls'
+    query lengths, the shards ``shard_sequence`` cut): an activation input is seeded at its
+    first dimension after the batch with one of these sizes."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     values = [_value(node) for node in placeholders]
     fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None or any(isinstance(v, torch.Tensor) and _is_symbolic(v) for v in values):
         log.info("upipe: token-mixing check skipped (no fake values or dynamic shapes)")
         return []
-    seeds = _Seeds(local_length, exempt)
+    seeds = _Seeds(frozenset(local_lengths), exempt, _live_nodes(gm))
     tracker = _SequenceTracker(seeds)
-    with fake_mode, tracker:
+    # no autograd: an enclosing checkpoint (the compile runs inside its forward) must not see
+    # tensors saved by this walk
+    with torch.no_grad(), fake_mode, tracker:
         inputs = [tracker.seed(node, v) for node, v in zip(placeholders, values)]
         try:
             _Walker(gm, tracker).run(*inputs)
@@ -140,6 +171,7 @@ class _SequenceTracker(TorchDispatchMode):
         self.seeds = seeds
         self.placement = WeakIdKeyDictionary()  # tensor -> Shard(d) | Partial
         self.span = WeakIdKeyDictionary()  # Shard(d) tensor -> (tokens, inner) when d is not tokens alone
+        self.routing = WeakIdKeyDictionary()  # token-derived routing tables (sorted expert ids, offsets)
         self.partial_origin = WeakIdKeyDictionary()  # Partial tensor -> source line of its reduction
         self.mesh = _stand_in_mesh()
         self.node: fx.Node | None = None
@@ -159,11 +191,9 @@ class _SequenceTracker(TorchDispatchMode):
         marked = getattr(example, _SHARDED_DIM_ATTR, None)
         if marked is not None:
             return marked
-        if _is_weight_placeholder(node) or self.seeds.local_length is None or value.dim() < 2:
+        if _is_weight_placeholder(node) or value.dim() < 2:
             return None
-        length = self.seeds.local_length
-        dims = [d for d in range(1, value.dim()) if value.shape[d] == length]
-        return dims[0] if dims else None
+        return next((d for d in range(1, value.dim()) if value.shape[d] in self.seeds.local_lengths), None)
 
     def mark(self, t: Any, placement, span: tuple[int, int] | None = None) -> None:
         if isinstance(t, torch.Tensor) and placement is not None:
@@ -186,7 +216,11 @@ class _SequenceTracker(TorchDispatchMode):
         if func in _VIEW_ALIASES:  # shape-only: the placement moves with the view
             self._follow_view(func, args, out)
             return out
-        if not any(isinstance(self.get(t), Shard) for t in flat):
+        tokens = [t for t in flat if isinstance(self.get(t), Shard)]
+        if tokens and all(t in self.routing for t in tokens):
+            self._mark_routing(out, tokens[0])  # routing in, routing out (counts, offsets, ...)
+            return out
+        if not tokens:
             # rank-local aggregates only (a loss, an aux loss, a metric): still an aggregate,
             # refused only where it flows back into per-token values
             origin = next((self.partial_origin.get(t) for t in flat if isinstance(self.get(t), Partial)), None)
@@ -219,18 +253,31 @@ class _SequenceTracker(TorchDispatchMode):
     def _propagate(self, func, args, kwargs, out) -> None:
         to_dtensor = self._wrapper()
         self.partial_origin_by_spec = {}
+        self.spec_tensor = {}
         try:
             d_args, d_kwargs = tree_map(to_dtensor, (args, kwargs))
             op_info = DTensor._op_dispatcher.unwrap_to_op_info(func, d_args, d_kwargs)
             DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
         except Exception as error:  # no sharding rule: refuse rather than guess
+            if _is_grouped_mm(func) and any(t in self.routing for t in tree_flatten((args, kwargs))[0]
+                                            if isinstance(t, torch.Tensor)):
+                self._mark_rows(out, args, kwargs)  # a library's grouped matmul: torch's _grouped_mm's rows
+                return
             first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
             self.found(func, f"takes this rank's tokens and torch has no sharding rule to tell whether it "
                               f"mixes them ({first})")
             return
         sharding = op_info.output_sharding
         if sharding.needs_redistribute and sharding.redistribute_schema is not None:
-            if self._mixes(func, op_info.schema, sharding.redistribute_schema):
+            verdict = self._mixes(func, op_info.schema, sharding.redistribute_schema)
+            if verdict == "refused":
+                return
+            if verdict == "routing":
+                first = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(self.get(t), Shard))
+                self._mark_routing(out, first)
+                return
+            if verdict == "rows":
+                self._mark_rows(out, args, kwargs)
                 return
         self._record_outputs(func, args, kwargs, out, sharding.output_spec)
 
@@ -244,28 +291,61 @@ class _SequenceTracker(TorchDispatchMode):
             spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
             if isinstance(placement, Partial):
                 self.partial_origin_by_spec[id(spec)] = self.partial_origin.get(t)
+            self.spec_tensor[id(spec)] = t
             return DTensor(t.detach(), spec, requires_grad=False)
 
         return to_dtensor
 
-    def _mixes(self, func, schema, wanted) -> bool:
+    def _mixes(self, func, schema, wanted) -> str | None:
+        """What an op the propagator would redistribute does: ``"refused"`` (reported),
+        ``"routing"`` (integer token data such as expert ids sorted on this shard: a routing
+        table, not a value), ``"rows"`` (token rows gathered or scattered by a routing table:
+        the MoE dispatch and combine) or None (nothing token-held moves)."""
         changed = [(have, want.placements[0]) for have, want in zip(schema.args_spec, wanted.args_spec)
                    if have.placements[0] != want.placements[0] and not isinstance(have.placements[0], Replicate)]
         if not changed:
-            return False
+            return None
         # a sum or mean over tokens next to per-token values: whichever side the propagator
         # would move, the reduction is what needs the other ranks
         partial = next((have for have in schema.args_spec if isinstance(have.placements[0], Partial)), None)
         if partial is not None:
             self.found(func, "uses a sum or mean over the sequence as a per-token value",
-                        reduction_line=self.partial_origin_by_spec.get(id(partial)))
-            return True
-        if changed:
-            have, needs = changed[0]
-            self.found(func, f"needs other ranks' tokens (its sequence dimension {have.placements[0].dim} cannot "
-                              f"stay sharded: it would be {_placement_name(needs)})")
-            return True
-        return False
+                       reduction_line=self.partial_origin_by_spec.get(id(partial)))
+            return "refused"
+        values = [(have, needs) for have, needs in changed if not self._is_routing_data(self.spec_tensor.get(id(have)))]
+        if not values:
+            return "routing"
+        routed = any(self.spec_tensor.get(id(spec)) in self.routing for spec in schema.args_spec)
+        if routed and func.overloadpacket in _ROW_ROUTING:
+            return "rows"
+        have, needs = values[0]
+        self.found(func, f"needs other ranks' tokens (its sequence dimension {have.placements[0].dim} cannot "
+                         f"stay sharded: it would be {_placement_name(needs)})")
+        return "refused"
+
+    def _is_routing_data(self, t) -> bool:
+        """A routing table already, or integer/bool token data (ids, positions, masks)."""
+        return t is not None and (t in self.routing or not (t.is_floating_point() or t.is_complex()))
+
+    def _mark_routing(self, out, like) -> None:
+        placement = self.get(like)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.mark(t, Shard(min(placement.dim, max(t.dim() - 1, 0))) if t.dim() else Partial())
+                if t.dim():
+                    self.routing[t] = True
+
+    def _mark_rows(self, out, args, kwargs) -> None:
+        """Rows of token values moved by a routing table stay token rows."""
+        rows = next(t for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(self.get(t), Shard) and t not in self.routing and t.is_floating_point())
+        dim = self.get(rows).dim
+        size, inner = self.span.get(rows) or (rows.shape[dim], 1)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() > dim:
+                # k rows per token (top-k expert slots) keep the token as the outer factor
+                repeat = t.shape[dim] // (size * inner) if t.shape[dim] % (size * inner) == 0 else 0
+                self.mark(t, Shard(dim), (size, inner * repeat) if repeat else None)
 
     def _record_outputs(self, func, args, kwargs, out, spec) -> None:
         outs, _ = tree_flatten(out)
@@ -301,8 +381,8 @@ class _SequenceTracker(TorchDispatchMode):
 
     def found(self, func, why: str, reduction_line: str | None = None) -> None:
         node = self.node
-        if node is None:
-            return
+        if node is None or node not in self.seeds.live:
+            return  # dead code (transformers' packed-sequence probe whose mask goes unused): harmless
         self.seeds.found.append(TokenMixing(node, str(func), why, self._line(), reduction_line))
 
     def _line(self) -> str:
@@ -314,6 +394,21 @@ def _placement_name(p) -> str:
 
 
 _aten = torch.ops.aten
+_ROW_ROUTING = {
+    _aten.index, _aten.index_select, _aten.gather, _aten.index_add, _aten.index_add_, _aten.index_put,
+    _aten.index_put_, _aten.index_copy, _aten.index_copy_, _aten.scatter, _aten.scatter_, _aten.scatter_add,
+    _aten.scatter_add_, _aten.scatter_reduce, _aten.scatter_reduce_, _aten._grouped_mm,
+    _aten.masked_select, _aten.masked_scatter, _aten.masked_scatter_,
+}
+
+"""Ops that move rows by an index: with a routing table as the index (an MoE layer's
+dispatch and combine on this shard's tokens) they keep each token's values its own."""
+def _is_grouped_mm(func) -> bool:
+    """A grouped matmul registered by a library (transformers' fallback of torch's
+    ``_grouped_mm``): one weight per group of rows, each row on its own."""
+    return func.__name__.split(".")[0].endswith("grouped_mm") or "grouped_mm_fallback" in str(func)
+
+
 _VIEW_ALIASES = {
     _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
     _aten.view.dtype, _aten.lift_fresh.default, _aten.detach.default,
@@ -381,8 +476,7 @@ def _view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]]:
 def _fresh(value: torch.Tensor) -> torch.Tensor:
     """A tensor of the same fake mode, shape, stride and dtype (the graph's own example value
     must not carry our placements)."""
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
-                               requires_grad=value.requires_grad)
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 class _Walker(fx.Interpreter):
@@ -396,10 +490,11 @@ class _Walker(fx.Interpreter):
         self.tracker.node = node
         if node.op in ("call_function", "call_method") and self.tracker.seeds.exempt(node):
             return self._exempt(node)
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            return None  # the walk stays without autograd
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-            if node.target in _BODY_CALLS:
-                return self._run_body(node, self._body(node))
-            return self._opaque(node)
+            body = self._body(node)
+            return self._opaque(node) if body is None else self._run_body(node, body)
         return super().run_node(node)
 
     def _opaque(self, node: fx.Node) -> Any:
@@ -425,28 +520,27 @@ class _Walker(fx.Interpreter):
         return out
 
     def _body(self, node: fx.Node):
-        for arg in node.args:
-            if isinstance(arg, fx.Node) and arg.op == "get_attr":
-                body = self.fetch_attr(arg.target)
-                if isinstance(body, fx.GraphModule):
-                    return arg, body
-        return None
+        """``(body node, operands)`` of a higher-order op that calls one body on its operands
+        (checkpointing, wrap, invoke_subgraph; an autograd Function's forward), else None."""
+        bodies = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+                  and isinstance(self.fetch_attr(a.target), fx.GraphModule)]
+        if not bodies or (len(bodies) > 1 and node.target is not _AUTOGRAD_FUNCTION):
+            return None
+        operands = [a for a in node.args[bodies[-1] + 1:] if not isinstance(a, str)]
+        body = self.fetch_attr(node.args[bodies[0]].target)
+        if len(body.graph.find_nodes(op="placeholder")) != len(operands):
+            return None
+        return body, operands
 
     def _run_body(self, node: fx.Node, found) -> Any:
-        body_node, body = found
-        args, _ = self.fetch_args_kwargs_from_env(node)
-        position = node.args.index(body_node)
-        operands = [a for a in args[position + 1:] if not isinstance(a, str)]
-        inner = _Walker(body, self.tracker)
-        out = inner.run(*operands)
+        body, operands = found
+        env_args = self.map_nodes_to_values(tuple(operands), node)
+        out = _Walker(body, self.tracker).run(*env_args)
         self.tracker.node = node
         return out
 
 
-_BODY_CALLS = {op for name in ("tag_activation_checkpoint", "wrap", "invoke_subgraph", "wrap_with_set_grad_enabled",
-                                 "wrap_with_autocast", "inductor_compiled_code")
-               if (op := getattr(torch.ops.higher_order, name, None)) is not None}
-"""Higher-order ops that call a body on their operands: the body is walked in place."""
+_AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 
 
 def _paused():

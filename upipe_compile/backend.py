@@ -13,8 +13,8 @@ from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
-    BlockMatch, find_attention, find_block, find_token_mixing, find_unsupported_attention, rewrite_attention, rewrite_block,
-    unsupported_reasons,
+    BlockMatch, find_attention, find_block, find_token_mixing, find_unsupported_attention, known_shard_lengths,
+    rewrite_attention, rewrite_block, unsupported_reasons,
 )
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,9 @@ def _token_mixing(gm: fx.GraphModule, matches, unsupported) -> list:
     """Ops other than the attention calls upipe rewrites that need other ranks' tokens; the
     parts of hand-written attention already refused are not named twice."""
     rewritten = {match.node for match in matches}
-    lengths = [_query_length(match) for match in matches]
+    lengths = {n for n in map(_query_length, matches) if n} | known_shard_lengths()
     known = {node for match in unsupported for node in (match.node, match.scores, match.output) if node is not None}
-    found = find_token_mixing(gm, rewritten.__contains__, next((n for n in lengths if n), None))
+    found = find_token_mixing(gm, rewritten.__contains__, lengths)
     return [item for item in found if item.node not in known]
 
 
