@@ -1,0 +1,236 @@
+"""Ops that mix tokens across the sharded sequence are refused at compile time, naming their
+line; ops that keep each token on its own are not.
+
+Under context parallelism every op but the rewritten attention runs on this rank's shard.
+The backend follows the sequence dimension through the graph (DTensor's sharding
+propagation, op by op) and refuses, with the source line, each op that would need other
+ranks' tokens: a cumsum or a convolution over the sequence, a token shift, causal linear
+attention, a mean over tokens fed back into every token. A loss, an aux loss, an MoE router
+with its top-k dispatch, and RoPE from position ids are accepted.
+
+Single process on a FAKE process group of P = 2 ranks: refusals happen before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+
+import upipe_compile
+from upipe_compile import UnsupportedAttention
+
+WORLD = 2
+THIS_FILE = os.path.basename(__file__)
+D, S = 32, 16  # features; full sequence length (8 tokens a rank)
+
+
+def compile_and_run(model, *inputs, group):
+    compiled = torch.compile(model, backend="upipe", options={"cp_mesh": group, "inner_backend": "eager"})
+    return compiled(*inputs)
+
+
+def refusal(model, *inputs, group) -> str:
+    with pytest.raises(BackendCompilerFailed) as info:
+        compile_and_run(model, *inputs, group=group)
+    inner = info.value.inner_exception
+    assert type(inner) is UnsupportedAttention, repr(inner)
+    return str(inner)
+
+
+def line_of(cls, text: str) -> str:
+    """``file:line`` of the line of ``cls``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(cls)
+    (line,) = [start + i for i, code in enumerate(lines) if text in code]
+    return f"{THIS_FILE}:{line} in "
+
+
+def shard(t: torch.Tensor, group) -> torch.Tensor:
+    return upipe_compile.shard_sequence(t, group, dim=1)
+
+
+# --- token mixers, each written as users write them -----------------------------------------
+class Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.proj(x).cumsum(dim=1)  # mixes: running sum over the sequence
+
+
+class ShortConv(nn.Module):
+    """LFM2 / Mamba style depthwise causal conv over the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, kernel_size=4, groups=D, padding=3)
+
+    def forward(self, x):
+        y = self.conv(x.transpose(1, 2))[..., : x.shape[1]]  # mixes: a window of previous tokens
+        return y.transpose(1, 2)
+
+
+class MeanPoolFeedback(nn.Module):
+    def forward(self, x):
+        pooled = x.mean(dim=1, keepdim=True)
+        return x - pooled  # mixes: a mean over tokens back into every token
+
+
+class TokenShift(nn.Module):
+    """RWKV's time shift: each token sees the previous one."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Parameter(torch.rand(D))
+
+    def forward(self, x):
+        previous = F.pad(x, (0, 0, 1, -1))  # mixes: the previous token
+        return x * self.mix + previous * (1 - self.mix)
+
+
+class CausalLinearAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        q, k, v = F.elu(self.q(x)) + 1, F.elu(self.k(x)) + 1, self.v(x)
+        state = torch.einsum("bsd,bse->bsde", k, v).cumsum(dim=1)  # mixes: the prefix state
+        return torch.einsum("bsd,bsde->bse", q, state)
+
+
+MIXERS = [
+    (Cumsum, "cumsum(dim=1)", "aten.cumsum"),
+    (ShortConv, "self.conv(x.transpose(1, 2))", "aten.convolution"),
+    (MeanPoolFeedback, "return x - pooled", "sum or mean over the sequence"),
+    (TokenShift, "F.pad(x, (0, 0, 1, -1))", "aten.constant_pad_nd"),
+    (CausalLinearAttention, ".cumsum(dim=1)", "aten.cumsum"),
+]
+
+
+@pytest.mark.parametrize("cls, code, what", MIXERS, ids=[m[0].__name__ for m in MIXERS])
+def test_token_mixer_is_refused_with_its_line(world, cls, code, what):
+    torch.manual_seed(0)
+    message = refusal(cls(), shard(torch.randn(2, S, D), world), group=world)
+    assert "op(s) that mix tokens across the sharded sequence" in message, message
+    assert line_of(cls, code) in message and code in message, message
+    assert what in message, message
+    assert "run this layer without context parallelism" in message
+
+
+def test_mean_pool_names_the_reduction_line(world):
+    message = refusal(MeanPoolFeedback(), shard(torch.randn(2, S, D), world), group=world)
+    reduction = message.split("the reduction over tokens at ")[1]
+    assert line_of(MeanPoolFeedback, "pooled = x.mean") in reduction.split(")")[0], message
+
+
+class AttentionThenConv(nn.Module):
+    """A hybrid layer pair: attention (rewritten) then a conv over the sequence (refused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.mixer = nn.Linear(D, 3 * D), nn.Linear(D, D), ShortConv()
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+        h = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D))
+        return h + self.mixer(h)
+
+
+def test_unmarked_input_is_followed_from_the_attention_query_length(world):
+    """No shard_sequence mark: the attention call's query length tells the sequence dim."""
+    message = refusal(AttentionThenConv(), torch.randn(2, S // WORLD, D), group=world)
+    assert line_of(ShortConv, "self.conv(x.transpose(1, 2))") in message, message
+    assert "attention call(s)" not in message  # the attention itself is rewritten, not refused
+
+
+def test_graph_split_from_its_attention_still_checked(world):
+    """A conv layer compiled on its own (as after a graph break): no attention in its graph,
+    its input an intermediate tensor, but the shard length is known from shard_sequence."""
+    shard(torch.randn(2, S, D), world)  # this rank's shard length: 8
+    message = refusal(ShortConv(), torch.randn(2, S // WORLD, D), group=world)
+    assert line_of(ShortConv, "self.conv(x.transpose(1, 2))") in message, message
+
+
+# --- per-token ops that are not refused ----------------------------------------------------
+class RouterLayer(nn.Module):
+    """A mixture-of-experts layer (softmax router, top-k over experts, sort-based dispatch,
+    scatter back), an aux load-balancing loss, RoPE from position ids, attention, and a loss
+    over the shard."""
+
+    def __init__(self, experts=4, vocab=50):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.router, self.experts = nn.Linear(D, experts), nn.Parameter(torch.randn(experts, D, D) / D**0.5)
+        self.head = nn.Linear(D, vocab)
+
+    def forward(self, x, positions, labels):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+        angles = positions[:, None, :, None].float() * torch.arange(1, D // 8 + 1).float()  # RoPE from positions
+        cos, sin = angles.cos(), angles.sin()
+        half = D // 8
+        q = torch.cat([q[..., :half] * cos - q[..., half:] * sin, q[..., half:] * cos + q[..., :half] * sin], -1)
+        h = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D))
+        tokens = h.reshape(-1, D)
+        probs = self.router(tokens).softmax(dim=-1)
+        weights, chosen = probs.topk(2, dim=-1)
+        flat = chosen.reshape(-1)
+        order = flat.argsort()  # dispatch: this shard's (token, expert) pairs grouped by expert
+        rows = tokens[order // 2]
+        expert_out = torch.bmm(rows.unsqueeze(1), self.experts[flat[order]]).squeeze(1)
+        combined = torch.zeros_like(tokens).index_add_(0, order // 2, expert_out * weights.reshape(-1)[order, None])
+        h = h + combined.view(b, s, D)
+        aux = (probs.mean(dim=0) * F.one_hot(chosen[:, 0], probs.shape[-1]).float().mean(dim=0)).sum()
+        logits = self.head(h)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return logits, loss + 0.01 * aux
+
+
+def test_router_aux_loss_loss_and_rope_are_accepted(world):
+    torch.manual_seed(0)
+    x = shard(torch.randn(2, S, D), world)
+    positions = upipe_compile.global_positions(S // WORLD, world).expand(2, -1)
+    labels = shard(torch.randint(0, 50, (2, S)), world)
+    logits, loss = compile_and_run(RouterLayer(), x, positions, labels, group=world)
+    assert logits.shape == (2, S // WORLD, 50) and loss.dim() == 0
+
+
+class PerTokenOnly(nn.Module):
+    """Norms over features, an MLP, a per-token sum over heads and head_dim, in a checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.RMSNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        def block(x):
+            h = self.down(F.silu(self.up(self.norm(x))))
+            return h + h.view(*h.shape[:2], 4, D // 4).sum(dim=(2, 3)).unsqueeze(-1)
+
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+def test_per_token_ops_in_a_checkpoint_are_accepted(world):
+    x = shard(torch.randn(2, S, D, requires_grad=True), world)
+    compile_and_run(PerTokenOnly(), x, group=world).sum().backward()
+
+
+def test_mixer_inside_a_checkpoint_is_refused(world):
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixer = Cumsum()
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.mixer, x, use_reentrant=False)
+
+    message = refusal(Checkpointed(), shard(torch.randn(2, S, D, requires_grad=True), world), group=world)
+    assert line_of(Cumsum, "cumsum(dim=1)") in message, message
