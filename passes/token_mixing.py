@@ -75,10 +75,6 @@ def mark_sequence_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t
 
 
-def known_shard_lengths() -> set[int]:
-    return set(_SHARD_LENGTHS)
-
-
 @dataclass
 class TokenMixing:
     """One op that needs other ranks' tokens and that upipe did not rewrite."""
@@ -100,6 +96,7 @@ class TokenMixing:
 @dataclass
 class _Seeds:
     local_lengths: frozenset[int]
+    cut_lengths: frozenset[int]
     exempt: Callable[[fx.Node], bool]
     live: set[fx.Node]
     found: list[TokenMixing] = field(default_factory=list)
@@ -125,16 +122,16 @@ def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
                       local_lengths: set[int]) -> list[TokenMixing]:
     """Every op in ``gm`` (nested bodies included) that mixes tokens along the sharded sequence
     dimension, one per source line. ``exempt(node)``: the calls upipe rewrites (their outputs
-    keep the query's placement). ``local_lengths``: the shard lengths known (the attention calls'
-    query lengths, the shards ``shard_sequence`` cut): an activation input is seeded at its
-    first dimension after the batch with one of these sizes."""
+    keep the query's placement). ``local_lengths``: the attention calls' query lengths (an
+    activation input is seeded at its first dimension after the batch with one of these
+    sizes); without any, the lengths ``shard_sequence`` cut, for 3-D inputs ``[B, S, ...]``."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     values = [_value(node) for node in placeholders]
     fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None or any(isinstance(v, torch.Tensor) and _is_symbolic(v) for v in values):
         log.info("upipe: token-mixing check skipped (no fake values or dynamic shapes)")
         return []
-    seeds = _Seeds(frozenset(local_lengths), exempt, _live_nodes(gm))
+    seeds = _Seeds(frozenset(local_lengths), frozenset(_SHARD_LENGTHS), exempt, _live_nodes(gm))
     tracker = _SequenceTracker(seeds)
     # no autograd: an enclosing checkpoint (the compile runs inside its forward) must not see
     # tensors saved by this walk
@@ -193,7 +190,11 @@ class _SequenceTracker(TorchDispatchMode):
             return marked
         if _is_weight_placeholder(node) or value.dim() < 2:
             return None
-        return next((d for d in range(1, value.dim()) if value.shape[d] in self.seeds.local_lengths), None)
+        if self.seeds.local_lengths:  # the query length of this graph's attention calls
+            return next((d for d in range(1, value.dim()) if value.shape[d] in self.seeds.local_lengths), None)
+        # no attention here (a graph split off by a break): hidden states [B, S, ...] of a
+        # length shard_sequence cut
+        return 1 if value.dim() >= 3 and value.shape[1] in self.seeds.cut_lengths else None
 
     def mark(self, t: Any, placement, span: tuple[int, int] | None = None) -> None:
         if isinstance(t, torch.Tensor) and placement is not None:
@@ -251,6 +252,13 @@ class _SequenceTracker(TorchDispatchMode):
             self.mark(out, Shard(dim), span)
 
     def _propagate(self, func, args, kwargs, out) -> None:
+        if func in _CONVOLUTIONS and isinstance(self.get(args[0]), Shard) and self.get(args[0]).dim >= 2:
+            # some torch releases keep a convolution's spatial dimension sharded: DTensor's
+            # own handler then exchanges a halo with the neighbouring ranks, which this shard
+            # would not get
+            self.found(func, f"needs other ranks' tokens (a convolution over sequence dimension "
+                             f"{self.get(args[0]).dim})")
+            return
         to_dtensor = self._wrapper()
         self.partial_origin_by_spec = {}
         self.spec_tensor = {}
@@ -259,9 +267,9 @@ class _SequenceTracker(TorchDispatchMode):
             op_info = DTensor._op_dispatcher.unwrap_to_op_info(func, d_args, d_kwargs)
             DTensor._op_dispatcher.sharding_propagator.propagate(op_info)
         except Exception as error:  # no sharding rule: refuse rather than guess
-            if _is_grouped_mm(func) and any(t in self.routing for t in tree_flatten((args, kwargs))[0]
-                                            if isinstance(t, torch.Tensor)):
-                self._mark_rows(out, args, kwargs)  # a library's grouped matmul: torch's _grouped_mm's rows
+            routed = any(t in self.routing for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+            if routed and (_is_grouped_mm(func) or func.overloadpacket in _ROW_ROUTING):
+                self._mark_rows(out, args, kwargs)  # rows moved by a routing table (no rule in this torch)
                 return
             first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
             self.found(func, f"takes this rank's tokens and torch has no sharding rule to tell whether it "
@@ -409,6 +417,7 @@ def _is_grouped_mm(func) -> bool:
     return func.__name__.split(".")[0].endswith("grouped_mm") or "grouped_mm_fallback" in str(func)
 
 
+_CONVOLUTIONS = {_aten.convolution.default, _aten.convolution_backward.default}
 _VIEW_ALIASES = {
     _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
     _aten.view.dtype, _aten.lift_fresh.default, _aten.detach.default,
@@ -522,6 +531,8 @@ class _Walker(fx.Interpreter):
     def _body(self, node: fx.Node):
         """``(body node, operands)`` of a higher-order op that calls one body on its operands
         (checkpointing, wrap, invoke_subgraph; an autograd Function's forward), else None."""
+        if node.target not in _BODY_CALLS:
+            return None  # flex_attention's score_mod is no body over the operands
         bodies = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
                   and isinstance(self.fetch_attr(a.target), fx.GraphModule)]
         if not bodies or (len(bodies) > 1 and node.target is not _AUTOGRAD_FUNCTION):
@@ -541,6 +552,10 @@ class _Walker(fx.Interpreter):
 
 
 _AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+_BODY_CALLS = {getattr(torch.ops.higher_order, name, None) for name in (
+    "tag_activation_checkpoint", "wrap", "invoke_subgraph", "wrap_with_set_grad_enabled", "wrap_with_autocast",
+    "autograd_function_apply")} - {None}
+"""Higher-order ops that call a body on their operands: the body is walked in place."""
 
 
 def _paused():

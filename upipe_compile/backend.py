@@ -13,7 +13,7 @@ from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
-    BlockMatch, find_attention, find_block, find_token_mixing, find_unsupported_attention, known_shard_lengths,
+    BlockMatch, find_attention, find_block, find_token_mixing, find_unsupported_attention,
     rewrite_attention, rewrite_block, unsupported_reasons,
 )
 
@@ -78,10 +78,18 @@ def _token_mixing(gm: fx.GraphModule, matches, unsupported) -> list:
     """Ops other than the attention calls upipe rewrites that need other ranks' tokens; the
     parts of hand-written attention already refused are not named twice."""
     rewritten = {match.node for match in matches}
-    lengths = {n for n in map(_query_length, matches) if n} | known_shard_lengths()
+    lengths = {n for n in map(_query_length, matches) if n}
     known = {node for match in unsupported for node in (match.node, match.scores, match.output) if node is not None}
+    functions = {_function_of(match.source_line) for match in unsupported}
     found = find_token_mixing(gm, rewritten.__contains__, lengths)
-    return [item for item in found if item.node not in known]
+    return [item for item in found if item.node not in known and _function_of(item.source_line) not in functions]
+
+
+def _function_of(source_line: str) -> str:
+    """``file in function`` of a ``file:line in function: code`` source line."""
+    where, _, _ = source_line.partition(": ")
+    file, _, rest = where.partition(":")
+    return f"{file} {rest.partition(' in ')[2]}"
 
 
 def _query_length(match) -> int | None:
