@@ -128,9 +128,14 @@ def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
     placeholders = gm.graph.find_nodes(op="placeholder")
     values = [_value(node) for node in placeholders]
     fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-    if fake_mode is None or any(isinstance(v, torch.Tensor) and _is_symbolic(v) for v in values):
-        log.info("upipe: token-mixing check skipped (no fake values or dynamic shapes)")
+    if fake_mode is None:
+        log.info("upipe: token-mixing check skipped (the graph carries no fake values)")
         return []
+    if any(_is_symbolic(v) for v in values):
+        # dynamic shapes: walk the graph at the sizes it was traced with, in a fresh fake mode
+        fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+        with fake_mode:
+            values = [_concrete(v) for v in values]
     seeds = _Seeds(frozenset(local_lengths), frozenset(_SHARD_LENGTHS), exempt, _live_nodes(gm))
     tracker = _SequenceTracker(seeds)
     # no autograd: an enclosing checkpoint (the compile runs inside its forward) must not see
@@ -151,8 +156,22 @@ def _value(node: fx.Node) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def _is_symbolic(t: torch.Tensor) -> bool:
-    return any(not isinstance(s, int) for s in t.shape)
+def _is_symbolic(v: Any) -> bool:
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in (*v.shape, *v.stride()))
+
+
+def _hint(x: Any) -> Any:
+    return x.node.shape_env.size_hint(x.node.expr) if isinstance(x, torch.SymInt) else x
+
+
+def _concrete(v: Any) -> Any:
+    """A symbolic size, or a tensor of symbolic shape, at the sizes it was traced with."""
+    if not isinstance(v, torch.Tensor):
+        return int(_hint(v)) if isinstance(v, torch.SymInt) else v
+    return torch.empty_strided([int(_hint(s)) for s in v.shape], [int(_hint(s)) for s in v.stride()],
+                               dtype=v.dtype, device=v.device)
 
 
 def _stand_in_mesh() -> DeviceMesh:

@@ -234,3 +234,21 @@ def test_mixer_inside_a_checkpoint_is_refused(world):
 
     message = refusal(Checkpointed(), shard(torch.randn(2, S, D, requires_grad=True), world), group=world)
     assert line_of(Cumsum, "cumsum(dim=1)") in message, message
+
+
+def test_dynamic_shapes_are_checked_too(world):
+    """A recompile with a symbolic sequence length (dynamic=True) is walked at its traced sizes."""
+    torch._dynamo.reset()
+    x = shard(torch.randn(2, S, D), world)
+    compiled = torch.compile(Cumsum(), backend="upipe", dynamic=True,
+                             options={"cp_mesh": world, "inner_backend": "eager"})
+    with pytest.raises(BackendCompilerFailed) as info:
+        compiled(x)
+    assert line_of(Cumsum, "cumsum(dim=1)") in str(info.value.inner_exception)
+
+
+def test_dynamic_shapes_per_token_ops_are_accepted(world):
+    x = shard(torch.randn(2, S, D, requires_grad=True), world)
+    model = PerTokenOnly()
+    compiled = torch.compile(model, backend="upipe", dynamic=True, options={"cp_mesh": world, "inner_backend": "eager"})
+    compiled(x).sum().backward()
