@@ -205,15 +205,18 @@ class _SequenceTracker(TorchDispatchMode):
     def _sequence_dim(self, node: fx.Node, value: torch.Tensor) -> int | None:
         example = getattr(node.meta.get("grapharg"), "example", None)
         marked = getattr(example, _SHARDED_DIM_ATTR, None)
-        if marked is not None:
+        if marked is not None and marked < value.dim() and value.shape[marked] > 1:
             return marked
+        if marked is not None:
+            return None  # one token a rank: no different from a broadcast dimension, not followed
         if _is_weight_placeholder(node) or value.dim() < 2:
             return None
         if self.seeds.local_lengths:  # the query length of this graph's attention calls
-            return next((d for d in range(1, value.dim()) if value.shape[d] in self.seeds.local_lengths), None)
+            return next((d for d in range(1, value.dim()) if value.shape[d] in self.seeds.local_lengths
+                         and value.shape[d] > 1), None)
         # no attention here (a graph split off by a break): hidden states [B, S, ...] of a
         # length shard_sequence cut
-        return 1 if value.dim() >= 3 and value.shape[1] in self.seeds.cut_lengths else None
+        return 1 if value.dim() >= 3 and value.shape[1] > 1 and value.shape[1] in self.seeds.cut_lengths else None
 
     def mark(self, t: Any, placement, span: tuple[int, int] | None = None) -> None:
         if isinstance(t, torch.Tensor) and placement is not None:
@@ -271,6 +274,9 @@ class _SequenceTracker(TorchDispatchMode):
             self.mark(out, Shard(dim), span)
 
     def _propagate(self, func, args, kwargs, out) -> None:
+        if func.namespace == "upipe":
+            self._own_op(args, kwargs, out)
+            return
         if func in _CONVOLUTIONS and isinstance(self.get(args[0]), Shard) and self.get(args[0]).dim >= 2:
             # some torch releases keep a convolution's spatial dimension sharded: DTensor's
             # own handler then exchanges a halo with the neighbouring ranks, which this shard
@@ -353,6 +359,21 @@ class _SequenceTracker(TorchDispatchMode):
     def _is_routing_data(self, t) -> bool:
         """A routing table already, or integer/bool token data (ids, positions, masks)."""
         return t is not None and (t in self.routing or not (t.is_floating_point() or t.is_complex()))
+
+    def _own_op(self, args, kwargs, out) -> None:
+        """upipe's own ops (attention, tiled MLP, chunked loss, offload) are written for this
+        layout: an output shaped like a token input holds its tokens, a smaller one (a loss)
+        is this rank's part of a sum."""
+        token = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(self.get(t), Shard))
+        dim = self.get(token).dim
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.dim() > dim and t.shape[dim] == token.shape[dim]:
+                self.mark(t, Shard(dim), self.span.get(token))
+            else:
+                self.mark(t, Partial())
+                self.partial_origin[t] = self._line()
 
     def _mark_routing(self, out, like) -> None:
         placement = self.get(like)
