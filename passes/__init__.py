@@ -6,9 +6,11 @@ from upipe_compile.passes.find_block import BlockMatch, NotFusable, find_block
 from upipe_compile.passes.find_unsupported import UnsupportedMatch, find_unsupported_attention
 from upipe_compile.passes.rewrite import rewrite_attention
 from upipe_compile.passes.rewrite_block import rewrite_block
+from upipe_compile.passes.rewrite_mixer import find_mixers, mixer_problems, rewrite_mixer
 from upipe_compile.passes.token_mixing import TokenMixing, find_token_mixing, mark_sequence_dim
 from upipe_compile.passes.validate import unsupported_reasons
 
 __all__ = ["AttentionMatch", "BlockMatch", "NotFusable", "TokenMixing", "UnsupportedMatch", "find_attention",
            "find_block", "find_token_mixing", "find_unsupported_attention", "mark_sequence_dim",
-           "rewrite_attention", "rewrite_block", "unsupported_reasons"]
+           "find_mixers", "mixer_problems", "rewrite_attention", "rewrite_block", "rewrite_mixer",
+           "unsupported_reasons"]

@@ -275,6 +275,9 @@ class _SequenceTracker(TorchDispatchMode):
 
     def _propagate(self, func, args, kwargs, out) -> None:
         if func.namespace == "upipe":
+            if func.overloadpacket is torch.ops.upipe.head_mixer:
+                self.found(func, "is a mixer over the sequence that was not rewritten into its stage loop")
+                return
             self._own_op(args, kwargs, out)
             return
         if func in _CONVOLUTIONS and isinstance(self.get(args[0]), Shard) and self.get(args[0]).dim >= 2:
@@ -556,9 +559,10 @@ class _Walker(fx.Interpreter):
             return super().run_node(node)
 
     def _exempt(self, node: fx.Node) -> Any:
-        """A call upipe rewrites: run it without asking, its outputs hold the query's tokens."""
+        """A call upipe rewrites: run it without asking, its outputs hold the tokens of its
+        first tensor (the query; a mixer's first input, laid out like its output)."""
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        query = args[0] if args else next(iter(kwargs.values()))
+        query = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
         placement = self.tracker.get(query)
         with _paused():
             out = getattr(self, node.op)(node.target, args, kwargs)

@@ -1,7 +1,7 @@
-"""Hybrid transformers models (linear attention, Mamba, short convolutions beside softmax
-attention) are refused under backend="upipe" with P > 1, naming the mixer's line in the
-model's source: their mixers would otherwise run over this rank's shard alone (a silent wrong
-answer). Tiny configs of transformers' own classes, loaded with register(), on a FAKE
+"""Hybrid transformers models whose mixers upipe does not run as stage loops (Mamba, Mamba2,
+lightning attention) are refused under backend="upipe" with P > 1, naming the mixer's line in
+the model's source: their mixers would otherwise run over this rank's shard alone (a silent
+wrong answer). Qwen3-Next and LFM2 run exactly: tests/test_hf_hybrid_numerics.py. Tiny configs of transformers' own classes, loaded with register(), on a FAKE
 process group of P = 2 ranks (the refusal happens at compile time, before anything runs)."""
 
 from __future__ import annotations
@@ -54,11 +54,9 @@ def _family(name: str):
 
 # the model file and a piece of the mixer's line the refusal must name
 HYBRIDS = [
-    ("qwen3_next", "modeling_qwen3_next.py", "F.conv1d("),
     ("jamba", "modeling_jamba.py", "F.conv1d("),
     ("falcon_h1", "modeling_falcon_h1.py", "F.conv1d("),
     ("bamba", "modeling_bamba.py", "F.conv1d("),
-    ("lfm2", "modeling_lfm2.py", "F.conv1d("),
     ("minimax", "modeling_minimax.py", "torch.matmul(current_query_states, current_key_states"),
 ]
 

@@ -11,11 +11,13 @@ import torch.fx as fx
 
 from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.mixers import ops as _mixer_ops  # noqa: F401  (registers upipe::head_mixer*)
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
-    BlockMatch, find_attention, find_block, find_token_mixing, find_unsupported_attention,
-    rewrite_attention, rewrite_block, unsupported_reasons,
+    BlockMatch, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
+    mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, unsupported_reasons,
 )
+from upipe_compile.passes.find import source_line
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,18 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
         for match in matches
         if (reasons := unsupported_reasons(match, world, heads_per_stage) + _ring_reasons(match, ring_group))
     ]
+    # head-separable mixers (short convs, the gated delta rule) run as stage loops too
+    mixers = find_mixers(gm)
+    problems += [
+        f"  {source_line(node)}\n" + "".join(f"    - {reason}\n" for reason in reasons)
+        for _, node in mixers if (reasons := mixer_problems(node, world, ring_group is not None))
+    ]
     # flex_attention and hand-written attention are not rewritten: they would see the local shard only
     unsupported = find_unsupported_attention(gm)
     problems += [f"  {match.source_line}\n    - {match.reason}\n" for match in unsupported]
     # any other op that mixes tokens across the sharded sequence (convolutions, scans, ...)
-    mixing = [f"  {found.source_line}\n    - {found.reason}\n" for found in _token_mixing(gm, matches, unsupported)]
+    mixing = [f"  {found.source_line}\n    - {found.reason}\n"
+              for found in _token_mixing(gm, matches, [node for _, node in mixers], unsupported)]
     if problems or mixing:
         what = [f"{len(problems)} attention call(s)"] * bool(problems)
         what += [f"{len(mixing)} op(s) that mix tokens across the sharded sequence"] * bool(mixing)
@@ -66,18 +75,21 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
         if block is not None:
             log.info("upipe: attention block at %s not fused: %s", match.source_line, block.reason)
         rewrite_attention(match, heads_per_stage, world, group.group_name, options.prefetch, ring_group_name)
-    for module in {id(m.graph_module): m.graph_module for m in matches}.values():
+    for module, node in mixers:
+        rewrite_mixer(module, node, group.group_name, world)
+    touched = [m.graph_module for m in matches] + [module for module, _ in mixers]
+    for module in {id(m): m for m in touched}.values():
         module.graph.lint()
         module.recompile()
-    log.info("upipe: rewrote %d attention call(s) (%d fused blocks), P=%d, heads_per_stage=%d", len(matches), fused,
-             world, heads_per_stage)
+    log.info("upipe: rewrote %d attention call(s) (%d fused blocks) and %d mixer(s), P=%d, heads_per_stage=%d",
+             len(matches), fused, len(mixers), world, heads_per_stage)
     return gm
 
 
-def _token_mixing(gm: fx.GraphModule, matches, unsupported) -> list:
-    """Ops other than the attention calls upipe rewrites that need other ranks' tokens; the
-    parts of hand-written attention already refused are not named twice."""
-    rewritten = {match.node for match in matches}
+def _token_mixing(gm: fx.GraphModule, matches, mixers, unsupported) -> list:
+    """Ops other than the attention and mixer calls upipe rewrites that need other ranks'
+    tokens; the parts of hand-written attention already refused are not named twice."""
+    rewritten = {match.node for match in matches} | set(mixers)
     lengths = {n for n in map(_query_length, matches) if n}
     known = {node for match in unsupported for node in (match.node, match.scores, match.output) if node is not None}
     functions = {_function_of(match.source_line) for match in unsupported}

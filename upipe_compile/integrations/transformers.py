@@ -148,8 +148,11 @@ def register() -> str:
     """Register ``"upipe"`` with transformers (idempotent) and return the name."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
+    from upipe_compile.integrations.transformers_mixers import route_mixers
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, _upipe_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _causal_sdpa_mask)
+    route_mixers()  # hybrid layers' convs and gated delta rules: upipe::head_mixer
     return ATTN_IMPLEMENTATION
 
 

@@ -1,0 +1,94 @@
+"""Hybrid transformers families whose mixers upipe runs as stage loops (Qwen3-Next's short
+conv and gated delta rule, LFM2's gated short conv), on gloo ranks against the unsharded
+model with the families' own mixer functions. Module-level for spawned ranks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import upipe_compile  # noqa: E402
+from upipe_compile.integrations.transformers import register  # noqa: E402
+from upipe_compile.integrations.transformers_mixers import original_mixers  # noqa: E402
+
+UPIPE = register()
+SEQ = 32  # full sequence: longer than Qwen3-Next's chunk (rounded to 64 internally) at P = 4 too
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              use_cache=False, tie_word_embeddings=False)
+
+
+def _config(family: str):
+    import transformers as tf
+
+    if family == "qwen3_next":
+        return tf.Qwen3NextForCausalLM, tf.Qwen3NextConfig(
+            **COMMON, head_dim=16, intermediate_size=96, layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "lfm2":
+        return tf.Lfm2ForCausalLM, tf.Lfm2Config(**COMMON, layer_types=["conv", "full_attention"])
+    raise ValueError(family)
+
+
+def build_model(family: str, attn_implementation: str):
+    cls, config = _config(family)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    model = cls(config).float()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() >= 2 and "embed_tokens" not in name:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            else:
+                p.copy_(0.1 * noise)
+    model.train()
+    return model
+
+
+def make_inputs():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randint(0, VOCAB, (1, SEQ), generator=gen), torch.randn(1, SEQ, VOCAB, generator=gen)
+
+
+def _grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def eager_reference(family: str):
+    """Unsharded, uncompiled, the family's own mixer functions and eager attention."""
+    with original_mixers():
+        model = build_model(family, "eager")
+        ids, dout = make_inputs()
+        logits = model(input_ids=ids, use_cache=False).logits
+        (logits * dout).sum().backward()
+    return logits.detach(), _grads(model)
+
+
+def compiled_case(family: str, world: int):
+    """This rank's shard through the model compiled with backend="upipe": (logits, grads,
+    names of the upipe ops in the graphs)."""
+    torch._dynamo.reset()
+    assert dist.get_world_size() == world
+    model = build_model(family, UPIPE)
+    ids, dout = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs())
+    positions = upipe_compile.global_positions(ids.shape[1])
+    ops = set()
+
+    def backend(gm, example_inputs):
+        compiled = upipe_compile.upipe_backend(gm, example_inputs, options={"inner_backend": "eager"})
+        ops.update(str(n.target) for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes
+                   if "upipe" in str(n.target))
+        return compiled
+
+    logits = torch.compile(model, backend=backend)(input_ids=ids, position_ids=positions, use_cache=False).logits
+    (logits * dout).sum().backward()
+    return logits.detach(), _grads(model), sorted(ops)

@@ -1,0 +1,28 @@
+"""Hybrid models run exactly under backend="upipe": Qwen3-Next (a short causal conv and the
+gated delta rule beside softmax attention, MoE) and LFM2 (a gated short conv), loaded with
+register() and compiled over 2 and 4 gloo ranks, equal the unsharded model with the
+families' own mixer functions: every rank's logits and every parameter gradient (fp32).
+The mixers run as ``upipe::head_mixer_loop`` stage loops (a sequence->head all-to-all, the
+mixer over the whole sequence for a chunk of heads/channels, the all-to-all back)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_hybrids_jobs as jobs
+from tests_support import relative_error
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_hybrid_family_matches_full_sequence(rank_pools, family, world):
+    shards = rank_pools(world).run(jobs.compiled_case, family, world)
+    logits, grads = jobs.eager_reference(family)
+    for rank, (local, _, ops) in enumerate(shards):  # every rank's shard
+        assert relative_error(local, logits.chunk(world, dim=1)[rank]) < 1e-5, f"logits on rank {rank}"
+        assert "upipe.head_mixer_loop.default" in ops, ops
+        assert "upipe.head_mixer.default" not in ops, ops  # every mixer rewritten
+    assert set(shards[0][1]) == set(grads)
+    for name, grad in grads.items():
+        total = sum(shard[1][name] for shard in shards)
+        assert relative_error(total, grad) < 1e-5, name

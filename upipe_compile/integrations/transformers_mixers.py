@@ -1,0 +1,117 @@
+"""transformers' swappable mixer functions, routed through ``upipe::head_mixer``.
+
+transformers calls a hybrid layer's mixers through module-level functions it can swap for a
+hub kernel or a library (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``: fla or
+causal-conv1d where installed, else its torch fallback). :func:`route_mixers` wraps the
+function each family's module holds, whichever implementation transformers chose, so that
+the call becomes one ``upipe::head_mixer`` node: without context parallelism it runs that
+same function; under ``backend="upipe"`` the pass rewrites it into the stage loop. Calls
+the loop cannot run exactly (a cache's state, packed documents' ``cu_seqlens``, unknown
+keywords) go to the function as they are, where the token-mixing check refuses them under
+context parallelism.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from upipe_compile.integrations.transformers import _IGNORED_KWARGS
+from upipe_compile.mixers import ops  # noqa: F401  (registers the ops)
+from upipe_compile.mixers.registry import encode, register_mixer
+
+# family module -> {function name: mixer kind}
+FAMILIES = {
+    "qwen3_next": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
+    "qwen3_5": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
+    "qwen3_5_moe": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
+    "lfm2": {"causal_conv1d_fn": "causal_conv1d"},
+    "lfm2_moe": {"causal_conv1d_fn": "causal_conv1d"},
+}
+
+_ROUTED = "_upipe_routed"
+
+
+def route_mixers() -> list[str]:
+    """Wrap every known family's mixer functions (idempotent); the names routed."""
+    routed = []
+    for family, functions in FAMILIES.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        for function, kind in functions.items():
+            original = getattr(module, function, None)
+            if original is None:
+                continue
+            name = f"{family}.{function}"
+            if not getattr(original, _ROUTED, False):
+                register_mixer(name, kind, original)
+                wrapper = _WRAPPERS[kind](name, original)
+                setattr(wrapper, _ROUTED, True)
+                wrapper.__wrapped_original__ = original
+                setattr(module, function, wrapper)
+            routed.append(name)
+    return routed
+
+
+# flags a layer hands on with its kwargs that change nothing in a mixer (the documents'
+# seq_idx and lengths do: they go to the function as it is)
+_HARMLESS = _IGNORED_KWARGS - {"seq_idx", "max_length_q", "max_length_k"}
+
+
+def _set(kwargs: dict) -> bool:
+    return any(v is not None for k, v in kwargs.items() if k not in _HARMLESS)
+
+
+def _conv(name, original):
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        if _set(kwargs):  # seq_idx / cu_seqlens: documents the loop does not restart at
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        options = {"activation": activation, "absent": [2] if bias is None else []}
+        return torch.ops.upipe.head_mixer(name, [t for t in (hidden_states, weight, bias) if t is not None],
+                                          encode(options))
+
+    return causal_conv1d_fn
+
+
+def _delta(name, original):
+    def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        if initial_state is not None or output_final_state or cu_seqlens is not None or _set(kwargs):
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            cu_seqlens=cu_seqlens, **kwargs)
+        group = value.shape[2] // key.shape[2]
+        if group > 1:  # one query/key head per value head, as the kernels do
+            query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
+        options = encode({"chunk_size": chunk_size, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel})
+        return torch.ops.upipe.head_mixer(name, [query, key, value, g, beta], options), None
+
+    return chunk_gated_delta_rule
+
+
+_WRAPPERS = {"causal_conv1d": _conv, "gated_delta_rule": _delta}
+
+
+class original_mixers:
+    """``with original_mixers():`` the families' own functions, unrouted (a reference run)."""
+
+    def __enter__(self):
+        self.swapped = []
+        for family, functions in FAMILIES.items():
+            try:
+                module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            except ImportError:
+                continue
+            for function in functions:
+                wrapper = getattr(module, function, None)
+                if getattr(wrapper, _ROUTED, False):
+                    self.swapped.append((module, function, wrapper))
+                    setattr(module, function, wrapper.__wrapped_original__)
+        return self
+
+    def __exit__(self, *exc):
+        for module, function, wrapper in self.swapped:
+            setattr(module, function, wrapper)

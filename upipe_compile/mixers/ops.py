@@ -1,0 +1,186 @@
+"""The mixer ops: ``upipe::head_mixer`` (what models call; the mixer as it is) and
+``upipe::head_mixer_loop`` (what the backend rewrites it into under context parallelism).
+
+The loop splits the mixer's heads into stages. Each stage all-to-alls its inputs from this
+rank's shard of the sequence to ``n`` heads over the whole sequence (per-head parameters are
+sliced to the same heads), runs the mixer, and all-to-alls the output back into its heads'
+slice of the local output. Backward runs stage by stage too: the stage's inputs are
+exchanged again, the mixer recomputed under autograd, and the input gradients exchanged
+back; parameter gradients land in this rank's slices (summed over ranks, as every
+replicated parameter's). Only the local inputs are saved: a stage's buffers live one stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from upipe_compile.attention.collectives import all_to_all
+from upipe_compile.mixers.registry import Layout, decode, resolve
+
+Tensors = list[torch.Tensor]
+"""The mixer's tensors that are present; options' ``"absent"`` lists the positions of the
+others (a conv without bias), which the mixer gets as None."""
+
+
+def _full(tensors, options: dict) -> list:
+    """The mixer's tensor arguments in order, None where absent."""
+    absent = set(options.get("absent", ()))
+    present = iter(tensors)
+    return [None if i in absent else next(present) for i in range(len(tensors) + len(absent))]
+
+
+# --- the plain op ---------------------------------------------------------------------------
+@torch.library.custom_op("upipe::head_mixer", mutates_args=())
+def head_mixer(name: str, tensors: Tensors, options: str) -> torch.Tensor:
+    spec, implementation = resolve(name)
+    settings = decode(options)
+    return spec.call(implementation, _full(tensors, settings), settings).clone()
+
+
+@head_mixer.register_fake
+def _head_mixer_fake(name, tensors, options):
+    spec, _ = resolve(name)
+    return _output_like(spec, _full(tensors, decode(options)))
+
+
+def _output_like(spec, tensors) -> torch.Tensor:
+    """The mixer's output for these inputs (shape and dtype), without running it."""
+    first = tensors[0]
+    if spec.kind == "causal_conv1d":
+        return first.new_empty(first.shape)
+    v = tensors[2]
+    return v.new_empty(v.shape, dtype=tensors[0].dtype)
+
+
+def _plain_setup(ctx, inputs, output):
+    name, tensors, options = inputs
+    ctx.name, ctx.options = name, options
+    ctx.save_for_backward(*tensors)
+
+
+def _plain_backward(ctx, dout):
+    spec, implementation = resolve(ctx.name)
+    settings = decode(ctx.options)
+    full = _full(list(ctx.saved_tensors), settings)
+    grads = _recompute_grads(spec, implementation, full, settings, dout)
+    return None, [g for g, t in zip(grads, full) if t is not None], None
+
+
+torch.library.register_autograd("upipe::head_mixer", _plain_backward, setup_context=_plain_setup)
+
+
+def _recompute_grads(spec, implementation, tensors, options, dout) -> list:
+    """Gradients of ``sum(mixer(tensors) * dout)`` for the floating-point tensors."""
+    leaves = [t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t for t in tensors]
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    with torch.enable_grad():
+        out = spec.call(implementation, leaves, options)
+        grads = torch.autograd.grad(out, wanted, dout, allow_unused=True)
+    found = iter(grads)
+    return [next(found) if t is not None and t.requires_grad else None for t in leaves]
+
+
+# --- the stage loop -------------------------------------------------------------------------
+@torch.library.custom_op("upipe::head_mixer_loop", mutates_args=())
+def head_mixer_loop(name: str, tensors: Tensors, options: str, group_name: str, world: int,
+                    stages: int) -> torch.Tensor:
+    spec, implementation = resolve(name)
+    settings = decode(options)
+    full = _full(tensors, settings)
+    out = _output_like(spec, full)
+    per_rank = _heads(spec, full) // (world * stages)
+    for stage in range(stages):
+        start = stage * world * per_rank
+        chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
+        with torch.no_grad():
+            result = spec.call(implementation, chunk, settings)
+        _to_sequence_into(result, spec.output, out, start, per_rank, world, group_name)
+    return out
+
+
+@head_mixer_loop.register_fake
+def _head_mixer_loop_fake(name, tensors, options, group_name, world, stages):
+    spec, _ = resolve(name)
+    return _output_like(spec, _full(tensors, decode(options)))
+
+
+def _loop_setup(ctx, inputs, output):
+    name, tensors, options, group_name, world, stages = inputs
+    ctx.args = (name, options, group_name, world, stages)
+    ctx.save_for_backward(*tensors)
+
+
+def _loop_backward(ctx, dout):
+    name, options, group_name, world, stages = ctx.args
+    spec, implementation = resolve(name)
+    settings = decode(options)
+    full = _full(list(ctx.saved_tensors), settings)
+    grads = [torch.zeros_like(t) if t is not None and t.is_floating_point() else None for t in full]
+    per_rank = _heads(spec, full) // (world * stages)
+    for stage in range(stages):
+        start = stage * world * per_rank
+        chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
+        dout_chunk = _to_heads(dout.contiguous(), spec.output, start, per_rank, world, group_name)
+        chunk_grads = _recompute_grads(spec, implementation, chunk, settings, dout_chunk)
+        for layout, grad, total in zip(spec.inputs, chunk_grads, grads):
+            if grad is None or total is None:
+                continue
+            if layout.seq is None:  # this rank's heads of a parameter
+                total.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank).add_(grad)
+            else:
+                _to_sequence_into(grad, layout, total, start, per_rank, world, group_name)
+    return None, [g for g, t in zip(grads, full) if t is not None], None, None, None, None
+
+
+torch.library.register_autograd("upipe::head_mixer_loop", _loop_backward, setup_context=_loop_setup)
+
+
+# --- layouts --------------------------------------------------------------------------------
+def _heads(spec, tensors) -> int:
+    return tensors[0].shape[spec.inputs[0].head]
+
+
+def _rank(group_name: str) -> int:
+    from upipe_compile.attention.collectives import group_from_name
+
+    return group_from_name(group_name).rank()
+
+
+def _stage_inputs(spec, tensors, start, per_rank, world, group_name) -> list:
+    """This rank's ``per_rank`` heads of the stage starting at head ``start``: activations over
+    the whole sequence, parameters sliced."""
+    chunk = []
+    for layout, t in zip(spec.inputs, tensors):
+        if t is None:
+            chunk.append(None)
+        elif layout.seq is None:
+            chunk.append(t.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank))
+        else:
+            chunk.append(_to_heads(t, layout, start, per_rank, world, group_name))
+    return chunk
+
+
+def _to_heads(x: torch.Tensor, layout: Layout, start: int, per_rank: int, world: int, group_name: str):
+    """Local ``x`` (this rank's sequence shard, all heads) -> heads ``[start + r*n, start + (r+1)*n)``
+    over the whole sequence on rank ``r``."""
+    heads, seq = layout.head, layout.seq
+    send = x.narrow(heads, start, world * per_rank).movedim(heads, 0)
+    send = send.reshape(world, per_rank, *send.shape[1:]).contiguous()
+    recv = all_to_all(send, group_name)  # dim 0: the source rank = the sequence chunk
+    k = seq - (1 if seq > heads else 0)  # the sequence's place among the other dims
+    y = recv.movedim(0, 1 + k)  # [n, ..., chunk, S_local, ...]
+    y = y.reshape(*y.shape[:1 + k], -1, *y.shape[3 + k:])
+    return y.movedim(0, heads)
+
+
+def _to_sequence_into(y: torch.Tensor, layout: Layout, dest: torch.Tensor, start: int, per_rank: int, world: int,
+                      group_name: str) -> None:
+    """Inverse of :func:`_to_heads`, written into ``dest``'s heads ``[start, start + world*n)``."""
+    heads, seq = layout.head, layout.seq
+    k = seq - (1 if seq > heads else 0)
+    t = y.movedim(heads, 0)
+    t = t.reshape(*t.shape[:1 + k], world, -1, *t.shape[2 + k:])  # split the sequence into chunks
+    send = t.movedim(1 + k, 0).contiguous()  # [dest rank, n, ...]
+    recv = all_to_all(send, group_name)  # dim 0: the rank that computed these heads
+    rows = recv.reshape(world * per_rank, *recv.shape[2:]).movedim(0, heads)
+    dest.narrow(heads, start, world * per_rank).copy_(rows)

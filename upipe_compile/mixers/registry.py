@@ -1,0 +1,90 @@
+"""Head-separable token mixers upipe runs over the whole sequence, and how their tensors are laid out.
+
+A mixer here is a function whose every head (or channel) runs over the whole sequence on its
+own: a depthwise causal conv (each channel), the gated delta rule (each value head). That is
+UPipe's shape: a sequence->head all-to-all of its inputs, the mixer over the full sequence
+for a chunk of heads, a head->sequence all-to-all of its output.
+
+Each :class:`MixerSpec` names, for every tensor the mixer takes, where its sequence and head
+dimensions are (activations) or its head dimension alone (per-head parameters, sliced to the
+chunk); the output's layout; and how to call the model's own implementation on a chunk. The
+implementations are the model's (transformers' torch fallbacks, or fla / causal-conv1d where
+installed and chosen by transformers), registered under a name by
+:func:`register_mixer` so that the ops can find them by a string.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor's sequence and head dimensions are; ``seq=None`` for a per-head parameter."""
+
+    head: int
+    seq: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """One kind of head-separable mixer."""
+
+    kind: str
+    inputs: tuple[Layout, ...]
+    output: Layout
+    call: Callable[[Callable, list, dict], torch.Tensor]
+    """``call(implementation, tensors, options)``: the mixer on (a head chunk of) its tensors."""
+
+
+def _conv_call(fn, tensors, options):
+    x, weight, bias = tensors
+    return fn(x, weight, bias, activation=options.get("activation"))
+
+
+def _delta_call(fn, tensors, options):
+    q, k, v, g, beta = tensors
+    out, _ = fn(q, k, v, g=g, beta=beta, chunk_size=options.get("chunk_size", 64), initial_state=None,
+                output_final_state=False, use_qk_l2norm_in_kernel=options.get("use_qk_l2norm_in_kernel", False))
+    return out
+
+
+KINDS = {
+    # x [B, C, S], weight [C, K], bias [C]: one causal filter per channel
+    "causal_conv1d": MixerSpec("causal_conv1d", (Layout(head=1, seq=2), Layout(head=0), Layout(head=0)),
+                               Layout(head=1, seq=2), _conv_call),
+    # q, k [B, S, H, Dk] (repeated to the value heads), v [B, S, H, Dv], g, beta [B, S, H]
+    "gated_delta_rule": MixerSpec("gated_delta_rule", (Layout(head=2, seq=1),) * 5, Layout(head=2, seq=1),
+                                  _delta_call),
+}
+
+_IMPLEMENTATIONS: dict[str, tuple[str, Callable]] = {}
+
+
+def register_mixer(name: str, kind: str, implementation: Callable) -> None:
+    """Make ``implementation`` (a mixer of ``kind``) callable by the ops under ``name``."""
+    _IMPLEMENTATIONS[name] = (kind, implementation)
+
+
+def resolve(name: str) -> tuple[MixerSpec, Callable]:
+    if name not in _IMPLEMENTATIONS:
+        raise RuntimeError(f"upipe: no mixer registered as {name!r} in this process (register() registers them)")
+    kind, implementation = _IMPLEMENTATIONS[name]
+    return KINDS[kind], implementation
+
+
+def decode(options: str) -> dict:
+    return json.loads(options) if options else {}
+
+
+def encode(options: dict) -> str:
+    return json.dumps(options, sort_keys=True)
+
+
+def head_count(spec: MixerSpec, tensors: list) -> int:
+    first = tensors[0]
+    return first.shape[spec.inputs[0].head]
