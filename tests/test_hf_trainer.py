@@ -67,6 +67,17 @@ def test_attention_variants_train_exactly(rank_pools, family):
     _compare(ranks, jobs.run_trainer(False, family=family), family)
 
 
+def test_hybrid_trains_exactly(rank_pools):
+    """LFM2 (gated short convs beside attention): its convs run as upipe stage loops."""
+    ranks = rank_pools(WORLD).run(jobs.run_trainer, True, family="lfm2")
+    _compare(ranks, jobs.run_trainer(False, family="lfm2"), "lfm2")
+    for *_, counts in ranks:
+        # the convs ran as stage loops every micro-batch, forward and backward; the plain
+        # mixer shows only where Dynamo traced it while compiling (as document_sdpa does)
+        assert counts.get("upipe::head_mixer_loop", 0) >= 8, counts
+        assert counts.get("upipe::head_mixer", 0) <= counts.get("upipe::document_sdpa", 0), counts
+
+
 def _refusal(chain, *words):
     names = [name for name, _ in chain]
     message = " ".join(text for _, text in chain)
