@@ -100,7 +100,7 @@ def test_results_tables_match_their_results_files():
     problems, cited = disagreements(_read(RESULTS))
     assert not problems, "\n".join(problems)
     assert cited == {f"benchmarks/results/{name}.md"
-                     for name in ("op_memory", "memory", "fused_block_memory", "window_memory", "max_context",
+                     for name in ("op_memory", "memory", "fused_block_memory", "window_memory", "mixer_memory", "max_context",
                                   "throughput", "ring_speed", "demo")}
 
 

@@ -86,16 +86,7 @@ def head_mixer_loop(name: str, tensors: Tensors, options: str, group_name: str, 
                     stages: int) -> torch.Tensor:
     spec, implementation = resolve(name)
     settings = decode(options)
-    full = _full(tensors, settings)
-    out = _output_like(spec, full)
-    per_rank = _heads(spec, full) // (world * stages)
-    for stage in range(stages):
-        start = stage * world * per_rank
-        chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
-        with torch.no_grad():
-            result = spec.call(implementation, chunk, settings)
-        _to_sequence_into(result, spec.output, out, start, per_rank, world, group_name)
-    return out
+    return loop_forward(spec, implementation, _full(tensors, settings), settings, group_name, world, stages)
 
 
 @head_mixer_loop.register_fake
@@ -115,6 +106,30 @@ def _loop_backward(ctx, dout):
     spec, implementation = resolve(name)
     settings = decode(options)
     full = _full(list(ctx.saved_tensors), settings)
+    grads = loop_backward(spec, implementation, full, settings, group_name, world, stages, dout)
+    return None, [g for g, t in zip(grads, full) if t is not None], None, None, None, None
+
+
+torch.library.register_autograd("upipe::head_mixer_loop", _loop_backward, setup_context=_loop_setup)
+
+
+def loop_forward(spec, implementation, full: list, settings: dict, group_name: str, world: int,
+                 stages: int) -> torch.Tensor:
+    """The stage loop's forward (no autograd): the mixer's output on this rank's shard."""
+    out = _output_like(spec, full)
+    per_rank = _heads(spec, full) // (world * stages)
+    for stage in range(stages):
+        start = stage * world * per_rank
+        chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
+        with torch.no_grad():
+            result = spec.call(implementation, chunk, settings)
+        _to_sequence_into(result, spec.output, out, start, per_rank, world, group_name)
+    return out
+
+
+def loop_backward(spec, implementation, full: list, settings: dict, group_name: str, world: int, stages: int,
+                  dout: torch.Tensor) -> list:
+    """The stage loop's backward: gradients of ``full``'s floating-point tensors (None elsewhere)."""
     grads = [torch.zeros_like(t) if t is not None and t.is_floating_point() else None for t in full]
     per_rank = _heads(spec, full) // (world * stages)
     for stage in range(stages):
@@ -129,10 +144,7 @@ def _loop_backward(ctx, dout):
                 total.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank).add_(grad)
             else:
                 _to_sequence_into(grad, layout, total, start, per_rank, world, group_name)
-    return None, [g for g, t in zip(grads, full) if t is not None], None, None, None, None
-
-
-torch.library.register_autograd("upipe::head_mixer_loop", _loop_backward, setup_context=_loop_setup)
+    return grads
 
 
 # --- layouts --------------------------------------------------------------------------------
