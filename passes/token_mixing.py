@@ -349,9 +349,11 @@ class _SequenceTracker(TorchDispatchMode):
                        reduction_line=self.partial_origin_by_spec.get(id(partial)))
             return "refused"
         values = [(have, needs) for have, needs in changed if not self._is_routing_data(self.spec_tensor.get(id(have)))]
-        if not values:
-            return "routing"
         routed = any(self.spec_tensor.get(id(spec)) in self.routing for spec in schema.args_spec)
+        if not values and (routed or func.overloadpacket in _ROUTING_SOURCES):
+            return "routing"
+        if not values:  # integer token data mixed otherwise: positions from a cumsum of the mask, ...
+            values = changed
         if routed and func.overloadpacket in _ROW_ROUTING:
             return "rows"
         have, needs = values[0]
@@ -454,6 +456,12 @@ _ROW_ROUTING = {
 
 """Ops that move rows by an index: with a routing table as the index (an MoE layer's
 dispatch and combine on this shard's tokens) they keep each token's values its own."""
+_ROUTING_SOURCES = {_aten.sort, _aten.argsort}
+"""Integer token data (expert ids) sorted on this shard: an MoE dispatch's routing table. Any
+other op that mixes integer token data (positions from a cumsum over the shard's mask) is
+refused like any value."""
+
+
 def _is_grouped_mm(func) -> bool:
     """A grouped matmul registered by a library (transformers' fallback of torch's
     ``_grouped_mm``): one weight per group of rows, each row on its own."""

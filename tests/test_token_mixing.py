@@ -252,3 +252,18 @@ def test_dynamic_shapes_per_token_ops_are_accepted(world):
     model = PerTokenOnly()
     compiled = torch.compile(model, backend="upipe", dynamic=True, options={"cp_mesh": world, "inner_backend": "eager"})
     compiled(x).sum().backward()
+
+
+class PositionsFromTheMask(nn.Module):
+    """Positions counted over the shard's own mask (each rank would start at 0), then RoPE."""
+
+    def forward(self, x, mask):
+        positions = mask.long().cumsum(dim=1) - 1  # mixes: a count over the sequence
+        angles = positions[..., None].float() * torch.arange(1, D // 2 + 1).float()
+        return torch.cat([x[..., : D // 2] * angles.cos(), x[..., D // 2:] * angles.sin()], dim=-1)
+
+
+def test_integer_positions_counted_over_the_shard_are_refused(world):
+    x, mask = shard(torch.randn(2, S, D), world), shard(torch.ones(2, S, dtype=torch.long), world)
+    message = refusal(PositionsFromTheMask(), x, mask, group=world)
+    assert line_of(PositionsFromTheMask, "mask.long().cumsum(dim=1)") in message, message
