@@ -75,6 +75,22 @@ def mark_sequence_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t
 
 
+def marking_outputs(compiled: Callable, output_dims: list[int | None]) -> Callable:
+    """``compiled`` that marks its outputs' sequence dimensions (a graph break's next graph
+    takes them as inputs and is checked from them)."""
+    if not any(d is not None for d in output_dims):
+        return compiled
+
+    def run(*args):
+        outputs = compiled(*args)
+        for out, dim in zip(outputs if isinstance(outputs, (list, tuple)) else [outputs], output_dims):
+            if dim is not None and isinstance(out, torch.Tensor) and out.dim() > dim:
+                setattr(out, _SHARDED_DIM_ATTR, dim)
+        return outputs
+
+    return run
+
+
 @dataclass
 class TokenMixing:
     """One op that needs other ranks' tokens and that upipe did not rewrite."""
@@ -118,38 +134,58 @@ def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return live
 
 
+@dataclass
+class TokenFlow:
+    """What the walk found: the ops that mix tokens, and the sequence dimension of each graph
+    output (None: holds no tokens), which the backend marks on the outputs at run time so that
+    the graph after a graph break starts from them."""
+
+    mixing: list[TokenMixing]
+    output_dims: list[int | None]
+
+
 def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
-                      local_lengths: set[int]) -> list[TokenMixing]:
+                      local_lengths: set[int]) -> TokenFlow:
     """Every op in ``gm`` (nested bodies included) that mixes tokens along the sharded sequence
     dimension, one per source line. ``exempt(node)``: the calls upipe rewrites (their outputs
-    keep the query's placement). ``local_lengths``: the attention calls' query lengths (an
-    activation input is seeded at its first dimension after the batch with one of these
-    sizes); without any, the lengths ``shard_sequence`` cut, for 3-D inputs ``[B, S, ...]``."""
+    keep the query's placement). Seeds: inputs marked by ``shard_sequence``,
+    ``global_positions`` or an earlier graph's outputs; other activation inputs at their first
+    dimension after the batch with one of ``local_lengths`` (the attention calls' query
+    lengths); with neither, 3-D inputs ``[B, S, ...]`` of a length ``shard_sequence`` cut."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     values = [_value(node) for node in placeholders]
     fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         log.info("upipe: token-mixing check skipped (the graph carries no fake values)")
-        return []
+        return TokenFlow([], [])
     if any(_is_symbolic(v) for v in values):
         # dynamic shapes: walk the graph at the sizes it was traced with, in a fresh fake mode
         fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
         with fake_mode:
             values = [_concrete(v) for v in values]
-    seeds = _Seeds(frozenset(local_lengths), frozenset(_SHARD_LENGTHS), exempt, _live_nodes(gm))
+    marked = any(_marked_dim(node) is not None for node in placeholders)
+    seeds = _Seeds(frozenset(local_lengths), frozenset() if marked else frozenset(_SHARD_LENGTHS), exempt,
+                   _live_nodes(gm))
     tracker = _SequenceTracker(seeds)
+    outputs: list = []
     # no autograd: an enclosing checkpoint (the compile runs inside its forward) must not see
     # tensors saved by this walk
     with torch.no_grad(), fake_mode, tracker:
         inputs = [tracker.seed(node, v) for node, v in zip(placeholders, values)]
         try:
-            _Walker(gm, tracker).run(*inputs)
+            outputs = tree_flatten(_Walker(gm, tracker).run(*inputs))[0]
         except Exception as error:  # never silent: what cannot be followed is refused
             tracker.found_failure(error)
     unique: dict[str, TokenMixing] = {}
     for found in seeds.found:
         unique.setdefault(found.source_line, found)
-    return list(unique.values())
+    dims = [p.dim if isinstance(p := tracker.get(t), Shard) and t not in tracker.routing else None for t in outputs]
+    return TokenFlow(list(unique.values()), dims)
+
+
+def _marked_dim(node: fx.Node) -> int | None:
+    example = getattr(node.meta.get("grapharg"), "example", None)
+    return getattr(example, _SHARDED_DIM_ATTR, None)
 
 
 def _value(node: fx.Node) -> Any:
@@ -203,8 +239,7 @@ class _SequenceTracker(TorchDispatchMode):
         return value
 
     def _sequence_dim(self, node: fx.Node, value: torch.Tensor) -> int | None:
-        example = getattr(node.meta.get("grapharg"), "example", None)
-        marked = getattr(example, _SHARDED_DIM_ATTR, None)
+        marked = _marked_dim(node)
         if marked is not None and marked < value.dim() and value.shape[marked] > 1:
             return marked
         if marked is not None:

@@ -267,3 +267,24 @@ def test_integer_positions_counted_over_the_shard_are_refused(world):
     x, mask = shard(torch.randn(2, S, D), world), shard(torch.ones(2, S, dtype=torch.long), world)
     message = refusal(PositionsFromTheMask(), x, mask, group=world)
     assert line_of(PositionsFromTheMask, "mask.long().cumsum(dim=1)") in message, message
+
+
+def test_graph_break_carries_the_sequence_dim(world):
+    """The graph after a graph break takes the first graph's outputs, marked with their
+    sequence dimension: there a conv over the tokens of a ``[B, D, S]`` tensor is refused,
+    which no guess from sizes would find (dimension 1 is not the shard length)."""
+
+    class BreakThenConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.conv = nn.Linear(D, 3 * D), nn.Conv1d(D, D, 3, padding=1)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, 4, D // 4).permute(2, 0, 3, 1, 4)
+            h = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(0, 1, 3, 2).reshape(b, D, s)
+            torch._dynamo.graph_break()
+            return self.conv(h)  # mixes: over the sequence, in a graph with no attention
+
+    message = refusal(BreakThenConv(), shard(torch.randn(2, S, D), world), group=world)
+    assert line_of(BreakThenConv, "return self.conv(h)") in message, message

@@ -17,9 +17,14 @@ from upipe_compile.passes import (
     BlockMatch, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
     mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, unsupported_reasons,
 )
+from upipe_compile.passes.token_mixing import TokenFlow, marking_outputs
 from upipe_compile.passes.find import source_line
 
 log = logging.getLogger(__name__)
+
+OUTPUT_DIMS = "upipe_output_sequence_dims"
+"""``gm.meta`` key: each graph output's sequence dimension (None: no tokens), marked on the
+outputs at run time for the graph after a graph break."""
 
 
 def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphModule:
@@ -51,8 +56,9 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     unsupported = find_unsupported_attention(gm)
     problems += [f"  {match.source_line}\n    - {match.reason}\n" for match in unsupported]
     # any other op that mixes tokens across the sharded sequence (convolutions, scans, ...)
-    mixing = [f"  {found.source_line}\n    - {found.reason}\n"
-              for found in _token_mixing(gm, matches, [node for _, node in mixers], unsupported)]
+    flow = _token_flow(gm, matches, [node for _, node in mixers], unsupported)
+    mixing = [f"  {found.source_line}\n    - {found.reason}\n" for found in flow.mixing]
+    gm.meta[OUTPUT_DIMS] = flow.output_dims
     if problems or mixing:
         what = [f"{len(problems)} attention call(s)"] * bool(problems)
         what += [f"{len(mixing)} op(s) that mix tokens across the sharded sequence"] * bool(mixing)
@@ -86,15 +92,18 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     return gm
 
 
-def _token_mixing(gm: fx.GraphModule, matches, mixers, unsupported) -> list:
+def _token_flow(gm: fx.GraphModule, matches, mixers, unsupported) -> TokenFlow:
     """Ops other than the attention and mixer calls upipe rewrites that need other ranks'
-    tokens; the parts of hand-written attention already refused are not named twice."""
+    tokens (the parts of hand-written attention already refused are not named twice), and the
+    outputs' sequence dimensions."""
     rewritten = {match.node for match in matches} | set(mixers)
     lengths = {n for n in map(_query_length, matches) if n}
     known = {node for match in unsupported for node in (match.node, match.scores, match.output) if node is not None}
     functions = {_function_of(match.source_line) for match in unsupported}
-    found = find_token_mixing(gm, rewritten.__contains__, lengths)
-    return [item for item in found if item.node not in known and _function_of(item.source_line) not in functions]
+    flow = find_token_mixing(gm, rewritten.__contains__, lengths)
+    flow.mixing = [item for item in flow.mixing
+                   if item.node not in known and _function_of(item.source_line) not in functions]
+    return flow
 
 
 def _function_of(source_line: str) -> str:
@@ -145,4 +154,5 @@ def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
     if opts.group.size() > 1 or opts.ring_group is not None:
         _never_fall_back_to_eager()
     gm = apply_upipe_passes(gm, opts)
-    return _inner_backend(opts.inner_backend)(gm, example_inputs)
+    compiled = _inner_backend(opts.inner_backend)(gm, example_inputs)
+    return marking_outputs(compiled, gm.meta.get(OUTPUT_DIMS, []))
