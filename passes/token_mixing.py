@@ -199,7 +199,11 @@ def _is_symbolic(v: Any) -> bool:
 
 
 def _hint(x: Any) -> Any:
-    return x.node.shape_env.size_hint(x.node.expr) if isinstance(x, torch.SymInt) else x
+    if not isinstance(x, torch.SymInt):
+        return x
+    shape_env = x.node.shape_env
+    hint = getattr(shape_env, "optimization_hint", None) or shape_env.size_hint  # newer torch renamed it
+    return hint(x.node.expr)
 
 
 def _concrete(v: Any) -> Any:
