@@ -288,3 +288,44 @@ def test_graph_break_carries_the_sequence_dim(world):
 
     message = refusal(BreakThenConv(), shard(torch.randn(2, S, D), world), group=world)
     assert line_of(BreakThenConv, "return self.conv(h)") in message, message
+
+
+def _conv_reference(x, weight, bias=None, activation=None):
+    out = F.conv1d(x, weight.unsqueeze(1), bias, padding=weight.shape[-1] - 1, groups=x.shape[1])
+    return out[..., : x.shape[-1]]
+
+
+class RoutedConv(nn.Module):
+    """A depthwise causal conv called through upipe::head_mixer, as register() routes them."""
+
+    def __init__(self, channels):
+        super().__init__()
+        from upipe_compile.mixers.registry import register_mixer
+
+        register_mixer("tests.conv", "causal_conv1d", _conv_reference)
+        self.weight = nn.Parameter(torch.randn(channels, 4))
+
+    def forward(self, x):
+        from upipe_compile.mixers.registry import encode
+
+        return torch.ops.upipe.head_mixer("tests.conv", [x.transpose(1, 2), self.weight],
+                                          encode({"absent": [2]})).transpose(1, 2)
+
+
+def test_mixer_whose_channels_p_does_not_divide_is_refused(world):
+    message = refusal(RoutedConv(3), shard(torch.randn(1, S, 3), world), group=world)
+    assert "1 mixer call(s)" in message and "not divisible by P=2" in message, message
+    assert line_of(RoutedConv, "torch.ops.upipe.head_mixer(") in message, message
+
+
+def test_routed_mixer_is_rewritten_into_its_stage_loop(world):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        out = upipe_compile.upipe_backend(gm, example_inputs, options={"cp_mesh": world, "inner_backend": "eager"})
+        graphs.append(gm)
+        return out
+
+    torch.compile(RoutedConv(8), backend=capture, fullgraph=True)(shard(torch.randn(1, S, 8), world))
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert "upipe.head_mixer_loop.default" in targets and "upipe.head_mixer" not in targets, targets

@@ -17,8 +17,8 @@ from upipe_compile.passes import (
     BlockMatch, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
     mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, unsupported_reasons,
 )
-from upipe_compile.passes.token_mixing import TokenFlow, marking_outputs
 from upipe_compile.passes.find import source_line
+from upipe_compile.passes.token_mixing import TokenFlow, marking_outputs
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     ]
     # head-separable mixers (short convs, the gated delta rule) run as stage loops too
     mixers = find_mixers(gm)
-    problems += [
+    refused_mixers = [
         f"  {source_line(node)}\n" + "".join(f"    - {reason}\n" for reason in reasons)
         for _, node in mixers if (reasons := mixer_problems(node, world, ring_group is not None))
     ]
@@ -59,12 +59,13 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     flow = _token_flow(gm, matches, [node for _, node in mixers], unsupported)
     mixing = [f"  {found.source_line}\n    - {found.reason}\n" for found in flow.mixing]
     gm.meta[OUTPUT_DIMS] = flow.output_dims
-    if problems or mixing:
+    if problems or refused_mixers or mixing:
         what = [f"{len(problems)} attention call(s)"] * bool(problems)
+        what += [f"{len(refused_mixers)} mixer call(s)"] * bool(refused_mixers)
         what += [f"{len(mixing)} op(s) that mix tokens across the sharded sequence"] * bool(mixing)
         raise UnsupportedAttention(
             f"upipe cannot run {' and '.join(what)} with context parallelism over P={world} ranks:\n"
-            + "".join(problems + mixing)
+            + "".join(problems + refused_mixers + mixing)
         )
     fused = 0
     ring_group_name = "" if ring_group is None else ring_group.group_name

@@ -15,7 +15,7 @@ installed and chosen by transformers), registered under a name by
 
 from __future__ import annotations
 
-import json
+import ast
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -77,12 +77,16 @@ def resolve(name: str) -> tuple[MixerSpec, Callable]:
     return KINDS[kind], implementation
 
 
-def decode(options: str) -> dict:
-    return json.loads(options) if options else {}
-
-
 def encode(options: dict) -> str:
-    return json.dumps(options, sort_keys=True)
+    """The mixer's scalar settings as the op's string argument; plain string building, which
+    Dynamo traces without a graph break (json would break the graph in every layer)."""
+    return ";".join(f"{key}={value!r}" for key, value in sorted(options.items()))
+
+
+def decode(options: str) -> dict:
+    if not options:
+        return {}
+    return {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in options.split(";"))}
 
 
 def head_count(spec: MixerSpec, tensors: list) -> int:
