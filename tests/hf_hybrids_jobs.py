@@ -73,7 +73,7 @@ def eager_reference(family: str):
     return logits.detach(), _grads(model)
 
 
-def compiled_case(family: str, world: int):
+def compiled_case(family: str, world: int, heads_per_stage: int | None = None):
     """This rank's shard through the model compiled with backend="upipe": (logits, grads,
     names of the upipe ops in the graphs)."""
     torch._dynamo.reset()
@@ -84,7 +84,8 @@ def compiled_case(family: str, world: int):
     ops = set()
 
     def backend(gm, example_inputs):
-        compiled = upipe_compile.upipe_backend(gm, example_inputs, options={"inner_backend": "eager"})
+        options = {"inner_backend": "eager"} | ({} if heads_per_stage is None else {"heads_per_stage": heads_per_stage})
+        compiled = upipe_compile.upipe_backend(gm, example_inputs, options=options)
         ops.update(str(n.target) for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes
                    if "upipe" in str(n.target))
         return compiled

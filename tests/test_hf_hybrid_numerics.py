@@ -13,10 +13,11 @@ import hf_hybrids_jobs as jobs
 from tests_support import relative_error
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world, heads_per_stage", [(2, None), (2, 4), (4, None)], ids=["P2", "P2-U4", "P4"])
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
-def test_hybrid_family_matches_full_sequence(rank_pools, family, world):
-    shards = rank_pools(world).run(jobs.compiled_case, family, world)
+def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_per_stage):
+    """U = P (the default) and U = all 4 attention heads (Ulysses) for the attention layers."""
+    shards = rank_pools(world).run(jobs.compiled_case, family, world, heads_per_stage)
     logits, grads = jobs.eager_reference(family)
     for rank, (local, _, ops) in enumerate(shards):  # every rank's shard
         assert relative_error(local, logits.chunk(world, dim=1)[rank]) < 1e-5, f"logits on rank {rank}"
