@@ -30,6 +30,10 @@ def _config(family: str):
             **COMMON, head_dim=16, intermediate_size=96, layer_types=["linear_attention", "full_attention"],
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "qwen3_5":  # the same Gated DeltaNet layer, dense MLP
+        return tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(
+            **COMMON, head_dim=16, intermediate_size=96, layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
     if family == "lfm2":
         return tf.Lfm2ForCausalLM, tf.Lfm2Config(**COMMON, layer_types=["conv", "full_attention"])
     raise ValueError(family)

@@ -1,4 +1,4 @@
-"""Hybrid models run exactly under backend="upipe": Qwen3-Next (a short causal conv and the
+"""Hybrid models run exactly under backend="upipe": Qwen3-Next and Qwen3.5 (a short causal conv and the
 gated delta rule beside softmax attention, MoE) and LFM2 (a gated short conv), loaded with
 register() and compiled over 2 and 4 gloo ranks, equal the unsharded model with the
 families' own mixer functions: every rank's logits and every parameter gradient (fp32).
@@ -14,7 +14,7 @@ from tests_support import relative_error
 
 
 @pytest.mark.parametrize("world, heads_per_stage", [(2, None), (2, 4), (4, None)], ids=["P2", "P2-U4", "P4"])
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "lfm2"])
 def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_per_stage):
     """U = P (the default) and U = all 4 attention heads (Ulysses) for the attention layers."""
     shards = rank_pools(world).run(jobs.compiled_case, family, world, heads_per_stage)
