@@ -214,13 +214,7 @@ def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):
                 trainer = UPipeSFTTrainer(**kwargs, upipe_options=INNER)
             else:
                 trainer = SFTTrainer(**kwargs)
-            if family in HYBRIDS:  # the reference runs the family's own mixer functions
-                from upipe_compile.integrations.transformers_mixers import original_mixers
-
-                with original_mixers():
-                    trainer.train()
-            else:
-                trainer.train()
+            trainer.train()
         return _result(trainer, record)
     finally:
         _reset_accelerate()

@@ -1,8 +1,9 @@
 """Hybrid transformers models whose mixers upipe does not run as stage loops (Mamba, Mamba2,
 lightning attention) are refused under backend="upipe" with P > 1, naming the mixer's line in
 the model's source: their mixers would otherwise run over this rank's shard alone (a silent
-wrong answer). Qwen3-Next and LFM2 run exactly: tests/test_hf_hybrid_numerics.py. Tiny configs of transformers' own classes, loaded with register(), on a FAKE
-process group of P = 2 ranks (the refusal happens at compile time, before anything runs)."""
+wrong answer). Qwen3-Next, Qwen3.5 and LFM2 run exactly: tests/test_hf_hybrid_numerics.py.
+Tiny configs of transformers' own classes, loaded with register(), on a FAKE process group of
+P = 2 ranks (the refusal happens at compile time, before anything runs)."""
 
 from __future__ import annotations
 

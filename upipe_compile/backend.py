@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.mixers import ops as _mixer_ops  # noqa: F401  (registers upipe::head_mixer*)
+import upipe_compile.mixers.ops  # noqa: F401  (registers upipe::head_mixer*, which the passes rewrite)
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
     BlockMatch, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
