@@ -4,8 +4,9 @@ transformers calls a hybrid layer's mixers through module-level functions it can
 hub kernel or a library (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``: fla or
 causal-conv1d where installed, else its torch fallback). :func:`route_mixers` wraps the
 function each family's module holds, whichever implementation transformers chose, so that
-the call becomes one ``upipe::head_mixer`` node: without context parallelism it runs that
-same function; under ``backend="upipe"`` the pass rewrites it into the stage loop. Calls
+under ``torch.compile`` the call becomes one ``upipe::head_mixer`` node: with one rank it
+runs that same function; under ``backend="upipe"`` the pass rewrites it into the stage loop.
+Eager calls go to the function directly (its own backward, no recompute). Calls
 the loop cannot run exactly (a cache's state, packed documents' ``cu_seqlens``, unknown
 keywords) go to the function as they are, where the token-mixing check refuses them under
 context parallelism.
@@ -67,7 +68,7 @@ def _set(kwargs: dict) -> bool:
 
 def _conv(name, original):
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        if _set(kwargs):  # seq_idx / cu_seqlens: documents the loop does not restart at
+        if not torch.compiler.is_compiling() or _set(kwargs):  # eager; documents (seq_idx, cu_seqlens)
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         options = {"activation": activation, "absent": [2] if bias is None else []}
         return torch.ops.upipe.head_mixer(name, [t for t in (hidden_states, weight, bias) if t is not None],
@@ -79,7 +80,8 @@ def _conv(name, original):
 def _delta(name, original):
     def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        if initial_state is not None or output_final_state or cu_seqlens is not None or _set(kwargs):
+        if (not torch.compiler.is_compiling() or initial_state is not None or output_final_state
+                or cu_seqlens is not None or _set(kwargs)):
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             cu_seqlens=cu_seqlens, **kwargs)

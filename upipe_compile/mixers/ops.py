@@ -40,16 +40,7 @@ def head_mixer(name: str, tensors: Tensors, options: str) -> torch.Tensor:
 @head_mixer.register_fake
 def _head_mixer_fake(name, tensors, options):
     spec, _ = resolve(name)
-    return _output_like(spec, _full(tensors, decode(options)))
-
-
-def _output_like(spec, tensors) -> torch.Tensor:
-    """The mixer's output for these inputs (shape and dtype), without running it."""
-    first = tensors[0]
-    if spec.kind == "causal_conv1d":
-        return first.new_empty(first.shape)
-    v = tensors[2]
-    return v.new_empty(v.shape, dtype=tensors[0].dtype)
+    return spec.output_like(_full(tensors, decode(options)))
 
 
 def _plain_setup(ctx, inputs, output):
@@ -92,7 +83,7 @@ def head_mixer_loop(name: str, tensors: Tensors, options: str, group_name: str, 
 @head_mixer_loop.register_fake
 def _head_mixer_loop_fake(name, tensors, options, group_name, world, stages):
     spec, _ = resolve(name)
-    return _output_like(spec, _full(tensors, decode(options)))
+    return spec.output_like(_full(tensors, decode(options)))
 
 
 def _loop_setup(ctx, inputs, output):
@@ -116,7 +107,7 @@ torch.library.register_autograd("upipe::head_mixer_loop", _loop_backward, setup_
 def loop_forward(spec, implementation, full: list, settings: dict, group_name: str, world: int,
                  stages: int) -> torch.Tensor:
     """The stage loop's forward (no autograd): the mixer's output on this rank's shard."""
-    out = _output_like(spec, full)
+    out = spec.output_like(full)
     per_rank = _heads(spec, full) // (world * stages)
     for stage in range(stages):
         start = stage * world * per_rank

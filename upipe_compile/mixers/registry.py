@@ -39,6 +39,8 @@ class MixerSpec:
     output: Layout
     call: Callable[[Callable, list, dict], torch.Tensor]
     """``call(implementation, tensors, options)``: the mixer on (a head chunk of) its tensors."""
+    output_like: Callable[[list], torch.Tensor]
+    """An uninitialised output for these tensors (shape and dtype), without running the mixer."""
 
 
 def _conv_call(fn, tensors, options):
@@ -53,13 +55,22 @@ def _delta_call(fn, tensors, options):
     return out
 
 
+def _like_input(tensors):
+    return tensors[0].new_empty(tensors[0].shape)
+
+
+def _like_values(tensors):
+    q, _, v = tensors[:3]
+    return v.new_empty(v.shape, dtype=q.dtype)
+
+
 KINDS = {
     # x [B, C, S], weight [C, K], bias [C]: one causal filter per channel
     "causal_conv1d": MixerSpec("causal_conv1d", (Layout(head=1, seq=2), Layout(head=0), Layout(head=0)),
-                               Layout(head=1, seq=2), _conv_call),
+                               Layout(head=1, seq=2), _conv_call, _like_input),
     # q, k [B, S, H, Dk] (repeated to the value heads), v [B, S, H, Dv], g, beta [B, S, H]
     "gated_delta_rule": MixerSpec("gated_delta_rule", (Layout(head=2, seq=1),) * 5, Layout(head=2, seq=1),
-                                  _delta_call),
+                                  _delta_call, _like_values),
 }
 
 _IMPLEMENTATIONS: dict[str, tuple[str, Callable]] = {}
@@ -88,7 +99,3 @@ def decode(options: str) -> dict:
         return {}
     return {key: ast.literal_eval(value) for key, value in (item.split("=", 1) for item in options.split(";"))}
 
-
-def head_count(spec: MixerSpec, tensors: list) -> int:
-    first = tensors[0]
-    return first.shape[spec.inputs[0].head]
