@@ -49,9 +49,11 @@ def mixer_stages(heads: int, world: int) -> int:
 
 def rewrite_mixer(gm: fx.GraphModule, node: fx.Node, group_name: str, world: int) -> None:
     stages = mixer_stages(mixer_heads(node), world)
+    name, tensors, options = node.args[:3]
+    documents = node.args[3] if len(node.args) > 3 else node.kwargs.get("documents")
     with gm.graph.inserting_before(node):
         loop = gm.graph.call_function(torch.ops.upipe.head_mixer_loop.default,
-                                      (*node.args, group_name, world, stages))
+                                      (name, tensors, options, documents, group_name, world, stages))
     loop.meta.update(node.meta)
     node.replace_all_uses_with(loop)
     gm.graph.erase_node(node)

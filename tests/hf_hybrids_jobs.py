@@ -97,3 +97,48 @@ def compiled_case(family: str, world: int, heads_per_stage: int | None = None):
     logits = torch.compile(model, backend=backend)(input_ids=ids, position_ids=positions, use_cache=False).logits
     (logits * dout).sum().backward()
     return logits.detach(), _grads(model), sorted(ops)
+
+
+DOCUMENT_LENGTHS = (11, 5, 16)  # a packed row of three documents over the full SEQ = 32
+
+
+def packed_positions():
+    return torch.cat([torch.arange(n) for n in DOCUMENT_LENGTHS]).unsqueeze(0)
+
+
+def eager_documents_reference(family: str):
+    """Each document through the unsharded eager model on its own (what restarting the mixers
+    and attention at document boundaries must equal): (logits, grads)."""
+    with original_mixers():
+        model = build_model(family, "eager")
+        ids, dout = make_inputs()
+        pieces, start = [], 0
+        for n in DOCUMENT_LENGTHS:
+            logits = model(input_ids=ids[:, start:start + n], use_cache=False).logits
+            (logits * dout[:, start:start + n]).sum().backward()
+            pieces.append(logits.detach())
+            start += n
+    return torch.cat(pieces, dim=1), _grads(model)
+
+
+def compiled_packed_case(family: str, world: int):
+    """The packed row through the compiled model on this rank's shard (register()'s
+    packed_batch: boundaries over the full sequence): (logits, grads, upipe ops)."""
+    from upipe_compile.integrations.transformers import packed_batch
+
+    torch._dynamo.reset()
+    model = build_model(family, UPIPE)
+    ids, dout = make_inputs()
+    batch = packed_batch(ids, packed_positions())
+    dout = upipe_compile.shard_sequence(dout, dim=1)
+    ops = set()
+
+    def backend(gm, example_inputs):
+        compiled = upipe_compile.upipe_backend(gm, example_inputs, options={"inner_backend": "eager"})
+        ops.update(str(n.target) for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes
+                   if "upipe" in str(n.target))
+        return compiled
+
+    logits = torch.compile(model, backend=backend)(**batch, use_cache=False).logits
+    (logits * dout).sum().backward()
+    return logits.detach(), _grads(model), sorted(ops)

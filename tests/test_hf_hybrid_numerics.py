@@ -27,3 +27,17 @@ def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_pe
     for name, grad in grads.items():
         total = sum(shard[1][name] for shard in shards)
         assert relative_error(total, grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_packed_documents_restart_the_mixers(rank_pools, family):
+    """A packed row of three documents (one crossing the shard boundary) at P = 2: the mixers
+    restart at every document, as each document run alone through the eager model."""
+    shards = rank_pools(2).run(jobs.compiled_packed_case, family, 2)
+    logits, grads = jobs.eager_documents_reference(family)
+    for rank, (local, _, ops) in enumerate(shards):
+        assert relative_error(local, logits.chunk(2, dim=1)[rank]) < 1e-5, f"logits on rank {rank}"
+        assert "upipe.head_mixer_loop.default" in ops, ops
+    for name, grad in grads.items():
+        total = sum(shard[1][name] for shard in shards)
+        assert relative_error(total, grad) < 1e-5, name

@@ -81,23 +81,3 @@ def test_hybrid_family_is_refused_naming_its_mixer(world, name, file, code):
     assert any(code in line for line in mixer_lines), message
     assert "attention call(s)" not in message  # the softmax attention layers are rewritten, not refused
 
-
-def test_packed_documents_to_a_mixer_are_refused(world):
-    """Qwen3-Next's mixers run as stage loops, but not over packed documents (their
-    ``cu_seqlens``): those calls keep the model's own function, which the check refuses."""
-    from hf_hybrids_jobs import build_model
-
-    from upipe_compile.integrations.transformers import packed_batch
-
-    model = build_model("qwen3_next", register())
-    ids = torch.randint(0, 96, (1, 16))
-    positions = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0)  # two documents
-    compiled = torch.compile(model, backend="upipe", options={"cp_mesh": world, "inner_backend": "eager"})
-    with pytest.raises(Exception) as info:
-        compiled(**packed_batch(ids, positions, world), use_cache=False)
-    error = info.value
-    if isinstance(error, BackendCompilerFailed):  # fla installed: its kernel in the graph, refused by the check
-        message = str(error.inner_exception)
-        assert "mix tokens across the sharded sequence" in message and "modeling_qwen3_next.py" in message, message
-    else:  # without fla transformers itself refuses packed sequences for this mixer
-        assert "packed sequences" in str(error), repr(error)

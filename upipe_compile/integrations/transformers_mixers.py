@@ -7,9 +7,10 @@ function each family's module holds, whichever implementation transformers chose
 under ``torch.compile`` the call becomes one ``upipe::head_mixer`` node: with one rank it
 runs that same function; under ``backend="upipe"`` the pass rewrites it into the stage loop.
 Eager calls go to the function directly (its own backward, no recompute). Calls
-the loop cannot run exactly (a cache's state, packed documents' ``cu_seqlens``, unknown
+the loop cannot run exactly (a cache's state, ``seq_idx``, several packed rows, unknown
 keywords) go to the function as they are, where the token-mixing check refuses them under
-context parallelism.
+context parallelism. Packed documents' boundaries (``cu_seqlens``, or the attention's
+``cu_seq_lens_q`` a layer hands on) go to the op: the mixer restarts at each document.
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ def _set(kwargs: dict) -> bool:
 
 def _conv(name, original):
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        if not torch.compiler.is_compiling() or _set(kwargs):  # eager; documents (seq_idx, cu_seqlens)
+        # packed documents come as the attention's boundaries (the layer hands its kwargs on)
+        documents = kwargs.get("cu_seq_lens_q")
+        rest = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k")}
+        if not torch.compiler.is_compiling() or _set(rest) or (documents is not None and hidden_states.shape[0] != 1):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         options = {"activation": activation, "absent": [2] if bias is None else []}
         return torch.ops.upipe.head_mixer(name, [t for t in (hidden_states, weight, bias) if t is not None],
-                                          encode(options))
+                                          encode(options), documents)
 
     return causal_conv1d_fn
 
@@ -80,8 +84,9 @@ def _conv(name, original):
 def _delta(name, original):
     def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        if (not torch.compiler.is_compiling() or initial_state is not None or output_final_state
-                or cu_seqlens is not None or _set(kwargs)):
+        rest = {k: v for k, v in kwargs.items() if k != "cu_seq_lens_k"}  # the same boundaries as cu_seqlens
+        if (not torch.compiler.is_compiling() or initial_state is not None or output_final_state or _set(rest)
+                or (cu_seqlens is not None and value.shape[0] != 1)):
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             cu_seqlens=cu_seqlens, **kwargs)
@@ -89,7 +94,7 @@ def _delta(name, original):
         if group > 1:  # one query/key head per value head, as the kernels do
             query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
         options = encode({"chunk_size": chunk_size, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel})
-        return torch.ops.upipe.head_mixer(name, [query, key, value, g, beta], options), None
+        return torch.ops.upipe.head_mixer(name, [query, key, value, g, beta], options, cu_seqlens), None
 
     return chunk_gated_delta_rule
 

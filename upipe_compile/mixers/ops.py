@@ -12,6 +12,9 @@ replicated parameter's). Only the local inputs are saved: a stage's buffers live
 
 from __future__ import annotations
 
+import contextlib
+from typing import Optional
+
 import torch
 
 from upipe_compile.attention.collectives import all_to_all
@@ -29,83 +32,127 @@ def _full(tensors, options: dict) -> list:
     return [None if i in absent else next(present) for i in range(len(tensors) + len(absent))]
 
 
-# --- the plain op ---------------------------------------------------------------------------
+# --- the ops -------------------------------------------------------------------------------
+# Each backward is a custom op too: tracing sees one opaque call (whose implementation may
+# read the documents' boundaries on the host), not the recompute inside it.
 @torch.library.custom_op("upipe::head_mixer", mutates_args=())
-def head_mixer(name: str, tensors: Tensors, options: str) -> torch.Tensor:
+def head_mixer(name: str, tensors: Tensors, options: str, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     spec, implementation = resolve(name)
     settings = decode(options)
-    return spec.call(implementation, _full(tensors, settings), settings).clone()
+    return run_mixer(spec, implementation, _full(tensors, settings), settings, _bounds(documents)).clone()
+
+
+@torch.library.custom_op("upipe::head_mixer_backward", mutates_args=())
+def head_mixer_backward(name: str, tensors: Tensors, options: str, documents: Optional[torch.Tensor],
+                        dout: torch.Tensor) -> list[torch.Tensor]:
+    spec, implementation = resolve(name)
+    settings = decode(options)
+    full = _full(tensors, settings)
+    grads = _recompute_grads(spec, implementation, full, settings, dout, _bounds(documents))
+    return _present(grads, full)
+
+
+@torch.library.custom_op("upipe::head_mixer_loop", mutates_args=())
+def head_mixer_loop(name: str, tensors: Tensors, options: str, documents: Optional[torch.Tensor], group_name: str,
+                    world: int, stages: int) -> torch.Tensor:
+    spec, implementation = resolve(name)
+    settings = decode(options)
+    return loop_forward(spec, implementation, _full(tensors, settings), settings, group_name, world, stages,
+                        _bounds(documents))
+
+
+@torch.library.custom_op("upipe::head_mixer_loop_backward", mutates_args=())
+def head_mixer_loop_backward(name: str, tensors: Tensors, options: str, documents: Optional[torch.Tensor],
+                             group_name: str, world: int, stages: int, dout: torch.Tensor) -> list[torch.Tensor]:
+    spec, implementation = resolve(name)
+    settings = decode(options)
+    full = _full(tensors, settings)
+    grads = loop_backward(spec, implementation, full, settings, group_name, world, stages, dout, _bounds(documents))
+    return _present(grads, full)
+
+
+def _present(grads: list, full: list) -> list[torch.Tensor]:
+    """One gradient per present tensor (zeros where the mixer gives none)."""
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, full) if t is not None]
 
 
 @head_mixer.register_fake
-def _head_mixer_fake(name, tensors, options):
+def _head_mixer_fake(name, tensors, options, documents=None):
     spec, _ = resolve(name)
     return spec.output_like(_full(tensors, decode(options)))
 
 
-def _plain_setup(ctx, inputs, output):
-    name, tensors, options = inputs
-    ctx.name, ctx.options = name, options
-    ctx.save_for_backward(*tensors)
+@head_mixer_loop.register_fake
+def _head_mixer_loop_fake(name, tensors, options, documents, group_name, world, stages):
+    spec, _ = resolve(name)
+    return spec.output_like(_full(tensors, decode(options)))
+
+
+@head_mixer_backward.register_fake
+def _head_mixer_backward_fake(name, tensors, options, documents, dout):
+    return [torch.empty_like(t) for t in tensors]
+
+
+@head_mixer_loop_backward.register_fake
+def _head_mixer_loop_backward_fake(name, tensors, options, documents, group_name, world, stages, dout):
+    return [torch.empty_like(t) for t in tensors]
+
+
+def _setup(ctx, inputs, output):
+    """Save the inputs (and the boundaries) as tensors; the other arguments as they are."""
+    tensors, documents = inputs[1], inputs[3]
+    ctx.other = (inputs[0], inputs[2]) + tuple(inputs[4:])
+    ctx.count, ctx.has_documents = len(tensors), documents is not None
+    ctx.save_for_backward(*tensors, *([documents] if documents is not None else []))
+
+
+def _saved(ctx):
+    saved = list(ctx.saved_tensors)
+    return saved[:ctx.count], (saved[ctx.count] if ctx.has_documents else None)
 
 
 def _plain_backward(ctx, dout):
-    spec, implementation = resolve(ctx.name)
-    settings = decode(ctx.options)
-    full = _full(list(ctx.saved_tensors), settings)
-    grads = _recompute_grads(spec, implementation, full, settings, dout)
-    return None, [g for g, t in zip(grads, full) if t is not None], None
+    tensors, documents = _saved(ctx)
+    name, options = ctx.other
+    grads = torch.ops.upipe.head_mixer_backward(name, tensors, options, documents, dout.contiguous())
+    return None, list(grads), None, None
 
 
-torch.library.register_autograd("upipe::head_mixer", _plain_backward, setup_context=_plain_setup)
+def _loop_backward(ctx, dout):
+    tensors, documents = _saved(ctx)
+    name, options, group_name, world, stages = ctx.other
+    grads = torch.ops.upipe.head_mixer_loop_backward(name, tensors, options, documents, group_name, world, stages,
+                                                     dout.contiguous())
+    return None, list(grads), None, None, None, None, None
 
 
-def _recompute_grads(spec, implementation, tensors, options, dout) -> list:
+torch.library.register_autograd("upipe::head_mixer", _plain_backward, setup_context=_setup)
+torch.library.register_autograd("upipe::head_mixer_loop", _loop_backward, setup_context=_setup)
+
+
+@contextlib.contextmanager
+def _autograd_below_the_op():
+    """A custom op's implementation runs with autograd's dispatch keys excluded; the backward
+    ops recompute the mixer under autograd, so they lift that exclusion for the recompute."""
+    with contextlib.ExitStack() as stack:
+        for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        yield
+
+
+def _recompute_grads(spec, implementation, tensors, options, dout, bounds=None) -> list:
     """Gradients of ``sum(mixer(tensors) * dout)`` for the floating-point tensors."""
     leaves = [t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t for t in tensors]
     wanted = [t for t in leaves if t is not None and t.requires_grad]
-    with torch.enable_grad():
-        out = spec.call(implementation, leaves, options)
+    with torch.enable_grad(), _autograd_below_the_op():
+        out = run_mixer(spec, implementation, leaves, options, bounds)
         grads = torch.autograd.grad(out, wanted, dout, allow_unused=True)
     found = iter(grads)
     return [next(found) if t is not None and t.requires_grad else None for t in leaves]
 
 
-# --- the stage loop -------------------------------------------------------------------------
-@torch.library.custom_op("upipe::head_mixer_loop", mutates_args=())
-def head_mixer_loop(name: str, tensors: Tensors, options: str, group_name: str, world: int,
-                    stages: int) -> torch.Tensor:
-    spec, implementation = resolve(name)
-    settings = decode(options)
-    return loop_forward(spec, implementation, _full(tensors, settings), settings, group_name, world, stages)
-
-
-@head_mixer_loop.register_fake
-def _head_mixer_loop_fake(name, tensors, options, group_name, world, stages):
-    spec, _ = resolve(name)
-    return spec.output_like(_full(tensors, decode(options)))
-
-
-def _loop_setup(ctx, inputs, output):
-    name, tensors, options, group_name, world, stages = inputs
-    ctx.args = (name, options, group_name, world, stages)
-    ctx.save_for_backward(*tensors)
-
-
-def _loop_backward(ctx, dout):
-    name, options, group_name, world, stages = ctx.args
-    spec, implementation = resolve(name)
-    settings = decode(options)
-    full = _full(list(ctx.saved_tensors), settings)
-    grads = loop_backward(spec, implementation, full, settings, group_name, world, stages, dout)
-    return None, [g for g, t in zip(grads, full) if t is not None], None, None, None, None
-
-
-torch.library.register_autograd("upipe::head_mixer_loop", _loop_backward, setup_context=_loop_setup)
-
-
 def loop_forward(spec, implementation, full: list, settings: dict, group_name: str, world: int,
-                 stages: int) -> torch.Tensor:
+                 stages: int, bounds: Optional[list[int]] = None) -> torch.Tensor:
     """The stage loop's forward (no autograd): the mixer's output on this rank's shard."""
     out = spec.output_like(full)
     per_rank = _heads(spec, full) // (world * stages)
@@ -113,13 +160,13 @@ def loop_forward(spec, implementation, full: list, settings: dict, group_name: s
         start = stage * world * per_rank
         chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
         with torch.no_grad():
-            result = spec.call(implementation, chunk, settings)
+            result = run_mixer(spec, implementation, chunk, settings, bounds)
         _to_sequence_into(result, spec.output, out, start, per_rank, world, group_name)
     return out
 
 
 def loop_backward(spec, implementation, full: list, settings: dict, group_name: str, world: int, stages: int,
-                  dout: torch.Tensor) -> list:
+                  dout: torch.Tensor, bounds: Optional[list[int]] = None) -> list:
     """The stage loop's backward: gradients of ``full``'s floating-point tensors (None elsewhere)."""
     grads = [torch.zeros_like(t) if t is not None and t.is_floating_point() else None for t in full]
     per_rank = _heads(spec, full) // (world * stages)
@@ -127,7 +174,7 @@ def loop_backward(spec, implementation, full: list, settings: dict, group_name: 
         start = stage * world * per_rank
         chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
         dout_chunk = _to_heads(dout.contiguous(), spec.output, start, per_rank, world, group_name)
-        chunk_grads = _recompute_grads(spec, implementation, chunk, settings, dout_chunk)
+        chunk_grads = _recompute_grads(spec, implementation, chunk, settings, dout_chunk, bounds)
         for layout, grad, total in zip(spec.inputs, chunk_grads, grads):
             if grad is None or total is None:
                 continue
@@ -136,6 +183,26 @@ def loop_backward(spec, implementation, full: list, settings: dict, group_name: 
             else:
                 _to_sequence_into(grad, layout, total, start, per_rank, world, group_name)
     return grads
+
+
+# --- documents ------------------------------------------------------------------------------
+def _bounds(documents: Optional[torch.Tensor]) -> Optional[list[int]]:
+    """Document boundaries over the full sequence as host integers (one read per call), or None."""
+    return None if documents is None else [int(b) for b in documents.tolist()]
+
+
+def run_mixer(spec, implementation, tensors: list, settings: dict, bounds: Optional[list[int]]) -> torch.Tensor:
+    """The mixer over the full sequence; with packed documents (``bounds``, batch 1), once per
+    document, so that a conv's window and a scan's state restart at each one."""
+    if bounds is None or len(bounds) <= 2:
+        return spec.call(implementation, tensors, settings)
+    pieces = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            part = [t if t is None or layout.seq is None else t.narrow(layout.seq, a, b - a)
+                    for layout, t in zip(spec.inputs, tensors)]
+            pieces.append(spec.call(implementation, part, settings))
+    return torch.cat(pieces, dim=spec.output.seq)
 
 
 # --- layouts --------------------------------------------------------------------------------
