@@ -26,11 +26,17 @@ training loop sums it over ranks. Ops with no sharding rule in torch that get a 
 are refused as "cannot tell" rather than guessed. Shapes are the shard's own (the stand-in
 mesh is only asked about placements), so the graph's own size arguments stay consistent.
 
-Seeds, in each graph and nested body: the inputs ``shard_sequence`` / ``global_positions``
-made (their dimension is recorded on the tensor), and the activation inputs whose shape has
-the shard's length (the query length of the graph's attention calls) in one dimension. The
-attention calls upipe rewrites (and its own ops) are not asked: their output holds the same
-tokens as their query.
+MoE routing: a sort of integer token data (expert ids) makes a routing table, and rows moved
+by one (gathered, scattered, grouped-matmul'd) stay tokens; other mixing of integer token
+data (positions counted over the shard's mask) is refused. Ops whose results reach no output
+are ignored.
+
+Seeds: the inputs ``shard_sequence`` / ``global_positions`` made and the outputs of earlier
+compiled graphs (their dimension is recorded on the tensor; :func:`marking_outputs`), the
+activation inputs with the graph's attention query length in one dimension, and only where
+nothing is marked and there is no attention, ``[B, S, ...]`` inputs of a length
+``shard_sequence`` cut. The attention and mixer calls upipe rewrites are not asked: their
+output holds the same tokens as their first input; upipe's other ops keep their tokens.
 """
 
 from __future__ import annotations
