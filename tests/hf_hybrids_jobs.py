@@ -13,6 +13,7 @@ import torch.distributed as dist  # noqa: E402
 
 import upipe_compile  # noqa: E402
 from upipe_compile.integrations.transformers import register  # noqa: E402
+from tests_support import per_document_logits  # noqa: E402
 from upipe_compile.integrations.transformers_mixers import original_mixers  # noqa: E402
 
 UPIPE = register()
@@ -112,13 +113,8 @@ def eager_documents_reference(family: str):
     with original_mixers():
         model = build_model(family, "eager")
         ids, dout = make_inputs()
-        pieces, start = [], 0
-        for n in DOCUMENT_LENGTHS:
-            logits = model(input_ids=ids[:, start:start + n], use_cache=False).logits
-            (logits * dout[:, start:start + n]).sum().backward()
-            pieces.append(logits.detach())
-            start += n
-    return torch.cat(pieces, dim=1), _grads(model)
+        logits = per_document_logits(model, ids, dout, DOCUMENT_LENGTHS)
+    return logits, _grads(model)
 
 
 def compiled_packed_case(family: str, world: int):

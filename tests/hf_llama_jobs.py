@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tests_support import attention_events  # noqa: E402
+from tests_support import attention_events, per_document_logits  # noqa: E402
 import upipe_compile  # noqa: E402
 from upipe_compile.integrations.transformers import register  # noqa: E402
 
@@ -187,13 +187,7 @@ def per_document_reference(case: LlamaCase, lengths: tuple[int, ...]):
     (logits laid end to end, param grads of the summed loss)."""
     model = build_model(case, "sdpa")
     ids, _, dout = packed_inputs(case, lengths)
-    logits, start = [], 0
-    for n in lengths:
-        doc_logits = model(input_ids=ids[:, start:start + n], use_cache=False).logits
-        (doc_logits * dout[:, start:start + n]).sum().backward()
-        logits.append(doc_logits.detach())
-        start += n
-    return torch.cat(logits, dim=1), _grads(model)
+    return per_document_logits(model, ids, dout, lengths), _grads(model)
 
 
 def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask: bool = False,

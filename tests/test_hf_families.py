@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_families_jobs as jobs
-from tests_support import relative_error
+from tests_support import assert_shards_match, relative_error
 
 FAMILIES = ["mistral", "qwen2", "gemma3", "gemma2", "gpt_oss"]
 
@@ -18,16 +18,10 @@ FAMILIES = ["mistral", "qwen2", "gemma3", "gemma2", "gpt_oss"]
 def test_family_matches_full_sequence_eager(rank_pools, family, world):
     shards = rank_pools(world).run(jobs.compiled_family_case, family, world, True)
     logits, grads = jobs.eager_reference(family, world)
-    for rank, shard in enumerate(shards):  # every rank's shard, not only the gathered whole
-        part = logits.chunk(world, dim=1)[rank]
-        assert relative_error(shard[0], part) < 1e-5, f"logits on rank {rank}"
-        events = shard[2]
+    assert_shards_match(shards, logits, grads)
+    for *_, events in shards:
         assert events.get("plain sdpa outside upipe", 0) == 0, events
         assert any(name.startswith("upipe::attention") for name in events), events
-    assert set(shards[0][1]) == set(grads)
-    for name, grad in grads.items():
-        total = sum(shard[1][name] for shard in shards)
-        assert relative_error(total, grad) < 1e-5, name
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])

@@ -113,6 +113,29 @@ def eager_block_reference(case: AttentionCase):
     return block_grads(TinyAttention(case), x, dout)
 
 
+def assert_shards_match(shards, logits: torch.Tensor, grads: dict, tolerance: float = 1e-5) -> None:
+    """Every rank's logits (``shards[r][0]``) equal its contiguous slice of the full-sequence
+    ``logits``, and the parameter gradients (``shards[r][1]``), summed over ranks, equal ``grads``."""
+    world = len(shards)
+    for rank, shard in enumerate(shards):  # every rank's shard, not only the gathered whole
+        assert relative_error(shard[0], logits.chunk(world, dim=1)[rank]) < tolerance, f"logits on rank {rank}"
+    assert set(shards[0][1]) == set(grads)
+    for name, grad in grads.items():
+        assert relative_error(sum(shard[1][name] for shard in shards), grad) < tolerance, name
+
+
+def per_document_logits(model: torch.nn.Module, ids: torch.Tensor, dout: torch.Tensor, lengths) -> torch.Tensor:
+    """Each document of a packed row through ``model`` on its own, forward and backward of
+    ``sum(logits * dout)``: the logits laid end to end (gradients accumulate in the model)."""
+    logits, start = [], 0
+    for n in lengths:
+        doc_logits = model(input_ids=ids[:, start:start + n], use_cache=False).logits
+        (doc_logits * dout[:, start:start + n]).sum().backward()
+        logits.append(doc_logits.detach())
+        start += n
+    return torch.cat(logits, dim=1)
+
+
 def attention_events(prof) -> collections.Counter:
     """From a torch.profiler run: how often each upipe op ran, and SDPA kernels that ran
     outside them (plain attention on a shard would be a silent wrong answer)."""
