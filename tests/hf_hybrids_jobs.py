@@ -37,6 +37,18 @@ def _config(family: str):
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
     if family == "lfm2":
         return tf.Lfm2ForCausalLM, tf.Lfm2Config(**COMMON, layer_types=["conv", "full_attention"])
+    if family == "bamba":  # Mamba2: 8 heads in 2 groups of B/C, chunks shorter than a shard
+        return tf.BambaForCausalLM, tf.BambaConfig(**COMMON, intermediate_size=96, attn_layer_indices=[1],
+                                                   mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+                                                   mamba_d_state=8, mamba_chunk_size=4)
+    if family == "falcon_h1":  # Mamba2 beside attention in every layer, one group of B/C
+        return tf.FalconH1ForCausalLM, tf.FalconH1Config(**COMMON, head_dim=16, intermediate_size=96, mamba_d_ssm=64,
+                                                         mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                                                         mamba_d_state=8, mamba_chunk_size=8)
+    if family == "jamba":  # Mamba (selective scan; B and C shared by every channel), MoE
+        return tf.JambaForCausalLM, tf.JambaConfig(**COMMON, intermediate_size=96, attn_layer_period=2,
+                                                   attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+                                                   mamba_d_state=8, mamba_expand=2)
     raise ValueError(family)
 
 

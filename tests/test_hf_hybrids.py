@@ -1,9 +1,11 @@
-"""Hybrid transformers models whose mixers upipe does not run as stage loops (Mamba, Mamba2,
-lightning attention) are refused under backend="upipe" with P > 1, naming the mixer's line in
-the model's source: their mixers would otherwise run over this rank's shard alone (a silent
-wrong answer). Qwen3-Next, Qwen3.5 and LFM2 run exactly: tests/test_hf_hybrid_numerics.py.
-Tiny configs of transformers' own classes, loaded with register(), on a FAKE process group of
-P = 2 ranks (the refusal happens at compile time, before anything runs)."""
+"""Never silent: a hybrid layer whose mixer upipe does not run as a stage loop is refused under
+backend="upipe" with P > 1, naming the mixer's line in the model's source; the mixer would
+otherwise run over this rank's shard alone (a silent wrong answer). MiniMax's lightning
+attention is written inline in its layer; the Mamba and Mamba2 families are run here with their
+own, unrouted mixer functions (as a family upipe does not know would be). Routed, they run
+exactly: tests/test_hf_hybrid_numerics.py. Tiny configs of transformers' own classes, loaded
+with register(), on a FAKE process group of P = 2 ranks (the refusal happens at compile time,
+before anything runs)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
 import upipe_compile  # noqa: E402
 from upipe_compile import UnsupportedAttention  # noqa: E402
 from upipe_compile.integrations.transformers import register  # noqa: E402
+from upipe_compile.integrations.transformers_mixers import original_mixers  # noqa: E402
 
 WORLD = 2
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -70,8 +73,9 @@ def test_hybrid_family_is_refused_naming_its_mixer(world, name, file, code):
     model = cls(config)
     ids = upipe_compile.shard_sequence(torch.randint(0, 96, (1, 16)), world)
     positions = upipe_compile.global_positions(ids.shape[1], world)
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend="upipe", options={"cp_mesh": world, "inner_backend": "eager"})
-    with pytest.raises(BackendCompilerFailed) as info:
+    with pytest.raises(BackendCompilerFailed) as info, original_mixers():
         compiled(input_ids=ids, position_ids=positions)
     inner = info.value.inner_exception
     assert type(inner) is UnsupportedAttention, repr(inner)

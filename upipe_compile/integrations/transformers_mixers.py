@@ -31,6 +31,16 @@ FAMILIES = {
     "lfm2": {"causal_conv1d_fn": "causal_conv1d"},
     "lfm2_moe": {"causal_conv1d_fn": "causal_conv1d"},
 }
+# Mamba2 hybrids (Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Zamba2) and Mamba (Jamba,
+# Zamba): the conv and the scan are routed; the fused kernel (conv + scan + norm + out_proj in
+# one call, taken in training where mamba-ssm is installed) is declined under compile, so the
+# layer takes its split path, whose pieces are routed
+_MAMBA2 = {"causal_conv1d_fn": "causal_conv1d", "mamba2_chunk_scan": "mamba2_chunk_scan",
+           "mamba2_split_conv1d_scan_combined": "fused"}
+_MAMBA = {"causal_conv1d_fn": "causal_conv1d", "mamba_selective_scan": "selective_scan", "mamba_inner_fn": "fused"}
+FAMILIES.update({family: _MAMBA2 for family in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
+                                                  "mamba2")})
+FAMILIES.update({family: _MAMBA for family in ("jamba", "zamba", "mamba", "falcon_mamba")})
 
 _ROUTED = "_upipe_routed"
 
@@ -49,7 +59,8 @@ def route_mixers() -> list[str]:
                 continue
             name = f"{family}.{function}"
             if not getattr(original, _ROUTED, False):
-                register_mixer(name, kind, original)
+                if kind != "fused":
+                    register_mixer(name, kind, original)
                 wrapper = _WRAPPERS[kind](name, original)
                 setattr(wrapper, _ROUTED, True)
                 wrapper.__wrapped_original__ = original
@@ -99,7 +110,54 @@ def _delta(name, original):
     return chunk_gated_delta_rule
 
 
-_WRAPPERS = {"causal_conv1d": _conv, "gated_delta_rule": _delta}
+def _mamba2(name, original):
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None,
+                          **kwargs):
+        documents = kwargs.get("cu_seq_lens_q")
+        rest = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k")}
+        if (not torch.compiler.is_compiling() or initial_states is not None or return_final_states or z is not None
+                or _set(rest) or (documents is not None and hidden_states.shape[0] != 1)):
+            return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                            initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                            return_final_states=return_final_states, z=z, **kwargs)
+        given = (hidden_states, dt, A, B, C, D, dt_bias)
+        options = {"chunk_size": chunk_size, "dt_softplus": dt_softplus,
+                   "dt_limit": f"{float(dt_limit[0])},{float(dt_limit[1])}",
+                   "absent": [i for i, t in enumerate(given) if t is None]}
+        return torch.ops.upipe.head_mixer(name, [t for t in given if t is not None], encode(options), documents)
+
+    return mamba2_chunk_scan
+
+
+def _selective(name, original):
+    def selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
+        documents = kwargs.get("cu_seq_lens_q")
+        rest = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k")}
+        if (not torch.compiler.is_compiling() or return_last_state or _set(rest)
+                or (documents is not None and hidden_states.shape[0] != 1)):
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                            delta_softplus=delta_softplus, return_last_state=return_last_state,
+                            use_mambapy=use_mambapy, use_associative_scan=use_associative_scan, **kwargs)
+        given = (hidden_states, dt, A, B, C, D, z, delta_bias)
+        options = {"delta_softplus": delta_softplus, "use_mambapy": use_mambapy,
+                   "absent": [i for i, t in enumerate(given) if t is None]}
+        return torch.ops.upipe.head_mixer(name, [t for t in given if t is not None], encode(options), documents)
+
+    return selective_scan
+
+
+def _fused(name, original):
+    def fused_mixer(*args, **kwargs):
+        # None makes the layer take its split path, whose conv and scan are routed
+        return None if torch.compiler.is_compiling() else original(*args, **kwargs)
+
+    return fused_mixer
+
+
+_WRAPPERS = {"causal_conv1d": _conv, "gated_delta_rule": _delta, "mamba2_chunk_scan": _mamba2,
+             "selective_scan": _selective, "fused": _fused}
 
 
 class original_mixers:

@@ -39,7 +39,9 @@ def _full(tensors, options: dict) -> list:
 def head_mixer(name: str, tensors: Tensors, options: str, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     spec, implementation = resolve(name)
     settings = decode(options)
-    return run_mixer(spec, implementation, _full(tensors, settings), settings, _bounds(documents)).clone()
+    full = _full(tensors, settings)
+    out = run_mixer(spec, implementation, full, settings, _bounds(documents))
+    return out.to(dtype=spec.output_like(full).dtype, copy=True)
 
 
 @torch.library.custom_op("upipe::head_mixer_backward", mutates_args=())
@@ -175,11 +177,21 @@ def loop_backward(spec, implementation, full: list, settings: dict, group_name: 
         chunk = _stage_inputs(spec, full, start, per_rank, world, group_name)
         dout_chunk = _to_heads(dout.contiguous(), spec.output, start, per_rank, world, group_name)
         chunk_grads = _recompute_grads(spec, implementation, chunk, settings, dout_chunk, bounds)
+        heads = _heads(spec, full)
         for layout, grad, total in zip(spec.inputs, chunk_grads, grads):
             if grad is None or total is None:
                 continue
             if layout.seq is None:  # this rank's heads of a parameter
                 total.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank).add_(grad)
+            elif layout.head is None:  # every rank's share of the whole sequence, summed
+                total.add_(_reduce_scatter_sequence(grad, layout.seq, world, group_name))
+            elif layout.grouped:  # back as the stage's heads, summed into the groups they share
+                index = _group_index(heads, total.shape[layout.head], start, world * per_rank, total.device)
+                shape = list(total.shape)
+                shape[layout.head] = world * per_rank
+                per_head = total.new_zeros(shape)
+                _to_sequence_into(grad, layout, per_head, 0, per_rank, world, group_name)
+                total.index_add_(layout.head, index, per_head)
             else:
                 _to_sequence_into(grad, layout, total, start, per_rank, world, group_name)
     return grads
@@ -220,14 +232,40 @@ def _stage_inputs(spec, tensors, start, per_rank, world, group_name) -> list:
     """This rank's ``per_rank`` heads of the stage starting at head ``start``: activations over
     the whole sequence, parameters sliced."""
     chunk = []
+    heads = _heads(spec, tensors)
     for layout, t in zip(spec.inputs, tensors):
         if t is None:
             chunk.append(None)
         elif layout.seq is None:
             chunk.append(t.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank))
+        elif layout.head is None:
+            chunk.append(_gather_sequence(t, layout.seq, world, group_name))
+        elif layout.grouped:  # each of the stage's heads gets its group's row, then as any head
+            index = _group_index(heads, t.shape[layout.head], start, world * per_rank, t.device)
+            chunk.append(_to_heads(t.index_select(layout.head, index), layout, 0, per_rank, world, group_name))
         else:
             chunk.append(_to_heads(t, layout, start, per_rank, world, group_name))
     return chunk
+
+
+def _group_index(heads: int, groups: int, start: int, count: int, device) -> torch.Tensor:
+    """The group of each head in ``[start, start + count)``: groups are shared by consecutive heads."""
+    return torch.arange(start, start + count, device=device) // (heads // groups)
+
+
+def _gather_sequence(x: torch.Tensor, seq: int, world: int, group_name: str) -> torch.Tensor:
+    """This rank's shard of a tensor every head shares -> the whole sequence, on every rank."""
+    recv = all_to_all(x.unsqueeze(0).expand(world, *x.shape).contiguous(), group_name)  # dim 0: source rank
+    y = recv.movedim(0, seq)  # [..., rank, S_local, ...]
+    return y.reshape(*y.shape[:seq], -1, *y.shape[seq + 2:])
+
+
+def _reduce_scatter_sequence(grad: torch.Tensor, seq: int, world: int, group_name: str) -> torch.Tensor:
+    """Inverse of :func:`_gather_sequence` for gradients: every rank's contribution to this
+    rank's shard, summed."""
+    t = grad.reshape(*grad.shape[:seq], world, -1, *grad.shape[seq + 1:])
+    recv = all_to_all(t.movedim(seq, 0).contiguous(), group_name)  # dim 0: the rank that computed it
+    return recv.sum(0)
 
 
 def _to_heads(x: torch.Tensor, layout: Layout, start: int, per_rank: int, world: int, group_name: str):

@@ -24,10 +24,15 @@ import torch
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a tensor's sequence and head dimensions are; ``seq=None`` for a per-head parameter."""
+    """Where a tensor's sequence and head dimensions are; ``seq=None`` for a per-head parameter.
 
-    head: int
+    ``grouped``: the head dimension holds groups, each shared by ``heads / groups`` consecutive
+    heads (Mamba2's B and C, as KV heads under GQA). ``head=None``: one tensor shared by every
+    head (Mamba's B and C); each stage sees it over the whole sequence."""
+
+    head: Optional[int]
     seq: Optional[int] = None
+    grouped: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,29 @@ def _delta_call(fn, tensors, options):
     return out
 
 
+def _mamba2_call(fn, tensors, options):
+    x, dt, a, b, c, d, dt_bias = tensors
+    return fn(x, dt, a, b, c, chunk_size=options["chunk_size"], D=d, dt_bias=dt_bias,
+              dt_softplus=options.get("dt_softplus", False), dt_limit=_limit(options.get("dt_limit")))
+
+
+def _selective_call(fn, tensors, options):
+    x, dt, a, b, c, d, z, delta_bias = tensors
+    return fn(x, dt, a, b, c, D=d, z=z, delta_bias=delta_bias, delta_softplus=options.get("delta_softplus", False),
+              use_mambapy=options.get("use_mambapy", False))
+
+
+def _limit(text):
+    """``dt_limit`` travels as text: ``"0.0,inf"`` (a float tuple with inf is no Python literal)."""
+    return (0.0, float("inf")) if text is None else tuple(float(v) for v in text.split(","))
+
+
+def _like_float_input(tensors):
+    """The scans compute in float32 at least (transformers' torch scans return it)."""
+    x = tensors[0]
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
 def _like_input(tensors):
     return tensors[0].new_empty(tensors[0].shape)
 
@@ -71,6 +99,20 @@ KINDS = {
     # q, k [B, S, H, Dk] (repeated to the value heads), v [B, S, H, Dv], g, beta [B, S, H]
     "gated_delta_rule": MixerSpec("gated_delta_rule", (Layout(head=2, seq=1),) * 5, Layout(head=2, seq=1),
                                   _delta_call, _like_values),
+    # Mamba2's SSD scan: x [B, S, H, P], dt [B, S, H], A [H], B, C [B, S, G, N] (G groups of heads),
+    # D [H], dt_bias [H]
+    "mamba2_chunk_scan": MixerSpec("mamba2_chunk_scan",
+                                   (Layout(head=2, seq=1), Layout(head=2, seq=1), Layout(head=0),
+                                    Layout(head=2, seq=1, grouped=True), Layout(head=2, seq=1, grouped=True),
+                                    Layout(head=0), Layout(head=0)),
+                                   Layout(head=2, seq=1), _mamba2_call, _like_float_input),
+    # Mamba's selective scan, one recurrence per channel: x, dt, z [B, C, S], A [C, N], B, C [B, N, S]
+    # (shared by every channel), D, delta_bias [C]
+    "selective_scan": MixerSpec("selective_scan",
+                                (Layout(head=1, seq=2), Layout(head=1, seq=2), Layout(head=0),
+                                 Layout(head=None, seq=2), Layout(head=None, seq=2), Layout(head=0),
+                                 Layout(head=1, seq=2), Layout(head=0)),
+                                Layout(head=1, seq=2), _selective_call, _like_float_input),
 }
 
 _IMPLEMENTATIONS: dict[str, tuple[str, Callable]] = {}
