@@ -49,6 +49,10 @@ def _config(family: str):
         return tf.JambaForCausalLM, tf.JambaConfig(**COMMON, intermediate_size=96, attn_layer_period=2,
                                                    attn_layer_offset=1, expert_layer_period=2, num_experts=2,
                                                    mamba_d_state=8, mamba_expand=2)
+    if family == "minimax":  # lightning attention (blocks of 6: a partial last one), MoE
+        return tf.MiniMaxForCausalLM, tf.MiniMaxConfig(**COMMON, head_dim=16, intermediate_size=96,
+                                                       layer_types=["linear_attention", "full_attention"],
+                                                       num_local_experts=4, num_experts_per_tok=2, block_size=6)
     raise ValueError(family)
 
 
@@ -127,6 +131,17 @@ def eager_documents_reference(family: str):
         ids, dout = make_inputs()
         logits = per_document_logits(model, ids, dout, DOCUMENT_LENGTHS)
     return logits, _grads(model)
+
+
+def eager_packed_reference(family: str):
+    """The packed row through the unsharded eager model, as transformers runs it (for families
+    whose mixers it gives no document boundaries): (logits, grads)."""
+    with original_mixers():
+        model = build_model(family, "eager")
+        ids, dout = make_inputs()
+        logits = model(input_ids=ids, position_ids=packed_positions(), use_cache=False).logits
+        (logits * dout).sum().backward()
+    return logits.detach(), _grads(model)
 
 
 def compiled_packed_case(family: str, world: int):

@@ -14,7 +14,7 @@ from tests_support import assert_shards_match
 
 
 @pytest.mark.parametrize("world, heads_per_stage", [(2, None), (2, 4), (4, None)], ids=["P2", "P2-U4", "P4"])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "lfm2", "bamba", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "lfm2", "bamba", "falcon_h1", "jamba", "minimax"])
 def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_per_stage):
     """U = P (the default) and U = all 4 attention heads (Ulysses) for the attention layers."""
     shards = rank_pools(world).run(jobs.compiled_case, family, world, heads_per_stage)
@@ -25,12 +25,25 @@ def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_pe
         assert "upipe.head_mixer.default" not in ops, ops  # every mixer rewritten
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "bamba"])
 def test_packed_documents_restart_the_mixers(rank_pools, family):
     """A packed row of three documents (one crossing the shard boundary) at P = 2: the mixers
-    restart at every document, as each document run alone through the eager model."""
+    transformers hands the boundaries to restart at every document, as each document run alone
+    through the eager model."""
     shards = rank_pools(2).run(jobs.compiled_packed_case, family, 2)
     logits, grads = jobs.eager_documents_reference(family)
+    assert_shards_match(shards, logits, grads)
+    for *_, ops in shards:
+        assert "upipe.head_mixer_loop.default" in ops, ops
+
+
+@pytest.mark.parametrize("family", ["jamba", "minimax"])
+def test_packed_documents_as_transformers_runs_them(rank_pools, family):
+    """Jamba's selective scan and MiniMax's lightning attention get no document boundaries from
+    transformers (their state runs on across documents; attention restarts): the packed row at
+    P = 2 equals the eager model on the whole packed row."""
+    shards = rank_pools(2).run(jobs.compiled_packed_case, family, 2)
+    logits, grads = jobs.eager_packed_reference(family)
     assert_shards_match(shards, logits, grads)
     for *_, ops in shards:
         assert "upipe.head_mixer_loop.default" in ops, ops

@@ -21,6 +21,7 @@ import torch
 
 from upipe_compile.integrations.transformers import _IGNORED_KWARGS
 from upipe_compile.mixers import ops  # noqa: F401  (registers the ops)
+from upipe_compile.mixers.lightning import lightning_attention
 from upipe_compile.mixers.registry import encode, register_mixer
 
 # family module -> {function name: mixer kind}
@@ -41,13 +42,22 @@ _MAMBA = {"causal_conv1d_fn": "causal_conv1d", "mamba_selective_scan": "selectiv
 FAMILIES.update({family: _MAMBA2 for family in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
                                                   "mamba2")})
 FAMILIES.update({family: _MAMBA for family in ("jamba", "zamba", "mamba", "falcon_mamba")})
+# transformers hands these families' selective scan no document boundaries, so packed documents
+# share its state (its kernel and its torch scan alike); their conv does not restart either, so
+# that upipe gives what transformers gives
+_NO_DOCUMENT_RESTART = {"jamba", "zamba", "mamba", "falcon_mamba"}
 
 _ROUTED = "_upipe_routed"
 
 
+# family module -> layer classes whose mixer is written inline in forward (no function to
+# swap): their forward is replaced by one that calls the mixer through the op
+LAYERS = {"minimax": {"MiniMaxLightningAttention": "lightning_attention"}}
+
+
 def route_mixers() -> list[str]:
-    """Wrap every known family's mixer functions (idempotent); the names routed."""
-    routed = []
+    """Wrap every known family's mixer functions and layers (idempotent); the names routed."""
+    routed = _route_layers()
     for family, functions in FAMILIES.items():
         try:
             module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -79,9 +89,10 @@ def _set(kwargs: dict) -> bool:
 
 
 def _conv(name, original):
+    restarts = name.split(".")[0] not in _NO_DOCUMENT_RESTART
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         # packed documents come as the attention's boundaries (the layer hands its kwargs on)
-        documents = kwargs.get("cu_seq_lens_q")
+        documents = kwargs.get("cu_seq_lens_q") if restarts else None
         rest = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k")}
         if not torch.compiler.is_compiling() or _set(rest) or (documents is not None and hidden_states.shape[0] != 1):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
@@ -160,6 +171,53 @@ _WRAPPERS = {"causal_conv1d": _conv, "gated_delta_rule": _delta, "mamba2_chunk_s
              "selective_scan": _selective, "fused": _fused}
 
 
+def _route_layers() -> list[str]:
+    routed = []
+    for family, layers in LAYERS.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        for layer, kind in layers.items():
+            cls = getattr(module, layer, None)
+            if cls is None:
+                continue
+            name = f"{family}.{layer}"
+            if not getattr(cls.forward, _ROUTED, False):
+                register_mixer(name, kind, _LAYER_MIXERS[kind])
+                forward = _LAYER_FORWARDS[kind](name, cls.forward, module)
+                setattr(forward, _ROUTED, True)
+                forward.__wrapped_original__ = cls.forward
+                cls.forward = forward
+            routed.append(name)
+    return routed
+
+
+def _lightning_layer(name, original, module):
+    """MiniMax's lightning attention layer: its projections and output as the model writes
+    them, the recurrence through the op (the model's own loop where the op cannot take it)."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        # the layer reads no positions and no document boundaries (packed documents share its
+        # state in transformers, and so here); the decoder layer hands them to both attentions
+        rest = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")}
+        if not torch.compiler.is_compiling() or cache is not None or _set(rest):
+            return original(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        batch, length, _ = hidden_states.shape
+        qkv = module.apply_mask_to_padding_states(self.act_fn(self.qkv_proj(hidden_states)), attention_mask)
+        qkv = qkv.reshape(batch, length, self.num_attention_heads, 3 * self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, self.head_dim, dim=3))
+        out = torch.ops.upipe.head_mixer(name, [q, k, v, self.slope_rate], encode({"block_size": self.block_size}))
+        out = self.norm(out.transpose(1, 2).reshape(batch, length, self.num_attention_heads * self.head_dim))
+        return self.out_proj(torch.sigmoid(self.output_gate(hidden_states)) * out), None
+
+    return forward
+
+
+_LAYER_MIXERS = {"lightning_attention": lightning_attention}
+_LAYER_FORWARDS = {"lightning_attention": _lightning_layer}
+
+
 class original_mixers:
     """``with original_mixers():`` the families' own functions, unrouted (a reference run)."""
 
@@ -175,6 +233,16 @@ class original_mixers:
                 if getattr(wrapper, _ROUTED, False):
                     self.swapped.append((module, function, wrapper))
                     setattr(module, function, wrapper.__wrapped_original__)
+        for family, layers in LAYERS.items():
+            try:
+                module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            except ImportError:
+                continue
+            for layer in layers:
+                cls = getattr(module, layer, None)
+                if cls is not None and getattr(cls.forward, _ROUTED, False):
+                    self.swapped.append((cls, "forward", cls.forward))
+                    cls.forward = cls.forward.__wrapped_original__
         return self
 
     def __exit__(self, *exc):

@@ -72,6 +72,11 @@ def _selective_call(fn, tensors, options):
               use_mambapy=options.get("use_mambapy", False))
 
 
+def _lightning_call(fn, tensors, options):
+    q, k, v, slope = tensors
+    return fn(q, k, v, slope, options["block_size"])
+
+
 def _limit(text):
     """``dt_limit`` travels as text: ``"0.0,inf"`` (a float tuple with inf is no Python literal)."""
     return (0.0, float("inf")) if text is None else tuple(float(v) for v in text.split(","))
@@ -113,6 +118,9 @@ KINDS = {
                                  Layout(head=None, seq=2), Layout(head=None, seq=2), Layout(head=0),
                                  Layout(head=1, seq=2), Layout(head=0)),
                                 Layout(head=1, seq=2), _selective_call, _like_float_input),
+    # lightning attention (MiniMax): q, k, v [B, H, S, D], one decay rate per head [H, 1, 1]
+    "lightning_attention": MixerSpec("lightning_attention", (Layout(head=1, seq=2),) * 3 + (Layout(head=0),),
+                                     Layout(head=1, seq=2), _lightning_call, _like_values),
 }
 
 _IMPLEMENTATIONS: dict[str, tuple[str, Callable]] = {}
