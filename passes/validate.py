@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from upipe_compile.attention.kernels import cuda_problems, variant_problems
+from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.kernels import NO_WINDOW
 from upipe_compile.passes.find import AttentionMatch
-from upipe_compile.attention.schedule import shape_problems
-from upipe_compile.attention.sinks import check_sinks
 
 
 def _example(arg):
@@ -17,8 +16,10 @@ def _example(arg):
     return None
 
 
-def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int) -> list[str]:
-    """Empty when the call can run as UPipe on ``world`` ranks, else one line per problem."""
+def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int, ring: bool = False) -> list[str]:
+    """Empty when the call can run as UPipe on ``world`` ranks (over a ring too where ``ring``),
+    else one line per problem: what the graph must fix at compile time here, the rest asked of
+    :func:`upipe_compile.attention.checks.attention_problems` as every entry point does."""
     reasons = []
     if match.attn_mask is not None:
         reasons.append(
@@ -39,21 +40,16 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int)
         reasons.append(f"enable_gqa must be a Python bool known at compile time, got {match.enable_gqa}")
 
     q, k, v = (_example(x) for x in (match.query, match.key, match.value))
-    window = (match.window_left, match.window_right)
-    if any(isinstance(x, fx.Node) for x in (*window, match.softcap)):
-        reasons.append(f"window {window} and softcap {match.softcap} must be Python numbers known at compile time")
-    else:
-        device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-        reasons += variant_problems(device_type, window, match.softcap)
+    window, softcap = (match.window_left, match.window_right), match.softcap
+    if any(isinstance(x, fx.Node) for x in (*window, softcap)):
+        reasons.append(f"window {window} and softcap {softcap} must be Python numbers known at compile time")
+        window, softcap = NO_WINDOW, 0.0  # the call's other checks still run
+    sinks = _example(match.sinks) if isinstance(match.sinks, fx.Node) else None
     if match.sinks is not None and not isinstance(match.sinks, fx.Node):
         reasons.append(f"sinks must be a tensor of one logit per query head, got {match.sinks!r}")
-
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
-    reasons += shape_problems(q.shape, k.shape, v.shape, match.enable_gqa is not False, world, heads_per_stage)
-    if isinstance(match.sinks, fx.Node):
-        reasons += check_sinks(_example(match.sinks), q.shape[1])
-    if q.device.type == "cuda":
-        reasons += cuda_problems(q.dtype, q.shape[-1])
-    return reasons
+    call = AttentionCall.of(q, k, v, enable_gqa=match.enable_gqa is not False, window=window, softcap=softcap,
+                            sinks=sinks, documents=match.cu_seqlens is not None)
+    return reasons + attention_problems(call, world, heads_per_stage, ring=ring)

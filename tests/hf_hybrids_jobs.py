@@ -35,6 +35,11 @@ def _config(family: str):
         return tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(
             **COMMON, head_dim=16, intermediate_size=96, layer_types=["linear_attention", "full_attention"],
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    if family == "olmo_hybrid":  # Gated DeltaNet with its own projections and gate
+        return tf.OlmoHybridForCausalLM, tf.OlmoHybridConfig(
+            **COMMON, intermediate_size=96, layer_types=["linear_attention", "full_attention"], pad_token_id=0,
+            eos_token_id=1, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16)
     if family == "lfm2":
         return tf.Lfm2ForCausalLM, tf.Lfm2Config(**COMMON, layer_types=["conv", "full_attention"])
     if family == "bamba":  # Mamba2: 8 heads in 2 groups of B/C, chunks shorter than a shard

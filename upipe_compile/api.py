@@ -9,15 +9,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from upipe_compile.attention import collectives, kernels
+from upipe_compile.attention import collectives
+from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import attention_op, op_arguments
-from upipe_compile.attention.ring import ring_problems
 from upipe_compile.options import (
     DEFAULT_PREFETCH, StageLoopSettings, normalised_variant, option_problems, resolved_heads_per_stage,
 )
-from upipe_compile.attention.schedule import shape_problems
-from upipe_compile.attention.sinks import check_sinks
 
 
 def upipe_attention(
@@ -55,22 +53,16 @@ def upipe_attention(
     the heads that rank computed: sum it over the ranks, as any replicated parameter's.
     """
     window_left, window_right, softcap = normalised_variant(window, softcap)
-    if sink_problems := check_sinks(sinks, q.shape[1]):
-        raise UnsupportedAttention("upipe_attention: " + "; ".join(sink_problems))
     group, ring_group = collectives.resolve_groups(cp_mesh)
     world = group.size()
     if problems := option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
-    problems = shape_problems(q.shape, k.shape, v.shape, enable_gqa, world, heads_per_stage)
-    problems += kernels.variant_problems(q.device.type, (window_left, window_right), softcap)
-    if q.device.type == "cuda":
-        problems += kernels.cuda_problems(q.dtype, q.shape[-1])
-    if problems:
+    call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
+                            sinks=sinks, documents=cu_seqlens is not None)
+    if problems := attention_problems(call, world, heads_per_stage, ring=ring_group is not None):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
-    if ring_group is not None and (problems := ring_problems(cu_seqlens is not None)):
-        raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     if world == 1 and ring_group is None and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch, window_left,

@@ -9,7 +9,6 @@ import logging
 import torch
 import torch.fx as fx
 
-from upipe_compile.attention.ring import ring_problems
 from upipe_compile.errors import UnsupportedAttention
 import upipe_compile.mixers.ops  # noqa: F401  (registers upipe::head_mixer*, which the passes rewrite)
 from upipe_compile.options import UPipeOptions
@@ -44,7 +43,7 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     problems = [
         f"  {match.source_line}\n" + "".join(f"    - {reason}\n" for reason in reasons)
         for match in matches
-        if (reasons := unsupported_reasons(match, world, heads_per_stage) + _ring_reasons(match, ring_group))
+        if (reasons := unsupported_reasons(match, world, heads_per_stage, ring=ring_group is not None))
     ]
     # head-separable mixers (short convs, the gated delta rule) run as stage loops too
     mixers = find_mixers(gm)
@@ -117,13 +116,6 @@ def _function_of(source_line: str) -> str:
 def _query_length(match) -> int | None:
     value = match.query.meta.get("example_value", match.query.meta.get("val"))
     return int(value.shape[-2]) if isinstance(value, torch.Tensor) and isinstance(value.shape[-2], int) else None
-
-
-def _ring_reasons(match, ring_group) -> list[str]:
-    """What a ring x all-to-all mesh cannot run yet, for this call."""
-    if ring_group is None:
-        return []
-    return ring_problems(match.cu_seqlens is not None)
 
 
 def _never_fall_back_to_eager() -> None:

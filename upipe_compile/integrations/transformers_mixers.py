@@ -29,6 +29,7 @@ FAMILIES = {
     "qwen3_next": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
     "qwen3_5": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
     "qwen3_5_moe": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
+    "olmo_hybrid": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
     "lfm2": {"causal_conv1d_fn": "causal_conv1d"},
     "lfm2_moe": {"causal_conv1d_fn": "causal_conv1d"},
 }

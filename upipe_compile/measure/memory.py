@@ -29,7 +29,8 @@ from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_backward
 from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.passes.find import SDPA_SIGNATURE
-from upipe_compile.attention.schedule import plan_stages, shape_problems
+from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.schedule import plan_stages
 from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward
 
 
@@ -160,7 +161,8 @@ class SDPAThroughStageLoops(TorchFunctionMode):
         if a["dropout_p"] != 0.0:
             problems.append(f"attention dropout is on (dropout_p={a['dropout_p']})")
         q, k, v = a["query"], a["key"], a["value"]
-        problems += shape_problems(q.shape, k.shape, v.shape, a["enable_gqa"], self.group.size(), self.heads_per_stage)
+        problems += attention_problems(AttentionCall.of(q, k, v, enable_gqa=a["enable_gqa"]), self.group.size(),
+                                       self.heads_per_stage, ring=bool(self.ring_group_name))
         if problems:
             raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
         settings = StageLoopSettings(a["is_causal"], a["scale"], self.heads_per_stage, self.group.size(),

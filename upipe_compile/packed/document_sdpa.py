@@ -21,8 +21,8 @@ from upipe_compile.attention import kernels
 from upipe_compile.packed.documents import Documents, boundary_problems, bounds_from_positions
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import normalised_variant
-from upipe_compile.attention.schedule import shape_problems
-from upipe_compile.attention.sinks import apply_sinks, check_sinks, sink_gradient
+from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 
 
 def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
@@ -135,9 +135,9 @@ def document_sdpa(
     q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``; every batch row has the same documents."""
     window_left, window_right, softcap = normalised_variant(window, softcap)
     # Under torch.compile the upipe pass validates shapes (with P) from the graph instead.
-    problems = [] if torch.compiler.is_compiling() else (
-        shape_problems(q.shape, k.shape, v.shape, enable_gqa, 1, q.shape[1]) + check_sinks(sinks, q.shape[1])
-        + kernels.variant_problems(q.device.type, (window_left, window_right), softcap))
+    call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
+                            sinks=sinks, documents=cu_seqlens is not None)
+    problems = [] if torch.compiler.is_compiling() else attention_problems(call, 1, q.shape[1])
     if problems:
         raise UnsupportedAttention("document_sdpa: " + "; ".join(problems))
     out, _ = document_sdpa_op(q, k, v, cu_seqlens, is_causal, scale, window_left, window_right, softcap, sinks)

@@ -1,0 +1,54 @@
+"""What an attention call must be for UPipe to run it exactly: the one list every entry point
+asks (the backend's pass, ``upipe_attention``, ``upipe_attention_block``, ``document_sdpa``,
+the memory measurement), so that the same call gets the same answer everywhere.
+
+Each entry point adds only what is its own to check: the pass, that the graph's arguments
+are known at compile time; the public functions, their option values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from upipe_compile.attention.kernels import NO_WINDOW, cuda_problems, variant_problems
+from upipe_compile.attention.ring import ring_problems
+from upipe_compile.attention.schedule import shape_problems
+from upipe_compile.attention.sinks import check_sinks
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call as the checks see it: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``."""
+
+    q_shape: tuple
+    k_shape: tuple
+    v_shape: tuple
+    dtype: torch.dtype
+    device_type: str
+    enable_gqa: bool = True
+    window: tuple = NO_WINDOW
+    softcap: float = 0.0
+    sinks: Optional[torch.Tensor] = None
+    documents: bool = False
+    """Packed documents (``cu_seqlens`` or 2-D positions) are given."""
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **rest) -> "AttentionCall":
+        return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device.type, **rest)
+
+
+def attention_problems(call: AttentionCall, world: int, heads_per_stage: int, ring: bool = False) -> list[str]:
+    """Why UPipe cannot run ``call`` on ``world`` all-to-all ranks with ``heads_per_stage``
+    (over a ring too where ``ring``); empty when it can."""
+    problems = shape_problems(call.q_shape, call.k_shape, call.v_shape, call.enable_gqa, world, heads_per_stage)
+    if len(call.q_shape) == 4:
+        problems += check_sinks(call.sinks, int(call.q_shape[1]))
+        if call.device_type == "cuda":
+            problems += cuda_problems(call.dtype, int(call.q_shape[-1]))
+    problems += variant_problems(call.device_type, call.window, call.softcap)
+    if ring:
+        problems += ring_problems(call.documents)
+    return problems
