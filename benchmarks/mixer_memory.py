@@ -13,6 +13,10 @@ is transformers' own torch implementation; the gated delta rule is a stand-in of
 inputs and output with no workspace of its own (the torch fallback's Python loop over 64-token
 chunks is too slow to trace at 1M tokens; fla's kernel keeps O(chunk) state per head on top):
 its rows measure the stage loop's exchange buffers, which are what the stage count changes.
+Bamba-9B's Mamba2 scan (128 heads of 64, one group of B/C with state 128) is measured the same
+way with a workspace-free stand-in (transformers' torch scan materialises chunk-by-chunk
+score tensors that a CUDA kernel does not): B and C travel once per rank per stage (every
+head of the rank shares the one group).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from upipe_compile.passes.rewrite_mixer import mixer_stages
 
 CONV_CHANNELS, CONV_KERNEL = 8192, 4  # 2 x 16 key heads x 128 + 32 value heads x 128
 VALUE_HEADS, HEAD_DIM = 32, 128
+MAMBA2_HEADS, MAMBA2_HEAD_DIM, MAMBA2_GROUPS, MAMBA2_STATE = 128, 64, 1, 128  # Bamba-9B's Mamba2 layer
 
 
 def _conv(x, weight, bias, activation=None):
@@ -43,6 +48,13 @@ def _conv(x, weight, bias, activation=None):
 def _delta_stand_in(q, k, v, g=None, beta=None, **unused):
     """Same inputs and output as the gated delta rule, no workspace: the loop's buffers alone."""
     return v * (beta * g.exp()).unsqueeze(-1), None
+
+
+def _mamba2_stand_in(x, dt, A, B, C, D=None, dt_bias=None, **unused):
+    """Same inputs and output as Mamba2's SSD scan, no workspace: the loop's buffers alone."""
+    heads, groups = x.shape[2], B.shape[2]
+    mix = (B * C).sum(-1).repeat_interleave(heads // groups, dim=2)
+    return x.float() * (dt.float() * A + D + dt_bias + mix).unsqueeze(-1)
 
 
 def _nbytes(tensors) -> int:
@@ -57,6 +69,12 @@ def measure(kind: str, group, seq: int, stages: int) -> tuple[int, int]:
             full = [torch.empty(1, CONV_CHANNELS, s_local, dtype=dtype), torch.empty(CONV_CHANNELS, CONV_KERNEL,
                                                                                        dtype=dtype), None]
             implementation, settings = _conv, {}
+        elif kind == "mamba2_chunk_scan":
+            full = [torch.empty(1, s_local, MAMBA2_HEADS, MAMBA2_HEAD_DIM, dtype=dtype),
+                    torch.empty(1, s_local, MAMBA2_HEADS, dtype=dtype), torch.empty(MAMBA2_HEADS)]
+            full += [torch.empty(1, s_local, MAMBA2_GROUPS, MAMBA2_STATE, dtype=dtype) for _ in range(2)]
+            full += [torch.empty(MAMBA2_HEADS), torch.empty(MAMBA2_HEADS)]
+            implementation, settings = _mamba2_stand_in, {"chunk_size": 256}
         else:
             qkv = [torch.empty(1, s_local, VALUE_HEADS, HEAD_DIM, dtype=dtype) for _ in range(3)]
             full = qkv + [torch.empty(1, s_local, VALUE_HEADS, dtype=torch.float32) for _ in range(2)]
@@ -79,7 +97,8 @@ def run(world: int, seq: int) -> list[dict]:
     rows = []
     with fake_process_group(world) as group:
         for kind, heads, label in [("causal_conv1d", CONV_CHANNELS, "short conv, 8192 channels"),
-                                   ("gated_delta_rule", VALUE_HEADS, "gated delta rule, 32 heads (stand-in)")]:
+                                   ("gated_delta_rule", VALUE_HEADS, "gated delta rule, 32 heads (stand-in)"),
+                                   ("mamba2_chunk_scan", MAMBA2_HEADS, "Mamba2 scan, 128 heads (stand-in)")]:
             results = {}
             for stages in (mixer_stages(heads, world), 1):
                 results[stages] = measure(kind, group, seq, stages)
@@ -100,7 +119,8 @@ def main(argv=None):
     rows = run(args.world, args.seq)
     text = "\n".join([
         f"# python benchmarks/mixer_memory.py --world {args.world} --seq {args.seq}",
-        f"# Qwen3-Next-80B Gated DeltaNet mixers: peak beyond inputs/output/grads per rank, fwd and bwd, bf16, "
+        f"# Qwen3-Next-80B Gated DeltaNet mixers and Bamba-9B's Mamba2 scan: peak beyond inputs/output/grads "
+        f"per rank, fwd and bwd, bf16, "
         f"P={args.world}, {args.seq} tokens (fake tensors + fake process group)",
         tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"),
     ])

@@ -185,13 +185,13 @@ def loop_backward(spec, implementation, full: list, settings: dict, group_name: 
                 total.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank).add_(grad)
             elif layout.head is None:  # every rank's share of the whole sequence, summed
                 total.add_(_reduce_scatter_sequence(grad, layout.seq, world, group_name))
-            elif layout.grouped:  # back as the stage's heads, summed into the groups they share
-                index = _group_index(heads, total.shape[layout.head], start, world * per_rank, total.device)
+            elif layout.grouped:  # back as each rank's group rows, summed into the groups
+                index, rows = _group_rows(heads, total.shape[layout.head], start, per_rank, world, total.device)
                 shape = list(total.shape)
-                shape[layout.head] = world * per_rank
-                per_head = total.new_zeros(shape)
-                _to_sequence_into(grad, layout, per_head, 0, per_rank, world, group_name)
-                total.index_add_(layout.head, index, per_head)
+                shape[layout.head] = world * rows
+                per_row = total.new_zeros(shape)
+                _to_sequence_into(grad, layout, per_row, 0, rows, world, group_name)
+                total.index_add_(layout.head, index, per_row)
             else:
                 _to_sequence_into(grad, layout, total, start, per_rank, world, group_name)
     return grads
@@ -240,17 +240,31 @@ def _stage_inputs(spec, tensors, start, per_rank, world, group_name) -> list:
             chunk.append(t.narrow(layout.head, start + _rank(group_name) * per_rank, per_rank))
         elif layout.head is None:
             chunk.append(_gather_sequence(t, layout.seq, world, group_name))
-        elif layout.grouped:  # each of the stage's heads gets its group's row, then as any head
-            index = _group_index(heads, t.shape[layout.head], start, world * per_rank, t.device)
-            chunk.append(_to_heads(t.index_select(layout.head, index), layout, 0, per_rank, world, group_name))
+        elif layout.grouped:  # each rank gets the groups its heads share
+            index, rows = _group_rows(heads, t.shape[layout.head], start, per_rank, world, t.device)
+            chunk.append(_to_heads(t.index_select(layout.head, index), layout, 0, rows, world, group_name))
         else:
             chunk.append(_to_heads(t, layout, start, per_rank, world, group_name))
     return chunk
 
 
-def _group_index(heads: int, groups: int, start: int, count: int, device) -> torch.Tensor:
-    """The group of each head in ``[start, start + count)``: groups are shared by consecutive heads."""
-    return torch.arange(start, start + count, device=device) // (heads // groups)
+def _group_rows(heads: int, groups: int, start: int, per_rank: int, world: int, device) -> tuple[torch.Tensor, int]:
+    """The rows of a grouped tensor each rank needs for its ``per_rank`` heads of the stage that
+    starts at head ``start`` (groups are shared by consecutive heads), as one index over the
+    ranks in order, and how many rows each rank gets. Where a rank's heads cover whole groups,
+    or lie in one, it gets just those groups (the mixer repeats them to its heads, as it does
+    for all of them); otherwise one row per head."""
+    shared_by = heads // groups
+    firsts = torch.arange(world, device=device) * per_rank + start  # each rank's first head
+    if per_rank % shared_by == 0:
+        rows = per_rank // shared_by
+        index = firsts[:, None] // shared_by + torch.arange(rows, device=device)
+    elif shared_by % per_rank == 0:
+        rows, index = 1, firsts[:, None] // shared_by
+    else:
+        rows = per_rank
+        index = (firsts[:, None] + torch.arange(rows, device=device)) // shared_by
+    return index.reshape(-1), rows
 
 
 def _gather_sequence(x: torch.Tensor, seq: int, world: int, group_name: str) -> torch.Tensor:
