@@ -42,6 +42,12 @@ def _config(family: str):
         return tf.GptOssForCausalLM, tf.GptOssConfig(sliding_window=WINDOW, num_local_experts=2,
                                                      num_experts_per_tok=1,
                                                      layer_types=["sliding_attention", "full_attention"], **COMMON)
+    if family == "deepseek_v3":  # MLA (q/k head dim 24 = nope 16 + rope 8, v head dim 16) + MoE
+        common = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "head_dim")}
+        return tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
+            **common, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1)
     raise ValueError(family)
 
 
@@ -109,3 +115,33 @@ def compiled_family_case(family: str, world: int, fuse: bool):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         logits = step()
     return logits, _grads(model), dict(attention_events(prof))
+
+
+DOCUMENT_LENGTHS = (5, 1, 10)  # a packed row over SEQ_LOCAL * 2: one document of length 1, one crossing ranks
+
+
+def eager_documents_reference(family: str):
+    """Each document of the packed row through the unsharded eager model on its own."""
+    from tests_support import per_document_logits
+
+    model = build_model(family, "eager")
+    ids, dout = make_inputs(2)
+    logits = per_document_logits(model, ids, dout, DOCUMENT_LENGTHS)
+    return logits, _grads(model)
+
+
+def compiled_packed_case(family: str, world: int):
+    """The packed row through the compiled model on this rank's shard (register()'s
+    packed_batch): (logits, grads)."""
+    from upipe_compile.integrations.transformers import packed_batch
+
+    torch._dynamo.reset()
+    model = build_model(family, UPIPE_SDPA)
+    ids, dout = make_inputs(2)
+    positions = torch.cat([torch.arange(n) for n in DOCUMENT_LENGTHS]).unsqueeze(0)
+    batch = packed_batch(ids, positions)
+    dout = upipe_compile.shard_sequence(dout, dim=1)
+    compiled = torch.compile(model, backend="upipe", options={"inner_backend": "aot_eager"})
+    logits = compiled(**batch, use_cache=False).logits
+    (logits * dout).sum().backward()
+    return logits.detach(), _grads(model)

@@ -50,6 +50,7 @@ def attention_cases(draw, worlds=(1, 2, 4)):
         dtype=draw(st.sampled_from(["float32", "bfloat16"])),
         seed=draw(st.integers(0, 2**16)),
         prefetch=draw(st.sampled_from(["none", "forward", "both"])),
+        value_dim=draw(st.sampled_from([None, None, None, 4, 12, 40])),  # MLA: v narrower or wider than q/k
     )
 
 
@@ -67,6 +68,9 @@ def _assert_close(name: str, actual, expected, case) -> None:
 @example(case=AttentionCase(4, 1, 24, 6, 3, 8, 12, False, 0.5, "float32", seed=2))
 @example(case=AttentionCase(4, 2, 8, 2, 3, 16, 4, True, None, "bfloat16", seed=3, prefetch="none"))
 @example(case=AttentionCase(4, 1, 16, 16, 3, 8, 4, True, None, "float32", seed=4, prefetch="both"))
+# MLA: q/k head dim 24 (nope + rope), v 16; and v wider than q/k
+@example(case=AttentionCase(2, 1, 4, 4, 4, 24, 2, True, None, "float32", seed=5, value_dim=16))
+@example(case=AttentionCase(2, 1, 4, 2, 3, 8, 2, False, 0.4, "bfloat16", seed=6, value_dim=16))
 def test_op_matches_eager_sdpa(rank_pools, case):
     shards = rank_pools(case.world).run(rank_jobs.op_case, case)
     expected = eager_reference(case)

@@ -26,6 +26,8 @@ class AttentionCase:
     dtype: str
     seed: int = 0
     prefetch: str = "forward"
+    value_dim: int | None = None
+    """v's head dim where it differs from q's and k's (MLA); None: head_dim."""
 
     @property
     def seq(self) -> int:
@@ -37,10 +39,11 @@ def make_inputs(case: AttentionCase):
     gen = torch.Generator().manual_seed(case.seed)
     dtype = DTYPES[case.dtype]
 
-    def randn(heads):
-        return torch.randn(case.batch, heads, case.seq, case.head_dim, generator=gen).to(dtype)
+    def randn(heads, dim=case.head_dim):
+        return torch.randn(case.batch, heads, case.seq, dim, generator=gen).to(dtype)
 
-    return randn(case.q_heads), randn(case.kv_heads), randn(case.kv_heads), randn(case.q_heads)
+    value_dim = case.value_dim or case.head_dim
+    return randn(case.q_heads), randn(case.kv_heads), randn(case.kv_heads, value_dim), randn(case.q_heads, value_dim)
 
 
 def eager_reference(case: AttentionCase):

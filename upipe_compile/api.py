@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from upipe_compile.attention import collectives
 from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import attention_op, op_arguments
 from upipe_compile.options import (
@@ -65,7 +66,8 @@ def upipe_attention(
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
     if world == 1 and ring_group is None and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    q, k, v, scale, value_dim = one_head_dim(q, k, v, scale)
     settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch, window_left,
                                  window_right, softcap, "" if ring_group is None else ring_group.group_name)
     out, _ = attention_op(*op_arguments(q, k, v, settings, cu_seqlens, sinks))
-    return out
+    return cut_to_value_dim(out, value_dim)

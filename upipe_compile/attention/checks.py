@@ -46,8 +46,8 @@ def attention_problems(call: AttentionCall, world: int, heads_per_stage: int, ri
     problems = shape_problems(call.q_shape, call.k_shape, call.v_shape, call.enable_gqa, world, heads_per_stage)
     if len(call.q_shape) == 4:
         problems += check_sinks(call.sinks, int(call.q_shape[1]))
-        if call.device_type == "cuda":
-            problems += cuda_problems(call.dtype, int(call.q_shape[-1]))
+        if call.device_type == "cuda":  # at the width both are padded to (head_dims.py)
+            problems += cuda_problems(call.dtype, max(int(call.q_shape[-1]), int(call.v_shape[-1])))
     problems += variant_problems(call.device_type, call.window, call.softcap)
     if ring:
         problems += ring_problems(call.documents)

@@ -135,10 +135,11 @@ def shape_problems(q_shape, k_shape, v_shape, enable_gqa: bool, world: int, head
     q_shape, k_shape, v_shape = tuple(q_shape), tuple(k_shape), tuple(v_shape)
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return [f"q/k/v must be 4-D [batch, heads, seq, head_dim]; got {q_shape}, {k_shape}, {v_shape}"]
-    if k_shape != v_shape or q_shape[2] != k_shape[2] or (q_shape[0], q_shape[3]) != (k_shape[0], k_shape[3]):
+    # v's head dim may differ from q's and k's (MLA): the entry points pad to one
+    if k_shape[:3] != v_shape[:3] or q_shape[2] != k_shape[2] or (q_shape[0], q_shape[3]) != (k_shape[0], k_shape[3]):
         return [
             f"UPipe runs self-attention over one sharded sequence; q {q_shape}, k {k_shape}, v {v_shape} "
-            "do not share batch, sequence length and head_dim"
+            "do not share batch, sequence length and (q, k) head_dim"
         ]
     problems = []
     q_heads, kv_heads = int(q_shape[1]), int(k_shape[1])

@@ -30,6 +30,7 @@ from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_
 from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.passes.find import SDPA_SIGNATURE
 from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.attention.schedule import plan_stages
 from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward
 
@@ -165,9 +166,10 @@ class SDPAThroughStageLoops(TorchFunctionMode):
                                        self.heads_per_stage, ring=bool(self.ring_group_name))
         if problems:
             raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
-        settings = StageLoopSettings(a["is_causal"], a["scale"], self.heads_per_stage, self.group.size(),
+        q, k, v, scale, value_dim = one_head_dim(q, k, v, a["scale"])
+        settings = StageLoopSettings(a["is_causal"], scale, self.heads_per_stage, self.group.size(),
                                      self.group.group_name, self.prefetch, ring_group_name=self.ring_group_name)
-        return StageLoopFunction.apply(q, k, v, settings)
+        return cut_to_value_dim(StageLoopFunction.apply(q, k, v, settings), value_dim)
 
 
 def expected_ratio(q_heads: int, kv_heads: int, world: int, heads_per_stage: int) -> float:

@@ -22,6 +22,7 @@ from upipe_compile.packed.documents import Documents, boundary_problems, bounds_
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import normalised_variant
 from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 
 
@@ -140,5 +141,6 @@ def document_sdpa(
     problems = [] if torch.compiler.is_compiling() else attention_problems(call, 1, q.shape[1])
     if problems:
         raise UnsupportedAttention("document_sdpa: " + "; ".join(problems))
+    q, k, v, scale, value_dim = one_head_dim(q, k, v, scale)
     out, _ = document_sdpa_op(q, k, v, cu_seqlens, is_causal, scale, window_left, window_right, softcap, sinks)
-    return out
+    return cut_to_value_dim(out, value_dim)
