@@ -169,6 +169,49 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
         _reset_accelerate()
 
 
+def run_evaluate(upipe: bool, eval_batch: int = 4, predict: bool = False):
+    """``trainer.evaluate()`` over 8 rows (every third right-padded, different numbers of
+    labelled tokens) at ``eval_batch`` rows a batch; with ``predict`` also ``trainer.predict()``:
+    (eval loss, predict loss, predicted logits or None)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    _reset_accelerate()
+    if upipe:
+        _distributed_env()
+    try:
+        model = build_model()
+        data = [right_padded(i, row) for i, row in enumerate(lm_dataset(8))]
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(**_common(out), per_device_eval_batch_size=eval_batch)
+            if upipe:
+                from upipe_compile.integrations.hf_trainer import UPipeTrainer
+
+                trainer = UPipeTrainer(model=model, args=args, data_collator=default_data_collator,
+                                       upipe_options=INNER)
+            else:
+                trainer = Trainer(model=model, args=args, data_collator=default_data_collator)
+            loss = trainer.evaluate(eval_dataset=data)["eval_loss"]
+            if not predict:
+                return loss, None, None
+            prediction = trainer.predict(data)
+            return loss, prediction.metrics["test_loss"], torch.as_tensor(prediction.predictions)
+    finally:
+        _reset_accelerate()
+
+
+def run_trainer_without_device_copy(upipe: bool):
+    """Training at batch 2 with Trainer's copy of each batch to its device left out (as on a
+    GPU, where the batch is already there): the shards must be contiguous on their own."""
+    from transformers import Trainer
+
+    copy = Trainer._prepare_input
+    Trainer._prepare_input = lambda self, data: data
+    try:
+        return run_trainer(upipe, mask_fn=right_padded, samples=8)
+    finally:
+        Trainer._prepare_input = copy
+
+
 def right_padded(i: int, row: dict) -> dict:
     """Every third row right-padded by 2 + i tokens (pad id 0, labels -100); all rows get an
     attention_mask."""
@@ -216,6 +259,25 @@ def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):
                 trainer = SFTTrainer(**kwargs)
             trainer.train()
         return _result(trainer, record)
+    finally:
+        _reset_accelerate()
+
+
+def sft_config_untouched():
+    """UPipeSFTTrainer given an SFTConfig without pad_to_multiple_of: (the user's object's
+    value after the trainer is built, the trainer's own)."""
+    from trl import SFTConfig
+
+    from upipe_compile.integrations.hf_trainer import UPipeSFTTrainer
+
+    _reset_accelerate()
+    _distributed_env()
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = SFTConfig(**_common(out), padding_free=True, bf16=False, max_length=None, dataset_num_proc=None)
+            trainer = UPipeSFTTrainer(model=build_model(), args=args, train_dataset=sft_dataset(),
+                                      processing_class=tokenizer(), upipe_options=INNER)
+            return args.pad_to_multiple_of, trainer.args.pad_to_multiple_of
     finally:
         _reset_accelerate()
 

@@ -52,6 +52,36 @@ def test_trainer_matches_one_process(rank_pools):
         assert counts["upipe::attention_block_backward"] >= 6 * layers, (rank, counts)
 
 
+def test_evaluate_and_predict_report_stock_trainer_numbers(rank_pools):
+    """evaluate() and predict() at eval batch 4 (rows of 32, right padding, different labelled
+    counts) on P = 2 ranks: the loss stock Trainer reports on one process, on every rank, and
+    predict()'s logits over the whole sequences, once per row (at the real tokens: padded
+    positions, which carry no label, see other padding under causal attention without a mask)."""
+    ranks = rank_pools(WORLD).run(jobs.run_evaluate, True, 4, True)
+    loss, predict_loss, logits = jobs.run_evaluate(False, 4, True)
+    real = torch.tensor([[1] * (32 - pad) + [0] * pad for pad in
+                         (2 + i if i % 3 == 0 else 0 for i in range(len(logits)))], dtype=torch.bool)
+    for rank, (rank_loss, rank_predict_loss, rank_logits) in enumerate(ranks):
+        assert abs(rank_loss - loss) <= TOLERANCE * abs(loss), (rank, rank_loss, loss)
+        assert abs(rank_predict_loss - predict_loss) <= TOLERANCE * abs(loss), (rank, rank_predict_loss, loss)
+        assert rank_logits.shape == logits.shape, (rank, rank_logits.shape, logits.shape)
+        assert (rank_logits - logits)[real].abs().max().item() <= TOLERANCE, rank
+
+
+def test_training_without_the_device_copy_matches_one_process(rank_pools):
+    """Batch 2 with Trainer's per-batch device copy left out (a GPU's batch is already on its
+    device): every shard handed to the model is contiguous, and training equals one process."""
+    ranks = rank_pools(WORLD).run(jobs.run_trainer_without_device_copy, True)
+    ref = jobs.run_trainer(False, mask_fn=jobs.right_padded, samples=8)
+    _compare([r[:2] for r in ranks], ref)
+
+
+def test_sft_trainer_leaves_the_users_config_alone(rank_pools):
+    """UPipeSFTTrainer pads to a multiple of P in its own copy of the SFTConfig."""
+    for user, own in rank_pools(WORLD).run(jobs.sft_config_untouched):
+        assert user is None and own == WORLD, (user, own)
+
+
 def test_sft_padding_free_matches_one_process(rank_pools):
     """TRL SFTTrainer with padding_free=True: one packed row of 2 documents per micro-batch,
     positions restarting per document, attending within documents (and SFTConfig's gradient

@@ -48,6 +48,7 @@ rewrite is refused by the backend when the first step compiles.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from typing import Any, Optional
@@ -156,10 +157,22 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, length) \
                 and not name.startswith("cu_seq_lens"):
-            out[name] = shard_sequence(value, cp_mesh, dim=1) if world > 1 else value
+            # contiguous: the model's loss views its labels (shift_labels.view(-1))
+            out[name] = shard_sequence(value, cp_mesh, dim=1).contiguous() if world > 1 else value
         else:
             out[name] = value
     return out
+
+
+def _map_tensors(data, fn):
+    """``fn`` on every tensor of a nested tuple / list / dict (Trainer's logits, labels)."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, (tuple, list)):
+        return type(data)(_map_tensors(d, fn) for d in data)
+    if isinstance(data, dict):
+        return {k: _map_tensors(v, fn) for k, v in data.items()}
+    return data
 
 
 def _lcm(a: int, b: int) -> int:
@@ -188,6 +201,7 @@ class UPipeTrainerMixin:
         self._upipe_cp_size = cp_size
         self._upipe_world = 1  # P once set up; 1 = upipe inactive
         self._upipe_mesh = None
+        self._upipe_replicas = None  # the data-parallel mesh over the context-parallel groups
         self._upipe_own_layout = False
         super().__init__(*args, **kwargs)
         self._upipe_setup()
@@ -244,7 +258,8 @@ class UPipeTrainerMixin:
             mesh = None
             if world > 1:
                 device_type = "cpu" if acc.device.type == "cpu" else acc.device.type
-                mesh = init_device_mesh(device_type, (processes // world, world), mesh_dim_names=("dp", "cp"))["cp"]
+                layout = init_device_mesh(device_type, (processes // world, world), mesh_dim_names=("dp", "cp"))
+                mesh, self._upipe_replicas = layout["cp"], layout["dp"]
                 self._upipe_own_layout = True
         self._upipe_world, self._upipe_mesh = world, mesh
 
@@ -334,6 +349,52 @@ class UPipeTrainerMixin:
         finally:
             del acc.prepare
 
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """Trainer's evaluation step on this rank's shard, made the whole batch's on every rank
+        of its context-parallel group: the loss summed over the shards (each is its labelled
+        tokens' sum over the batch's count, times the processes as Trainer scales it; the P
+        ranks of a group count as one), the logits gathered over the sequence."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self._upipe_world == 1:
+            return loss, logits, labels
+        from upipe_compile.sharding import gather_sequence
+
+        group = self._upipe_mesh.get_group()
+        if loss is not None:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=group)
+            loss = loss / self._upipe_world
+        if logits is not None:
+            logits = _map_tensors(logits, lambda t: gather_sequence(t.contiguous(), self._upipe_mesh, dim=1))
+        return loss, logits, labels
+
+    def evaluation_loop(self, *args, **kwargs):
+        if self._upipe_own_layout and self._upipe_world > 1:
+            # Trainer resets its gather function after every loop
+            self.gather_function = self._upipe_gather_over_replicas
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _upipe_gather_over_replicas(self, data):
+        """Trainer's metric gather (``accelerator.gather_for_metrics``) for our layout: every rank
+        of a context-parallel group holds the same rows, so they are gathered over the
+        data-parallel replicas only (once per row), and the last batch's padding rows that
+        accelerate added across the replicas are cut as it cuts them."""
+        group = None if self._upipe_replicas is None or self._upipe_replicas.size() == 1 \
+            else self._upipe_replicas.get_group()
+
+        def gather(t):
+            if group is None:
+                return t
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            return torch.cat(parts)
+
+        gathered = _map_tensors(data, gather)
+        state = self.accelerator.gradient_state
+        if group is not None and state.end_of_dataloader and state.remainder > 0:
+            gathered = _map_tensors(gathered, lambda t: t[: state.remainder])
+        return gathered
+
     def _prepare_context_parallel_inputs(self, model, inputs):
         if self._upipe_world == 1:
             return super()._prepare_context_parallel_inputs(model, inputs)
@@ -378,16 +439,21 @@ def _sft_trainer_class():
         Sets ``SFTConfig.pad_to_multiple_of`` to a multiple of P, so that every batch divides."""
 
         def __init__(self, *args, **kwargs):
-            cfg = kwargs.get("args", args[1] if len(args) > 1 else None)
+            in_args = "args" not in kwargs and len(args) > 1
+            cfg = args[1] if in_args else kwargs.get("args")
             self._upipe_cp_size = kwargs.get("cp_size")
             if cfg is not None:
                 size = self._upipe_plan_size(cfg)
-                if size > 1:
-                    multiple = cfg.pad_to_multiple_of or 1
-                    if multiple % size:
-                        cfg.pad_to_multiple_of = _lcm(multiple, size)
-                        logger.info("upipe: SFTConfig.pad_to_multiple_of=%d (a multiple of P=%d)",
-                                    cfg.pad_to_multiple_of, size)
+                multiple = cfg.pad_to_multiple_of or 1
+                if size > 1 and multiple % size:
+                    cfg = copy.copy(cfg)  # the trainer's own copy: the user's config object stays as given
+                    cfg.pad_to_multiple_of = _lcm(multiple, size)
+                    logger.info("upipe: SFTConfig.pad_to_multiple_of=%d (a multiple of P=%d)",
+                                cfg.pad_to_multiple_of, size)
+                    if in_args:
+                        args = (args[0], cfg, *args[2:])
+                    else:
+                        kwargs["args"] = cfg
             super().__init__(*args, **kwargs)
 
     UPipeSFTTrainer.__qualname__ = "UPipeSFTTrainer"
