@@ -170,3 +170,21 @@ def compiled_packed_case(family: str, world: int):
     logits = torch.compile(model, backend=backend)(**batch, use_cache=False).logits
     (logits * dout).sum().backward()
     return logits.detach(), _grads(model), sorted(ops)
+
+
+def uneven_case(family: str):
+    """Step 1 both ranks at 16 tokens, step 2 rank 1 at 20: per step "ok" or this rank's error."""
+    torch._dynamo.reset()
+    model = build_model(family, UPIPE)
+    compiled = torch.compile(model, backend="upipe", options={"inner_backend": "eager"})
+    outcomes = []
+    for lengths in ([16, 16], [16, 20]):
+        seq_local = lengths[dist.get_rank()]
+        ids = torch.randint(0, VOCAB, (1, seq_local), generator=torch.Generator().manual_seed(seq_local))
+        try:
+            compiled(input_ids=ids, position_ids=upipe_compile.global_positions(seq_local),
+                     use_cache=False).logits.sum().backward()
+            outcomes.append("ok")
+        except upipe_compile.UnsupportedAttention as error:
+            outcomes.append(str(error))
+    return outcomes

@@ -249,3 +249,24 @@ def bad_positions_case():
     except upipe_compile.UnsupportedAttention as e:
         return str(e)
     raise AssertionError("float position_ids were accepted")
+
+
+def uneven_positions_case(fuse: bool):
+    """A Llama given position_ids, compiled with backend="upipe": step 1 both ranks at 16
+    tokens, step 2 rank 0 at its seen length and rank 1 at a new one (20), step 3 even
+    again. Per step "ok" or the error this rank raised (never a crash in the collectives)."""
+    case = LlamaCase(world=dist.get_world_size(), kv_heads=2, heads_per_stage=2, batch=1, fuse=fuse)
+    torch._dynamo.reset()
+    model = build_model(case, CAUSAL_SDPA)
+    compiled = torch.compile(model, backend="upipe", options={"fuse_projections": fuse, "inner_backend": "eager"})
+    outcomes = []
+    for lengths in ([16, 16], [16, 20], [16, 16]):
+        seq_local = lengths[dist.get_rank()]
+        ids = torch.randint(0, case.vocab, (1, seq_local), generator=torch.Generator().manual_seed(seq_local))
+        positions = upipe_compile.global_positions(seq_local)
+        try:
+            compiled(input_ids=ids, position_ids=positions).logits.sum().backward()
+            outcomes.append("ok")
+        except upipe_compile.UnsupportedAttention as error:
+            outcomes.append(str(error))
+    return outcomes

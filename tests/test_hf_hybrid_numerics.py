@@ -47,3 +47,11 @@ def test_packed_documents_as_transformers_runs_them(rank_pools, family):
     assert_shards_match(shards, logits, grads)
     for *_, ops in shards:
         assert "upipe.head_mixer_loop.default" in ops, ops
+
+
+def test_uneven_shards_raise_on_every_rank_before_a_mixer_exchanges(rank_pools):
+    """LFM2 (a short conv first) with rank 1 at a new length: both ranks raise the shape error;
+    no all-to-all sized by a shard runs first."""
+    for rank, outcomes in enumerate(rank_pools(2).run(jobs.uneven_case, "lfm2")):
+        assert outcomes[0] == "ok", (rank, outcomes)
+        assert "equal, contiguous shard" in outcomes[1], (rank, outcomes)

@@ -20,6 +20,7 @@ import torch.fx as fx  # noqa: E402
 from hf_llama_jobs import (  # noqa: E402
     CAUSAL_SDPA, LlamaCase, build_model, compiled_llama_case, eager_reference, make_inputs, refused_llama_case,
 )
+import hf_llama_jobs as jobs  # noqa: E402
 from tests_support import relative_error  # noqa: E402
 from upipe_compile.passes import find_attention  # noqa: E402
 
@@ -196,3 +197,16 @@ def test_position_ids_refused_on_every_rank(rank_pools):
     messages = rank_pools(2).run(bad_positions_case)
     assert all("position_ids must be integers" in m or "refused on rank(s) [1]" in m for m in messages), messages
     assert all("refused on rank(s) [1]" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "plain"])
+def test_uneven_shards_with_position_ids_raise_on_every_rank(rank_pools, fuse):
+    """Rank 0 at a length it has run, rank 1 at a new one, position_ids given (the documented
+    path): both ranks raise the shape error before any collective sized by a shard runs (no
+    gloo abort). The next even step runs where both ranks still run one graph (plain); with
+    fused blocks rank 1 recompiled with a dynamic length (plain loop) while rank 0 kept the
+    fused block, and the shape check refuses the mismatch on both ranks, never a crash."""
+    for rank, outcomes in enumerate(rank_pools(2).run(jobs.uneven_positions_case, fuse)):
+        assert outcomes[0] == "ok", (rank, outcomes)
+        assert "equal, contiguous shard" in outcomes[1] and "[[1, 16], [1, 20]]" in outcomes[1], (rank, outcomes)
+        assert outcomes[2] == "ok" if not fuse else outcomes[2] == "ok" or "equal, contiguous shard" in outcomes[2]

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from upipe_compile.attention.collectives import all_to_all
+from upipe_compile.attention.collectives import all_to_all, check_same_local_shape, group_from_name
 from upipe_compile.mixers.registry import Layout, decode, resolve
 
 Tensors = list[torch.Tensor]
@@ -59,6 +59,8 @@ def head_mixer_loop(name: str, tensors: Tensors, options: str, documents: Option
                     world: int, stages: int) -> torch.Tensor:
     spec, implementation = resolve(name)
     settings = decode(options)
+    # the all-to-alls are sized by this rank's shard: every rank's must be the same first
+    check_same_local_shape(tuple(tensors[0].shape), group_from_name(group_name))
     return loop_forward(spec, implementation, _full(tensors, settings), settings, group_name, world, stages,
                         _bounds(documents))
 
@@ -223,8 +225,6 @@ def _heads(spec, tensors) -> int:
 
 
 def _rank(group_name: str) -> int:
-    from upipe_compile.attention.collectives import group_from_name
-
     return group_from_name(group_name).rank()
 
 

@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from upipe_compile.attention.collectives import all_gather, every_rank_agrees, group_from_name, values_of_every_rank
+from upipe_compile.attention.collectives import (
+    all_gather, check_same_local_shape, every_rank_agrees, group_from_name, values_of_every_rank,
+)
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -202,7 +204,9 @@ def documents_from_positions(local_positions: torch.Tensor, seq: int, group: dis
     """The documents of a packed sequence given as this rank's ``position_ids [B, S/P]``
     (restarting per document, as flash-attention users feed packed rows): one all-gather of
     the positions, so every rank derives the same boundaries from the same full sequence
-    (and raises, or not, together). Positions counting straight through are one document."""
+    (and raises, or not, together). Positions counting straight through are one document.
+    The shards' shapes are agreed first (host integers): the all-gather is sized by them."""
+    check_same_local_shape(tuple(local_positions.shape), group)
     if local_positions.dtype.is_floating_point or local_positions.dtype.is_complex:
         problem = f"position_ids must be integers, got {local_positions.dtype}"
     elif local_positions.shape[1] * group.size() != seq:
