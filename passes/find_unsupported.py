@@ -47,6 +47,10 @@ TRANSFORMERS_FIX = "load the model with attn_implementation=upipe_compile.integr
 FLEX_FIX = ("use scaled_dot_product_attention (or register() for transformers models); "
             "FlexAttention is not supported under upipe")
 HAND_WRITTEN_FIX = "call torch.nn.functional.scaled_dot_product_attention (upipe rewrites it)"
+OWN_ATTENTION_FIX = ("this transformers model computes attention in its own layer code, not through transformers' "
+                     "attention interface, so register() cannot reach it: upipe cannot run this model with context "
+                     "parallelism (train it without backend='upipe', or pick a family that uses the interface: Llama, "
+                     "Mistral, Qwen, Gemma, ...)")
 
 WALK_LIMIT = 12
 """Nodes visited on each side of a softmax (back to the scores product, on to the output)."""
@@ -238,8 +242,10 @@ def _match(gm: fx.GraphModule, node: fx.Node, static: set[fx.Node]) -> Unsupport
     if output is None:
         return None
     line, transformers = _user_source_line(node)
-    return UnsupportedMatch(gm, node, HAND_WRITTEN, line, TRANSFORMERS_FIX if transformers else HAND_WRITTEN_FIX,
-                            scores=scores, output=output)
+    fix = HAND_WRITTEN_FIX
+    if transformers:  # its "eager" attention function (register() replaces it), or the layer's own code
+        fix = TRANSFORMERS_FIX if " in eager_attention_forward" in line else OWN_ATTENTION_FIX
+    return UnsupportedMatch(gm, node, HAND_WRITTEN, line, fix, scores=scores, output=output)
 
 
 def _scores_product(softmax: fx.Node, static: set[fx.Node]) -> fx.Node | None:

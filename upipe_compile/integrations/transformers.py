@@ -153,7 +153,72 @@ def register() -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _upipe_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _causal_sdpa_mask)
     route_mixers()  # hybrid layers' convs and gated delta rules: upipe::head_mixer
+    _refuse_in_own_attention_tables()
     return ATTN_IMPLEMENTATION
+
+
+# Decoder families whose attention register() cannot reach: they pick their attention class
+# from a table of their own (FALCON_ATTENTION_CLASSES[config._attn_implementation]), compute it
+# in their layer code (ALiBi) or read the mask as a tensor themselves (Doge's dynamic mask)
+OWN_ATTENTION = {"falcon": "picks its attention class from FALCON_ATTENTION_CLASSES",
+                 "gpt_neo": "picks its attention class from GPT_NEO_ATTENTION_CLASSES",
+                 "mpt": "computes its attention (ALiBi) in its layer code",
+                 "bloom": "computes its attention (ALiBi) in its layer code",
+                 "doge": "builds its dynamic attention mask from the mask tensor itself"}
+
+
+def _refuse_in_own_attention_tables() -> None:
+    """Make building such a model with ``attn_implementation="upipe"`` refuse by name (instead
+    of a KeyError, or a crash on the mask in its forward): a refusing ``"upipe"`` entry in its
+    attention table, and a check at the end of its ``__init__`` (``post_init``)."""
+    import importlib
+
+    for family, why in OWN_ATTENTION.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        for name, value in list(vars(module).items()):
+            if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict):
+                value.setdefault(ATTN_IMPLEMENTATION, _refusal(family, why))
+            elif name.endswith("PreTrainedModel") and isinstance(value, type) and "post_init" not in vars(value):
+                value.post_init = _refusing_post_init(family, why)
+
+
+def _refusing_post_init(family: str, why: str):
+    from transformers import PreTrainedModel
+
+    def post_init(self):
+        if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            _refusal(family, why, type(self).__name__)(self.config)
+        PreTrainedModel.post_init(self)
+
+    return post_init
+
+
+def _refusal(family: str, why: str, model: str | None = None):
+    def refuse(config, *args, **kwargs):
+        from upipe_compile.errors import UnsupportedAttention
+
+        name = _model_being_built() or model or f"the {family} model"
+        raise UnsupportedAttention(
+            f"{name} {why}, not through transformers' attention interface, so upipe's attention (register()) "
+            "cannot reach it, and its own attention is refused under context parallelism. upipe cannot run "
+            f"{family} with context parallelism: train it without backend='upipe', or pick a family that uses the "
+            "interface (Llama, Mistral, Qwen, Gemma, ...)")
+
+    return refuse
+
+
+def _model_being_built() -> str | None:
+    """The class of the outermost transformers model whose ``__init__`` is on the stack."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    names = [type(frame.f_locals["self"]).__name__ for frame, *_ in inspect.stack()
+             if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), PreTrainedModel)]
+    return names[-1] if names else None
 
 
 def packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, cp_mesh=None, **per_token) -> dict:

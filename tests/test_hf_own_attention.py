@@ -1,0 +1,71 @@
+"""transformers families whose attention register() cannot reach (their own attention-class
+tables, ALiBi in their layer code, a mask read as a tensor) are refused by name when built
+with register(), instead of a KeyError or a crash in their forward; a hand-written attention
+in a model's own layer code is refused without advising register() (which it cannot use).
+The compile-time refusal runs on a FAKE process group of P = 2 ranks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch._dynamo.exc import BackendCompilerFailed  # noqa: E402
+
+import upipe_compile  # noqa: E402
+from upipe_compile import UnsupportedAttention  # noqa: E402
+from upipe_compile.integrations.transformers import register  # noqa: E402
+
+WORLD = 2
+
+
+def _family(name: str):
+    import transformers as tf
+
+    small = dict(vocab_size=96)
+    return {
+        "falcon": (tf.FalconForCausalLM, lambda: tf.FalconConfig(**small, hidden_size=64, num_hidden_layers=2,
+                                                                   num_attention_heads=4)),
+        "gpt_neo": (tf.GPTNeoForCausalLM, lambda: tf.GPTNeoConfig(**small, hidden_size=64, num_layers=2, num_heads=4,
+                                                                    attention_types=[[["global", "local"], 1]])),
+        "mpt": (tf.MptForCausalLM, lambda: tf.MptConfig(**small, d_model=64, n_layers=2, n_heads=4)),
+        "bloom": (tf.BloomForCausalLM, lambda: tf.BloomConfig(**small, hidden_size=64, n_layer=2, n_head=4)),
+        "doge": (tf.DogeForCausalLM, lambda: tf.DogeConfig(**small, hidden_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=4, num_key_value_heads=2,
+                                                            intermediate_size=96)),
+    }[name]
+
+
+@pytest.mark.parametrize("name, model, why", [
+    ("falcon", "FalconForCausalLM", "FALCON_ATTENTION_CLASSES"),
+    ("gpt_neo", "GPTNeoForCausalLM", "GPT_NEO_ATTENTION_CLASSES"),
+    ("mpt", "MptForCausalLM", "ALiBi"),
+    ("bloom", "BloomForCausalLM", "ALiBi"),
+    ("doge", "DogeForCausalLM", "dynamic attention mask"),
+])
+def test_building_with_register_names_the_model(name, model, why):
+    cls, config = _family(name)
+    config = config()
+    config._attn_implementation = register()
+    with pytest.raises(UnsupportedAttention) as info:
+        cls(config)
+    message = str(info.value)
+    assert message.startswith(model) and why in message and "attention interface" in message, message
+    config._attn_implementation = "eager"
+    cls(config)  # their own attention still builds
+
+
+def test_attention_in_a_models_own_code_is_refused_without_advising_register(world):
+    cls, config = _family("bloom")
+    config = config()
+    config._attn_implementation = "eager"
+    model = cls(config)
+    ids = upipe_compile.shard_sequence(torch.randint(0, 96, (1, 16)), world)
+    compiled = torch.compile(model, backend="upipe", options={"cp_mesh": world, "inner_backend": "eager"})
+    with pytest.raises(BackendCompilerFailed) as info:
+        compiled(input_ids=ids)
+    message = str(info.value.inner_exception)
+    assert "modeling_bloom.py" in message and "not through transformers' attention interface" in message, message
+    assert "load the model with" not in message, message
