@@ -195,8 +195,8 @@ def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask:
     """This rank's shard of one packed row through the compiled model, with boundaries from
     packed_batch, or (``via="position_ids"``) only this rank's shard of the restarting
     position_ids, as flash_attention_2 users feed packed rows: (local logits, param grads,
-    attention op counts of the second step, how often the second step derived documents
-    from positions)."""
+    attention op counts of the second step, how often the second step (the same tensors) and
+    a third (new tensors of the same values) derived documents from positions)."""
     import upipe_compile.packed.documents as documents_module
     from upipe_compile.integrations.transformers import packed_batch
 
@@ -232,8 +232,14 @@ def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask:
     derived.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         logits = step()
+    grads, reads = _grads(model), [len(derived)]
+    derived.clear()
+    clones = {}  # new tensors, the same values (one clone per tensor: cu_seq_lens_k is cu_seq_lens_q): read again
+    inputs = {name: clones.setdefault(id(t), t.clone()) for name, t in inputs.items()}
+    step()
+    reads.append(len(derived))
     documents_module.documents_from_positions = original
-    return logits, _grads(model), dict(attention_events(prof)), len(derived)
+    return logits, grads, dict(attention_events(prof)), tuple(reads)
 
 
 def bad_positions_case():

@@ -145,7 +145,7 @@ def test_packed_batch_matches_each_document_alone(rank_pools, attention_mask):
     for _, _, counts, derived in ranks:
         assert counts == {"upipe::attention_block": case.layers, "upipe::attention_block_backward": case.layers}, \
             counts
-        assert derived == 0  # packed_batch's boundaries: no positions to read
+        assert derived == (0, 0)  # packed_batch's boundaries: no positions to read
 
 
 @pytest.mark.parametrize("world,lengths", [(2, (5, 1, 16, 10)), (2, (32,)), (4, (7, 1, 1, 30, 9, 16))],
@@ -154,8 +154,9 @@ def test_restarting_position_ids_alone_never_attend_across_documents(rank_pools,
     """A packed row fed as flash_attention_2 users feed it: only this rank's shard of the
     position_ids (restarting per document), no packed_batch, no cu_seq_lens. The compiled
     model equals running each document alone (a document crossing shard boundaries,
-    documents of length 1; one document is the plain causal model), and the documents
-    are read from the positions once per step, not once per layer."""
+    documents of length 1; one document is the plain causal model), and the documents are
+    read from the positions once per new positions tensor, never once per layer: not again
+    for the same tensor (its backward included, on every torch), again for a new one."""
     from hf_llama_jobs import packed_llama_case, per_document_reference
 
     case = LlamaCase(world=world, kv_heads=2, heads_per_stage=4, batch=1, seq_local=sum(lengths) // world)
@@ -167,7 +168,7 @@ def test_restarting_position_ids_alone_never_attend_across_documents(rank_pools,
     for _, _, counts, derived in ranks:
         assert counts == {"upipe::attention_block": case.layers, "upipe::attention_block_backward": case.layers}, \
             counts
-        assert derived == 1
+        assert derived == (0, 1)
 
 
 def test_packed_batch_boundaries_come_from_the_full_sequence():

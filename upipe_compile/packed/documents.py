@@ -119,7 +119,33 @@ def _summary(cu_seqlens: torch.Tensor, ok: bool) -> list[int]:
 
 
 _checked: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""boundaries tensor -> (its version counter, group name, seq, Documents) when it passed."""
+"""boundaries tensor -> ((its version counter, group name, seq), Documents) when it passed.
+
+Reads: once per boundaries (or positions) tensor, never once per layer, and again whenever
+the tensor changes (its version counter moves). A backward may see the tensor the forward
+read as another Python object viewing the same memory (AOTAutograd saves graph inputs;
+before torch 2.14 it hands back a fresh alias): :func:`_cached` finds it through the tensor
+it aliases, which the cache still holds alive, so the memory cannot have been reused."""
+
+
+def _cached(tensor: torch.Tensor):
+    entry = _checked.get(tensor)
+    if entry is not None:
+        return entry
+    for seen, entry in list(_checked.items()):
+        if _same_view(seen, tensor):
+            return entry
+    return None
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements of the same memory, and unchanged since (aliases share the version counter)."""
+    try:
+        return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+                and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
+                and a.dtype == b.dtype and a.device == b.device and a._version == b._version)
+    except (RuntimeError, NotImplementedError):  # fake or functional tensors: no memory to compare
+        return False
 
 
 def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device) -> Documents:
@@ -128,7 +154,7 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
     differ across ranks. Every rank must call this for the same calls (as for the op itself).
     A 2-D tensor is this rank's ``position_ids`` shard instead (see
     :func:`documents_from_positions`)."""
-    cached = _checked.get(cu_seqlens)
+    cached = _cached(cu_seqlens)
     key = (cu_seqlens._version, group.group_name, seq)
     hit = cached is not None and cached[0] == key
     if every_rank_agrees(hit, group):  # one rank's miss sends every rank through the collectives below
