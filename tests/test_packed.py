@@ -27,7 +27,13 @@ def _check(shards, case, bounds):
     expected = eager_documents_reference(case, bounds)
     for i, name in enumerate(["out", "dq", "dk", "dv"]):
         gathered = torch.cat([shard[i] for shard in shards], dim=2)
-        error = relative_error(gathered, expected[i])
+        # dq and dk are zero where every document has one token (the softmax of one score):
+        # rounding then is measured against dv's scale, not against zero
+        scale = expected[3].double().norm() if name in ("dq", "dk") else None
+        if scale is not None and expected[i].double().norm() < 1e-6 * scale:
+            error = ((gathered.double() - expected[i].double()).norm() / scale).item()
+        else:
+            error = relative_error(gathered, expected[i])
         assert error < TOLERANCE[case.dtype], f"{name}: relative error {error:.3e} for {case}, documents {bounds}"
 
 

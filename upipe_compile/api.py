@@ -54,13 +54,15 @@ def upipe_attention(
     the heads that rank computed: sum it over the ranks, as any replicated parameter's.
     """
     window_left, window_right, softcap = normalised_variant(window, softcap)
+    call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
+                            sinks=sinks, documents=cu_seqlens is not None)
+    if problems := attention_problems(call, 1, q.shape[1]):  # the call itself, before any process group
+        raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     group, ring_group = collectives.resolve_groups(cp_mesh)
     world = group.size()
     if problems := option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
-    call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks, documents=cu_seqlens is not None)
     if problems := attention_problems(call, world, heads_per_stage, ring=ring_group is not None):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
