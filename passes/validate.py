@@ -51,5 +51,15 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int,
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
     call = AttentionCall.of(q, k, v, enable_gqa=match.enable_gqa is not False, window=window, softcap=softcap,
-                            sinks=sinks, documents=match.cu_seqlens is not None)
+                            sinks=sinks, documents=_boundaries(match.cu_seqlens))
     return reasons + attention_problems(call, world, heads_per_stage, ring=ring)
+
+
+def _boundaries(cu_seqlens) -> bool:
+    """Packed documents' boundaries are given (1-D cu_seqlens). 2-D position ids are read at run
+    time: documents where they restart, one sequence where they count through (the layout's
+    own positions under a ring, which are not monotonic on a rank)."""
+    if cu_seqlens is None:
+        return False
+    value = _example(cu_seqlens) if isinstance(cu_seqlens, fx.Node) else cu_seqlens
+    return not (isinstance(value, torch.Tensor) and value.dim() == 2)

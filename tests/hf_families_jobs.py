@@ -145,3 +145,22 @@ def compiled_packed_case(family: str, world: int):
     logits = compiled(**batch, use_cache=False).logits
     (logits * dout).sum().backward()
     return logits.detach(), _grads(model)
+
+
+def mesh_family_case(family: str, ring: int):
+    """The family compiled over a ("cp_ring", "cp_a2a") mesh of ``ring`` x world/ring ranks
+    with the layout's own positions: (full logits gathered in order, param grads)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from upipe_compile.sharding import gather_sequence, shard_sequence
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    model = build_model(family, UPIPE_SDPA)
+    ids, dout = (shard_sequence(t, mesh, dim=1) for t in make_inputs(world))
+    compiled = torch.compile(model, backend="upipe", options={"cp_mesh": mesh, "inner_backend": "aot_eager"})
+    logits = compiled(input_ids=ids, position_ids=upipe_compile.global_positions(ids.shape[1], mesh),
+                      use_cache=False).logits
+    (logits * dout).sum().backward()
+    return gather_sequence(logits.detach(), mesh, dim=1), _grads(model)

@@ -276,3 +276,32 @@ def uneven_positions_case(fuse: bool):
         except upipe_compile.UnsupportedAttention as error:
             outcomes.append(str(error))
     return outcomes
+
+
+def mesh_llama_case(case: LlamaCase, ring: int, restart: bool = False):
+    """The Llama compiled over a ("cp_ring", "cp_a2a") mesh of ``ring`` x world/ring ranks:
+    inputs sharded by the mesh's layout (zigzag over the ring), the layout's positions as
+    ``position_ids`` (``restart``: positions restarting mid-sequence, packed documents
+    instead). Returns (full logits, param grads) gathered back in order, or the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from upipe_compile.sharding import gather_sequence, shard_sequence
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+    model = build_model(case, CAUSAL_SDPA)
+    ids, dout = (shard_sequence(t, mesh, dim=1) for t in make_inputs(case))
+    positions = upipe_compile.global_positions(ids.shape[1], mesh)
+    if restart:
+        full = torch.arange(case.seq).unsqueeze(0) % (case.seq // 2 + 1)
+        positions = shard_sequence(full, mesh, dim=1)
+    compiled = torch.compile(model, backend="upipe",
+                             options={"cp_mesh": mesh, "heads_per_stage": case.heads_per_stage,
+                                      "inner_backend": "aot_eager", "fuse_projections": case.fuse})
+    try:
+        logits = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
+    except upipe_compile.UnsupportedAttention as error:
+        return str(error)
+    (logits * dout).sum().backward()
+    return gather_sequence(logits.detach(), mesh, dim=1), _grads(model)

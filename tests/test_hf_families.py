@@ -40,3 +40,15 @@ def test_mla_packed_documents_match_each_document_alone(rank_pools):
     shards = rank_pools(2).run(jobs.compiled_packed_case, "deepseek_v3", 2)
     logits, grads = jobs.eager_documents_reference("deepseek_v3")
     assert_shards_match(shards, logits, grads)
+
+
+def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools):
+    """Qwen2 (sliding-window and full layers) over a 2 x 2 mesh, the layout's positions: the
+    gathered logits on every rank and the summed gradients equal eager on the full sequence
+    (the window of 6 crosses the zigzag chunks of 8)."""
+    ranks = rank_pools(4).run(jobs.mesh_family_case, "qwen2", 2)
+    logits, grads = jobs.eager_reference("qwen2", 4)
+    for rank, (rank_logits, _) in enumerate(ranks):
+        assert relative_error(rank_logits, logits) < 1e-5, rank
+    for name, grad in grads.items():
+        assert relative_error(sum(r[1][name] for r in ranks), grad) < 1e-5, name

@@ -211,3 +211,24 @@ def test_uneven_shards_with_position_ids_raise_on_every_rank(rank_pools, fuse):
         assert outcomes[0] == "ok", (rank, outcomes)
         assert "equal, contiguous shard" in outcomes[1] and "[[1, 16], [1, 20]]" in outcomes[1], (rank, outcomes)
         assert outcomes[2] == "ok" if not fuse else outcomes[2] == "ok" or "equal, contiguous shard" in outcomes[2]
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "plain"])
+def test_llama_over_a_ring_by_all_to_all_mesh(rank_pools, fuse):
+    """A transformers Llama given the 2 x 2 mesh layout's own positions (zigzag over the ring,
+    not monotonic on a rank): one sequence, not packed documents; every rank's gathered
+    logits and the summed gradients equal eager on the full sequence."""
+    case = LlamaCase(world=4, kv_heads=2, heads_per_stage=2, batch=1, seq_local=8, fuse=fuse)
+    ranks = rank_pools(4).run(jobs.mesh_llama_case, case, 2)
+    logits, grads = eager_reference(case)
+    for rank, (rank_logits, _) in enumerate(ranks):
+        assert relative_error(rank_logits, logits) < TOLERANCE, rank
+    for name, grad in grads.items():
+        assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name
+
+
+def test_restarting_positions_over_a_ring_are_refused_on_every_rank(rank_pools):
+    """Positions that restart mid-sequence (packed documents) over the ring: every rank raises."""
+    case = LlamaCase(world=4, kv_heads=2, heads_per_stage=2, batch=1, seq_local=8)
+    for message in rank_pools(4).run(jobs.mesh_llama_case, case, 2, True):
+        assert isinstance(message, str) and "packed documents over a ring are not supported" in message, message

@@ -55,7 +55,7 @@ def upipe_attention(
     """
     window_left, window_right, softcap = normalised_variant(window, softcap)
     call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks, documents=cu_seqlens is not None)
+                            sinks=sinks, documents=cu_seqlens is not None and cu_seqlens.dim() == 1)
     if problems := attention_problems(call, 1, q.shape[1]):  # the call itself, before any process group
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     group, ring_group = collectives.resolve_groups(cp_mesh)

@@ -33,7 +33,8 @@ class AttentionCall:
     softcap: float = 0.0
     sinks: Optional[torch.Tensor] = None
     documents: bool = False
-    """Packed documents (``cu_seqlens`` or 2-D positions) are given."""
+    """Packed documents' boundaries (1-D ``cu_seqlens``) are given; 2-D position ids are read at
+    run time (documents only where they restart)."""
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **rest) -> "AttentionCall":

@@ -68,7 +68,8 @@ def attention_op(
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
                                               window_left, window_right, softcap, ring_group_name)
     check_world(world_size, group_name)
-    return stage_loop_forward(q, k, v, settings, documents_of(cu_seqlens, q.shape[2], group_name, q.device), sinks)
+    documents = documents_of(cu_seqlens, q.shape[2], group_name, q.device, ring_group_name)
+    return stage_loop_forward(q, k, v, settings, documents, sinks)
 
 
 @attention_op.register_fake
@@ -91,8 +92,8 @@ def attention_backward_op(
     settings = StageLoopSettings.from_op_args(is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
                                               window_left, window_right, softcap, ring_group_name)
     check_world(world_size, group_name)
-    dq, dk, dv, dsinks = stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q.shape[2], group_name, q.device),
-                                             sinks)
+    documents = documents_of(cu_seqlens, q.shape[2], group_name, q.device, ring_group_name)
+    dq, dk, dv, dsinks = stage_loop_backward(dout, q, k, v, out, lse, settings, documents, sinks)
     return dq, dk, dv, q.new_empty((0,)) if dsinks is None else dsinks
 
 
@@ -122,8 +123,8 @@ def replay_backward(ctx, dout: torch.Tensor, *, eager: bool = False) -> tuple:
     q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
     settings = ctx.settings
     if eager:
-        return stage_loop_backward(dout, q, k, v, out, lse, settings, documents_of(cu_seqlens, q.shape[2], settings.group_name, q.device),
-                                   sinks)
+        documents = documents_of(cu_seqlens, q.shape[2], settings.group_name, q.device, settings.ring_group_name)
+        return stage_loop_backward(dout, q, k, v, out, lse, settings, documents, sinks)
     dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, *settings.op_args(), cu_seqlens, sinks)
     return dq, dk, dv, None if sinks is None else dsinks
 

@@ -39,7 +39,7 @@ def attention_block_op(
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                         documents_of(cu_seqlens, x.shape[1], group_name, x.device),
+                         documents_of(cu_seqlens, x.shape[1], group_name, x.device, ring_group_name),
                          keep_output=not recompute_attention_output, ring_group_name=ring_group_name)
 
 
@@ -84,7 +84,8 @@ def attention_block_backward_op(
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
     grads = block_backward(dy, x, weights, None if recompute_attention_output else o, lse, region_by_id(region_id),
-                           heads_per_stage, group_name, prefetch, documents_of(cu_seqlens, x.shape[1], group_name, x.device),
+                           heads_per_stage, group_name, prefetch,
+                           documents_of(cu_seqlens, x.shape[1], group_name, x.device, ring_group_name),
                            list(extras_need_grad), ring_group_name=ring_group_name)
     return _gradient_list(grads, weights)
 
@@ -138,7 +139,8 @@ def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_
     x = tensors[0]
     return block_backward(dy, x, BlockWeights(*tensors[1:], extras), None if settings.recompute_attention_output else o,
                           lse, region_by_id(settings.region_id), settings.heads_per_stage, settings.group_name,
-                          settings.prefetch, documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device),
+                          settings.prefetch, documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device,
+                                       settings.ring_group_name),
                           extras_need_grad, ring_group_name=settings.ring_group_name)
 
 
@@ -172,7 +174,8 @@ class BlockFunction(torch.autograd.Function):
         weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
         y, o, lse = block_forward(x, weights, region_by_id(settings.region_id), settings.heads_per_stage,
                                   settings.group_name, settings.prefetch,
-                                  documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device),
+                                  documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device,
+                                       settings.ring_group_name),
                                   keep_output=not settings.recompute_attention_output,
                                   ring_group_name=settings.ring_group_name)
         _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, cu_seqlens)
@@ -219,7 +222,7 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     problems = block_problems(region, x, extras, world, heads_per_stage, ring_group is not None,
-                              cu_seqlens is not None)
+                              cu_seqlens is not None and cu_seqlens.dim() == 1)
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,

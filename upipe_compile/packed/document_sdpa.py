@@ -137,7 +137,7 @@ def document_sdpa(
     window_left, window_right, softcap = normalised_variant(window, softcap)
     # Under torch.compile the upipe pass validates shapes (with P) from the graph instead.
     call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks, documents=cu_seqlens is not None)
+                            sinks=sinks, documents=cu_seqlens is not None and cu_seqlens.dim() == 1)
     problems = [] if torch.compiler.is_compiling() else attention_problems(call, 1, q.shape[1])
     if problems:
         raise UnsupportedAttention("document_sdpa: " + "; ".join(problems))

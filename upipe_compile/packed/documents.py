@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from upipe_compile.attention.collectives import (
     all_gather, check_same_local_shape, every_rank_agrees, group_from_name, values_of_every_rank,
 )
+from upipe_compile.attention.ring import zigzag_unshard
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -148,19 +149,20 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device) -> Documents:
+def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device,
+                  ring_group: Optional[dist.ProcessGroup] = None) -> Optional[Documents]:
     """The checked boundaries of ``cu_seqlens`` for a full sequence of ``seq`` tokens,
     raising UnsupportedAttention on every rank at once when any rank's are invalid or they
     differ across ranks. Every rank must call this for the same calls (as for the op itself).
     A 2-D tensor is this rank's ``position_ids`` shard instead (see
     :func:`documents_from_positions`)."""
     cached = _cached(cu_seqlens)
-    key = (cu_seqlens._version, group.group_name, seq)
+    key = (cu_seqlens._version, group.group_name, seq, None if ring_group is None else ring_group.group_name)
     hit = cached is not None and cached[0] == key
     if every_rank_agrees(hit, group):  # one rank's miss sends every rank through the collectives below
         return cached[1]
     if cu_seqlens.dim() == 2:
-        documents = documents_from_positions(cu_seqlens, seq, group, device)
+        documents = documents_from_positions(cu_seqlens, seq, group, device, ring_group)
         _checked[cu_seqlens] = (key, documents)
         return documents
     problems = boundary_problems(cu_seqlens, seq)
@@ -185,14 +187,16 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
 
 
 def documents_of(cu_seqlens: Optional[torch.Tensor], local_seq: int, group_name: str,
-                 device: torch.device) -> Optional["Documents"]:
+                 device: torch.device, ring_group_name: str = "") -> Optional["Documents"]:
     """The checked boundaries the stage loops and the fused block use for a call whose shard
     holds ``local_seq`` tokens (:func:`documents_for` over the full sequence), or None for
-    one sequence per batch row."""
+    one sequence per batch row. ``ring_group_name``: under a ring x all-to-all mesh, where
+    position ids are the layout's (one sequence) unless they restart."""
     if cu_seqlens is None:
         return None
     group = group_from_name(group_name)
-    return documents_for(cu_seqlens, local_seq * group.size(), group, device)
+    ring_group = group_from_name(ring_group_name) if ring_group_name else None
+    return documents_for(cu_seqlens, local_seq * group.size(), group, device, ring_group)
 
 
 def _preview(cu_seqlens: torch.Tensor, limit: int = 8) -> str:
@@ -226,13 +230,22 @@ def bounds_from_positions(positions: torch.Tensor) -> list[int]:
 
 
 def documents_from_positions(local_positions: torch.Tensor, seq: int, group: dist.ProcessGroup,
-                             device: torch.device) -> Documents:
+                             device: torch.device, ring_group: Optional[dist.ProcessGroup] = None
+                             ) -> Optional[Documents]:
     """The documents of a packed sequence given as this rank's ``position_ids [B, S/P]``
     (restarting per document, as flash-attention users feed packed rows): one all-gather of
     the positions, so every rank derives the same boundaries from the same full sequence
     (and raises, or not, together). Positions counting straight through are one document.
-    The shards' shapes are agreed first (host integers): the all-gather is sized by them."""
+    The shards' shapes are agreed first (host integers): the all-gather is sized by them.
+
+    Under a ring x all-to-all mesh (``ring_group``) the positions are this rank's shard of the
+    layout (zigzag over the ring): gathered over both groups and put back in order. Positions
+    counting straight through are then the layout's own, one sequence (None: the ring runs
+    it plainly); positions that restart (packed documents) are refused on every rank, as
+    documents over a ring are not supported yet."""
     check_same_local_shape(tuple(local_positions.shape), group)
+    if ring_group is not None:
+        check_same_local_shape(tuple(local_positions.shape), ring_group)
     if local_positions.dtype.is_floating_point or local_positions.dtype.is_complex:
         problem = f"position_ids must be integers, got {local_positions.dtype}"
     elif local_positions.shape[1] * group.size() != seq:
@@ -246,8 +259,17 @@ def documents_from_positions(local_positions: torch.Tensor, seq: int, group: dis
                                    f"{[r for r, row in enumerate(flags) if row[0]]}: {problem or 'see those ranks'}")
     positions = local_positions.to(device=device, dtype=torch.int64)
     full = positions if group.size() == 1 else all_gather(positions, group, dim=1)
+    if ring_group is not None:
+        full = zigzag_unshard(list(all_gather(full, ring_group, dim=1).chunk(ring_group.size(), dim=1)), dim=1)
     try:
         bounds = bounds_from_positions(full)
     except ValueError as e:  # every rank holds the same full positions: all raise together
         raise UnsupportedAttention(f"packed-sequence position_ids: {e}") from None
+    if ring_group is not None:
+        if len(bounds) > 2:
+            raise UnsupportedAttention(
+                f"position_ids restart (packed documents starting at tokens {bounds[1:-1][:8]}) over a ring x "
+                "all-to-all cp_mesh: packed documents over a ring are not supported yet; use a 1-D cp_mesh for "
+                "packed rows, or positions that count through the sequence (upipe_compile.global_positions)")
+        return None
     return Documents.from_bounds(bounds, device)
