@@ -278,11 +278,11 @@ def uneven_positions_case(fuse: bool):
     return outcomes
 
 
-def mesh_llama_case(case: LlamaCase, ring: int, restart: bool = False):
+def mesh_llama_case(case: LlamaCase, ring: int, lengths: tuple[int, ...] | None = None):
     """The Llama compiled over a ("cp_ring", "cp_a2a") mesh of ``ring`` x world/ring ranks:
     inputs sharded by the mesh's layout (zigzag over the ring), the layout's positions as
-    ``position_ids`` (``restart``: positions restarting mid-sequence, packed documents
-    instead). Returns (full logits, param grads) gathered back in order, or the error."""
+    ``position_ids`` (``lengths``: packed documents' positions, restarting at each, instead).
+    Returns (full logits, param grads) gathered back in order, or the error."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from upipe_compile.sharding import gather_sequence, shard_sequence
@@ -293,9 +293,8 @@ def mesh_llama_case(case: LlamaCase, ring: int, restart: bool = False):
     model = build_model(case, CAUSAL_SDPA)
     ids, dout = (shard_sequence(t, mesh, dim=1) for t in make_inputs(case))
     positions = upipe_compile.global_positions(ids.shape[1], mesh)
-    if restart:
-        full = torch.arange(case.seq).unsqueeze(0) % (case.seq // 2 + 1)
-        positions = shard_sequence(full, mesh, dim=1)
+    if lengths is not None:
+        positions = shard_sequence(torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0), mesh, dim=1)
     compiled = torch.compile(model, backend="upipe",
                              options={"cp_mesh": mesh, "heads_per_stage": case.heads_per_stage,
                                       "inner_backend": "aot_eager", "fuse_projections": case.fuse})

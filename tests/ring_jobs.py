@@ -7,17 +7,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests_support import AttentionCase, make_inputs
-from upipe_compile.attention.ring import ring_backward, ring_forward, zigzag_shard
+from upipe_compile.attention.ring import ring_backward, ring_forward
+from upipe_compile.attention.zigzag import zigzag_shard
 
 
-def ring_case(case: AttentionCase, window=(-1, -1), softcap: float = 0.0):
+def ring_case(case: AttentionCase, window=(-1, -1), softcap: float = 0.0, bounds=None):
     """Ring attention of this rank's zigzag share over the whole world as the ring:
-    (out, lse, dq, dk, dv) shares."""
+    (out, lse, dq, dk, dv) shares. ``bounds``: packed documents over the whole sequence."""
+    from upipe_compile.packed.documents import Documents
+
     rank, ring = dist.get_rank(), dist.get_world_size()
+    documents = None if bounds is None else Documents.from_bounds(bounds, torch.device("cpu"))
     q, k, v, dout = (zigzag_shard(x, rank, ring, dim=2) for x in make_inputs(case))
-    out, lse = ring_forward(q, k, v, case.is_causal, case.scale, dist.group.WORLD, softcap, window)
+    out, lse = ring_forward(q, k, v, case.is_causal, case.scale, dist.group.WORLD, softcap, window, documents)
     dq, dk, dv = ring_backward(dout, q, k, v, out, lse, case.is_causal, case.scale, dist.group.WORLD, softcap,
-                               window)
+                               window, documents)
     return out, lse, dq, dk, dv
 
 
@@ -49,7 +53,8 @@ def hybrid_case(case: AttentionCase, ring: int):
 def packed_attention(x):
     import upipe_compile
 
-    return upipe_compile.document_sdpa(x, x, x, torch.tensor([0, 8, 16], dtype=torch.int32), is_causal=True)
+    return upipe_compile.document_sdpa(x, x, x, torch.tensor([0, 8, 16], dtype=torch.int32), is_causal=True,
+                                       window=(3, 0))
 
 
 def hybrid_refusals():
@@ -62,7 +67,8 @@ def hybrid_refusals():
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     q = torch.randn(1, 4, 4, 8)
     attempts = {
-        "documents": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=mesh, cu_seqlens=torch.tensor([0, 8, 16])),
+        "documents": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=mesh, cu_seqlens=torch.tensor([0, 8, 16]),
+                                                           window=(3, 0)),
         "names": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=wrong),
         "uneven": lambda: upipe_compile.shard_sequence(torch.zeros(1, 12), mesh, dim=1),
         "backend": lambda: torch.compile(packed_attention, backend="upipe", options={"cp_mesh": mesh})(q),

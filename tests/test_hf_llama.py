@@ -227,8 +227,18 @@ def test_llama_over_a_ring_by_all_to_all_mesh(rank_pools, fuse):
         assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name
 
 
-def test_restarting_positions_over_a_ring_are_refused_on_every_rank(rank_pools):
-    """Positions that restart mid-sequence (packed documents) over the ring: every rank raises."""
+@pytest.mark.parametrize("lengths", [(17, 15), (3, 1, 9, 12, 7)], ids=["two", "five-with-one-token"])
+def test_packed_positions_over_a_ring_by_all_to_all_mesh(rank_pools, lengths):
+    """Positions restarting per document (packed, fed as flash_attention_2 users feed them) over
+    a 2 x 2 mesh: documents crossing the zigzag chunks and the ranks, one of a single token;
+    equals each document run alone through the eager model."""
+    from hf_llama_jobs import per_document_reference
+
     case = LlamaCase(world=4, kv_heads=2, heads_per_stage=2, batch=1, seq_local=8)
-    for message in rank_pools(4).run(jobs.mesh_llama_case, case, 2, True):
-        assert isinstance(message, str) and "packed documents over a ring are not supported" in message, message
+    ranks = rank_pools(4).run(jobs.mesh_llama_case, case, 2, lengths)
+    logits, grads = per_document_reference(case, lengths)
+    for rank, result in enumerate(ranks):
+        assert not isinstance(result, str), result
+        assert relative_error(result[0], logits) < TOLERANCE, rank
+    for name, grad in grads.items():
+        assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name

@@ -14,7 +14,7 @@ import block_jobs
 import ring_jobs
 from block_support import BlockCase
 from tests_support import DTYPES, TOLERANCE, AttentionCase, make_inputs, relative_error
-from upipe_compile.attention.ring import zigzag_shard, zigzag_unshard
+from upipe_compile.attention.zigzag import zigzag_shard, zigzag_unshard
 from upipe_compile.attention.schedule import shape_problems
 
 
@@ -79,6 +79,38 @@ def test_ring_with_window_and_softcap_matches_attention_on_every_rank(rank_pools
         for rank, share in enumerate(shares):
             error = relative_error(share[index], zigzag_shard(wanted, rank, case.world, dim=2))
             assert error <= TOLERANCE[case.dtype], (name, rank, error, case, window, softcap)
+
+
+@st.composite
+def packed_ring_cases(draw):
+    case = draw(ring_cases())
+    cuts = draw(st.sets(st.integers(1, case.seq - 1), max_size=case.seq - 1)) if case.seq > 1 else set()
+    return case, (0, *sorted(cuts), case.seq)
+
+
+@settings(max_examples=16, deadline=None)
+@given(packed=packed_ring_cases())
+# documents crossing the zigzag chunks and ranks, one of a single token, on a ring of 4
+@example(packed=(AttentionCase(4, 1, 4, 2, 6, 8, 4, True, None, "float32", seed=1), (0, 5, 6, 17, 24)))
+def test_packed_documents_over_the_ring_match_each_document_alone(rank_pools, packed):
+    """Packed documents cut to each chunk pair (a chunk against itself: the documents within
+    it; against another: each document both touch, in full): every rank's out, dq, dk, dv
+    against attention run on each document alone (dq and dk measured against dv's scale
+    where every document is one token and they are zero)."""
+    from tests_support import eager_documents_reference
+
+    case, bounds = packed
+    shares = rank_pools(case.world).run(ring_jobs.ring_case, case, (-1, -1), 0.0, bounds)
+    expected = eager_documents_reference(case, bounds)
+    scale = expected[3].double().norm()
+    for name, index, wanted in (("out", 0, expected[0]), ("dq", 2, expected[1]), ("dk", 3, expected[2]),
+                                ("dv", 4, expected[3])):
+        for rank, share in enumerate(shares):
+            part = zigzag_shard(wanted, rank, case.world, dim=2)
+            error = relative_error(share[index], part)
+            if name in ("dq", "dk") and wanted.double().norm() < 1e-6 * scale:
+                error = ((share[index].double() - part.double()).norm() / scale).item()
+            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, bounds)
 
 
 def test_zigzag_layout_balances_causal_work():
@@ -153,14 +185,15 @@ def test_ring_by_all_to_all_matches_eager_on_every_rank(rank_pools, drawn):
 
 
 def test_ring_by_all_to_all_refuses_what_it_cannot_run(rank_pools):
-    """Packed documents and variants over a ring (eager API and compile backend, the latter
+    """Packed documents with a window over a ring (eager API and compile backend, the latter
     naming the call's line), a 2-D mesh with other names and a length the zigzag layout
     cannot cut are refused with the setting named, on every rank."""
+    refusal = "packed documents (cu_seqlens) with a sliding window or softcap over a ring x all-to-all cp_mesh"
     for messages in rank_pools(4).run(ring_jobs.hybrid_refusals):
-        assert "packed documents (cu_seqlens) over a ring x all-to-all" in messages["documents"]
+        assert refusal in messages["documents"], messages["documents"]
         assert "('cp_ring', 'cp_a2a')" in messages["names"] and "('dp', 'cp')" in messages["names"]
         assert "pad it to a multiple of 8" in messages["uneven"]
-        assert "packed documents (cu_seqlens) over a ring x all-to-all cp_mesh are not supported yet" in messages["backend"]
+        assert refusal in messages["backend"], messages["backend"]
         assert "ring_jobs.py" in messages["backend"]  # the call's source line
 
 
@@ -218,11 +251,12 @@ def test_compiled_fused_block_over_ring_by_all_to_all_matches_eager(rank_pools, 
 
 
 def test_fused_block_op_refuses_what_the_ring_cannot_run(rank_pools):
-    """upipe::attention_block over a ring refuses packed documents itself (the backend
-    already refuses them at compile time), with the setting named, on every rank."""
-    for message in rank_pools(4).run(ring_jobs.fused_block_ring_refusal, cu_seqlens=torch.tensor([0, 4, 8])):
+    """upipe::attention_block over a ring refuses packed documents with a window itself (the
+    backend already refuses them at compile time), with the setting named, on every rank."""
+    for message in rank_pools(4).run(ring_jobs.fused_block_ring_refusal, window=(3, 0),
+                                     cu_seqlens=torch.tensor([0, 8, 16])):
         assert message is not None and message.startswith("UnsupportedAttention"), message
-        assert "packed documents (cu_seqlens) over a ring x all-to-all cp_mesh are not supported yet" in message
+        assert "packed documents (cu_seqlens) with a sliding window or softcap over a ring" in message
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

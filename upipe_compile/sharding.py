@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from upipe_compile.attention.collectives import all_gather, resolve_groups
-from upipe_compile.attention.ring import zigzag_shard, zigzag_unshard
+from upipe_compile.attention.zigzag import zigzag_shard, zigzag_unshard
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.passes.token_mixing import mark_sequence_dim
 

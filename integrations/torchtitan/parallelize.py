@@ -85,7 +85,7 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     cfg = upipe_config(job_config)
     problems = stack.stack_problems(job_config)
     cp, ring = parallel_dims.cp, cfg.ring_degree
-    ring_problems = _ring_problems(job_config, cp, ring, model_args)
+    ring_problems = _ring_problems(job_config, cp, ring)
     problems += ring_problems
     a2a = cfg.all_to_all_degree(cp)
     # the options' own check (UPipeOptions'), named by their [upipe] keys
@@ -127,7 +127,7 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     _refuse(problems)
 
 
-def _ring_problems(job_config, cp: int, ring: int, model_args) -> list[str]:
+def _ring_problems(job_config, cp: int, ring: int) -> list[str]:
     """What [upipe] ring_degree asks that the job cannot do."""
     if ring < 1:
         return [f"[upipe] ring_degree = {ring} must be >= 1 (1 = no ring)"]
@@ -142,9 +142,6 @@ def _ring_problems(job_config, cp: int, ring: int, model_args) -> list[str]:
         problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by 2 x "
                         f"context_parallel_degree = {pieces} with [upipe] ring_degree = {ring} (two zigzag "
                         "chunks per ring rank, split over its all-to-all ranks)")
-    if model_args is not None and getattr(model_args, "attn_type", "sdpa") == "varlen":
-        problems.append("[upipe] ring_degree > 1 does not run packed documents (a varlen flavor) yet: use "
-                        "ring_degree = 1 or an sdpa flavor")
     return problems
 
 

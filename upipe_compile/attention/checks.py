@@ -51,5 +51,5 @@ def attention_problems(call: AttentionCall, world: int, heads_per_stage: int, ri
             problems += cuda_problems(call.dtype, max(int(call.q_shape[-1]), int(call.v_shape[-1])))
     problems += variant_problems(call.device_type, call.window, call.softcap)
     if ring:
-        problems += ring_problems(call.documents)
+        problems += ring_problems(call.documents, call.window, call.softcap)
     return problems

@@ -31,31 +31,8 @@ import torch
 import torch.distributed as dist
 
 from upipe_compile.attention import kernels
-
-
-def zigzag_chunks(rank: int, ring: int) -> tuple[int, int]:
-    """The two sequence chunks (of 2R) ring rank ``rank`` holds, in its order."""
-    return rank, 2 * ring - 1 - rank
-
-
-def zigzag_shard(full: torch.Tensor, rank: int, ring: int, dim: int) -> torch.Tensor:
-    """Ring rank ``rank``'s share of ``full`` along ``dim`` (its two chunks, concatenated)."""
-    if full.shape[dim] % (2 * ring):
-        raise ValueError(f"a sequence of {full.shape[dim]} tokens cannot be cut into 2 x {ring} equal chunks for "
-                         f"a ring of {ring} ranks: pad it to a multiple of {2 * ring}")
-    chunks = full.chunk(2 * ring, dim=dim)
-    return torch.cat([chunks[c] for c in zigzag_chunks(rank, ring)], dim=dim)
-
-
-def zigzag_unshard(shares: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """The full-sequence tensor from every ring rank's share, in rank order."""
-    ring = len(shares)
-    chunks: list[Optional[torch.Tensor]] = [None] * (2 * ring)
-    for rank, share in enumerate(shares):
-        first, second = share.chunk(2, dim=dim)
-        a, b = zigzag_chunks(rank, ring)
-        chunks[a], chunks[b] = first, second
-    return torch.cat(chunks, dim=dim)
+from upipe_compile.attention.zigzag import zigzag_chunks
+from upipe_compile.packed.documents import Documents
 
 
 @dataclass(frozen=True)
@@ -105,15 +82,70 @@ def _visible_pairs(rank: int, source: int, ring: int, chunk: int, is_causal: boo
                 yield PairBand(qi, kj, *band)
 
 
-def ring_problems(documents: bool) -> list[str]:
+def ring_problems(documents: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> list[str]:
     """What a call asks of ring attention that it does not run yet (empty: nothing). A
     softcap acts on each score, so every chunk pair's kernel applies it; a sliding window is
     shifted to each pair's chunks (:func:`_band`); sinks join the softmax once, after the
-    merge (the stage loops apply them to the merged output)."""
-    if not documents:
+    merge (the stage loops apply them to the merged output); packed documents are cut to
+    each chunk pair (:func:`_document_pairs`), without a window or softcap so far."""
+    if not documents or (tuple(window) == (-1, -1) and not softcap):
         return []
-    return ["packed documents (cu_seqlens) over a ring x all-to-all cp_mesh are not supported yet (a chunk "
-            "pair's kernel would need the documents cut to its chunks): use a 1-D cp_mesh"]
+    return ["packed documents (cu_seqlens) with a sliding window or softcap over a ring x all-to-all cp_mesh are "
+            "not supported yet: use a 1-D cp_mesh, or packed documents without them"]
+
+
+@dataclass(frozen=True)
+class DocumentPair:
+    """One kernel call of a chunk pair under packed documents: query rows ``rows`` of this
+    rank's chunk ``qi`` against key rows ``keys`` of the held share's chunk ``kj``; causal (or
+    not) within ``documents`` where the two are the same chunk (None: one document), else
+    one document's rows against its keys in full (all of them precede the rows)."""
+
+    qi: int
+    kj: int
+    rows: slice
+    keys: slice
+    is_causal: bool
+    documents: Optional[Documents]
+
+
+def _document_pairs(rank: int, source: int, ring: int, chunk: int, is_causal: bool,
+                    documents: Documents) -> Iterator[DocumentPair]:
+    """Each kernel call between this rank's query chunks and ``source``'s key chunks with packed
+    ``documents`` (bounds over the whole sequence): a chunk against itself with the documents
+    cut to it; against another chunk (an earlier one under causal attention), one call per
+    document both chunks touch."""
+    for qi, q_chunk in enumerate(zigzag_chunks(rank, ring)):
+        for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
+            if is_causal and k_chunk > q_chunk:
+                continue
+            q0, k0 = q_chunk * chunk, k_chunk * chunk
+            if q_chunk == k_chunk:
+                yield DocumentPair(qi, kj, slice(0, chunk), slice(0, chunk), is_causal,
+                                   _cut(documents, q0, q0 + chunk))
+                continue
+            for start, end in documents.spans:
+                rows = (max(start, q0), min(end, q0 + chunk))
+                keys = (max(start, k0), min(end, k0 + chunk))
+                if rows[0] < rows[1] and keys[0] < keys[1]:
+                    yield DocumentPair(qi, kj, slice(rows[0] - q0, rows[1] - q0), slice(keys[0] - k0, keys[1] - k0),
+                                       False, None)
+
+
+def _cut(documents: Documents, start: int, end: int) -> Optional[Documents]:
+    """The documents within tokens ``[start, end)``, counted from ``start`` (None: one)."""
+    bounds = [0, *(b - start for b in documents.bounds if start < b < end), end - start]
+    return None if len(bounds) == 2 else Documents.from_bounds(bounds, documents.cu_seqlens.device)
+
+
+def _calls(rank: int, source: int, ring: int, chunk: int, is_causal: bool, window, documents):
+    """``(qi, kj, rows, keys, is_causal, window, documents)`` of each kernel call of a step."""
+    if documents is None:
+        for pair in _visible_pairs(rank, source, ring, chunk, is_causal, window):
+            yield pair.qi, pair.kj, pair.rows, pair.keys, False, pair.window, None
+    else:
+        for pair in _document_pairs(rank, source, ring, chunk, is_causal, documents):
+            yield pair.qi, pair.kj, pair.rows, pair.keys, pair.is_causal, (-1, -1), pair.documents
 
 
 class _Exchange:
@@ -151,10 +183,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
-                 group: dist.ProcessGroup, softcap: float = 0.0,
-                 window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+                 group: dist.ProcessGroup, softcap: float = 0.0, window: tuple[int, int] = (-1, -1),
+                 documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys.
-    The next step's K/V share is on its way while this step's chunk pairs run."""
+    The next step's K/V share is on its way while this step's chunk pairs run. ``documents``:
+    packed documents' bounds over the whole sequence (attention stays inside each)."""
     rank, ring = group.rank(), group.size()
     if q.shape[2] % 2:
         raise ValueError(f"a ring rank's share must hold two equal chunks; it has {q.shape[2]} tokens")
@@ -166,12 +199,12 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         source = (rank - step) % ring
         incoming = _pass_on(kv, group) if step + 1 < ring else None
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-        for pair in _visible_pairs(rank, source, ring, q_parts[0].shape[2], is_causal, window):
-            rows, keys = pair.rows, pair.keys
-            part_out, part_lse = kernels.forward(q_parts[pair.qi][:, :, rows], k_parts[pair.kj][:, :, keys],
-                                                 v_parts[pair.kj][:, :, keys], False, scale, window=pair.window,
+        for qi, kj, rows, keys, causal, band, docs in _calls(rank, source, ring, q_parts[0].shape[2], is_causal,
+                                                              window, documents):
+            part_out, part_lse = kernels.forward(q_parts[qi][:, :, rows], k_parts[kj][:, :, keys],
+                                                 v_parts[kj][:, :, keys], causal, scale, docs, window=band,
                                                  softcap=softcap)
-            _merge(out[pair.qi][:, :, rows], lse[pair.qi][:, :, rows], part_out, part_lse)
+            _merge(out[qi][:, :, rows], lse[qi][:, :, rows], part_out, part_lse)
         del k_parts, v_parts
         if incoming is not None:
             kv = incoming.finish()
@@ -180,8 +213,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, is_causal: bool, scale: Optional[float], group: dist.ProcessGroup,
-                  softcap: float = 0.0,
-                  window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  softcap: float = 0.0, window: tuple[int, int] = (-1, -1),
+                  documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned.
 
     Each step: the next K/V share is received while this one's chunk pairs run (their dK/dV
@@ -200,12 +233,12 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         dk_parts, dv_parts = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
-        for pair in _visible_pairs(rank, source, ring, q_parts[0].shape[2], is_causal, window):
-            rows, keys, qi, kj = pair.rows, pair.keys, pair.qi, pair.kj
+        for qi, kj, rows, keys, causal, band, docs in _calls(rank, source, ring, q_parts[0].shape[2], is_causal,
+                                                              window, documents):
             dq_part, dk_part, dv_part = kernels.backward(
                 dout_parts[qi][:, :, rows], q_parts[qi][:, :, rows], k_parts[kj][:, :, keys],
-                v_parts[kj][:, :, keys], out_parts[qi][:, :, rows], lse_parts[qi][:, :, rows], False, scale,
-                window=pair.window, softcap=softcap)
+                v_parts[kj][:, :, keys], out_parts[qi][:, :, rows], lse_parts[qi][:, :, rows].contiguous(), causal,
+                scale, docs, window=band, softcap=softcap)
             dq[qi][:, :, rows].add_(dq_part)
             dk_parts[kj][:, :, keys].add_(dk_part)
             dv_parts[kj][:, :, keys].add_(dv_part)

@@ -130,7 +130,8 @@ class StageAttention:
     def refuse_unsupported(self, documents: Optional[Documents]) -> None:
         """Refuse what the ring does not run, before any collective starts (every rank has
         the same settings, so every rank refuses)."""
-        if self.ring_group_name and (problems := ring.ring_problems(documents is not None)):
+        if self.ring_group_name and (problems := ring.ring_problems(documents is not None and not documents.is_single,
+                                                                     self.window, self.softcap)):
             raise UnsupportedAttention("; ".join(problems))
 
     def _ring_group(self):
@@ -140,7 +141,8 @@ class StageAttention:
         """``(out, lse)`` of a stage's heads over the sequence its buffers hold."""
         ring_group = self._ring_group()
         if ring_group is not None:
-            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group, self.softcap, self.window)
+            return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group, self.softcap, self.window,
+                                     _several(documents))
         return kernels.forward(q, k, v, self.is_causal, self.scale, documents, window=self.window,
                                softcap=self.softcap)
 
@@ -149,9 +151,14 @@ class StageAttention:
         ring_group = self._ring_group()
         if ring_group is not None:
             return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group, self.softcap,
-                                      self.window)
+                                      self.window, _several(documents))
         return kernels.backward(dout, q, k, v, out, lse, self.is_causal, self.scale, documents,
                                 window=self.window, softcap=self.softcap)
+
+
+def _several(documents: Optional[Documents]) -> Optional[Documents]:
+    """Packed documents, or None where there is one sequence."""
+    return None if documents is None or documents.is_single else documents
 
 
 def stage_attention(settings: StageLoopSettings) -> StageAttention:

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from upipe_compile.attention.collectives import (
     all_gather, check_same_local_shape, every_rank_agrees, group_from_name, values_of_every_rank,
 )
-from upipe_compile.attention.ring import zigzag_unshard
+from upipe_compile.attention.zigzag import zigzag_unshard
 from upipe_compile.errors import UnsupportedAttention
 
 BOUNDARY_DTYPES = (torch.int32, torch.int64)
@@ -196,7 +196,8 @@ def documents_of(cu_seqlens: Optional[torch.Tensor], local_seq: int, group_name:
         return None
     group = group_from_name(group_name)
     ring_group = group_from_name(ring_group_name) if ring_group_name else None
-    return documents_for(cu_seqlens, local_seq * group.size(), group, device, ring_group)
+    seq = local_seq * group.size() * (1 if ring_group is None else ring_group.size())
+    return documents_for(cu_seqlens, seq, group, device, ring_group)
 
 
 def _preview(cu_seqlens: torch.Tensor, limit: int = 8) -> str:
@@ -239,18 +240,18 @@ def documents_from_positions(local_positions: torch.Tensor, seq: int, group: dis
     The shards' shapes are agreed first (host integers): the all-gather is sized by them.
 
     Under a ring x all-to-all mesh (``ring_group``) the positions are this rank's shard of the
-    layout (zigzag over the ring): gathered over both groups and put back in order. Positions
-    counting straight through are then the layout's own, one sequence (None: the ring runs
-    it plainly); positions that restart (packed documents) are refused on every rank, as
-    documents over a ring are not supported yet."""
+    layout (zigzag over the ring): gathered over both groups and put back in order, so the
+    layout's own positions (not monotonic on a rank) are one sequence (None: the ring runs it
+    plainly) and positions that restart are packed documents over the whole sequence. ``seq``
+    is then the whole sequence's length."""
     check_same_local_shape(tuple(local_positions.shape), group)
     if ring_group is not None:
         check_same_local_shape(tuple(local_positions.shape), ring_group)
     if local_positions.dtype.is_floating_point or local_positions.dtype.is_complex:
         problem = f"position_ids must be integers, got {local_positions.dtype}"
-    elif local_positions.shape[1] * group.size() != seq:
+    elif local_positions.shape[1] * group.size() * (1 if ring_group is None else ring_group.size()) != seq:
         problem = (f"position_ids cover {local_positions.shape[1]} tokens on this rank, the attention's shard has "
-                   f"{seq // group.size()}")
+                   f"{seq // (group.size() * (1 if ring_group is None else ring_group.size()))}")
     else:
         problem = ""
     flags = values_of_every_rank([int(bool(problem))], group, device)
@@ -265,11 +266,6 @@ def documents_from_positions(local_positions: torch.Tensor, seq: int, group: dis
         bounds = bounds_from_positions(full)
     except ValueError as e:  # every rank holds the same full positions: all raise together
         raise UnsupportedAttention(f"packed-sequence position_ids: {e}") from None
-    if ring_group is not None:
-        if len(bounds) > 2:
-            raise UnsupportedAttention(
-                f"position_ids restart (packed documents starting at tokens {bounds[1:-1][:8]}) over a ring x "
-                "all-to-all cp_mesh: packed documents over a ring are not supported yet; use a 1-D cp_mesh for "
-                "packed rows, or positions that count through the sequence (upipe_compile.global_positions)")
+    if ring_group is not None and len(bounds) == 2:
         return None
     return Documents.from_bounds(bounds, device)
