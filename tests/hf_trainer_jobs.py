@@ -126,7 +126,7 @@ def _result(trainer, record):
 
 
 def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dropout: float = 0.0,
-                samples: int = 8, mask_fn=None, cp_size: int | None = None):
+                samples: int = 8, mask_fn=None, cp_size: int | None = None, ring_degree: int = 1):
     """Train with ``transformers.Trainer`` (``upipe``: UPipeTrainer on this pool's ranks);
     returns (logged losses, final parameters)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
@@ -147,7 +147,8 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
                 from upipe_compile.integrations.hf_trainer import UPipeTrainer
 
                 trainer = UPipeTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                                       callbacks=[record], upipe_options=INNER, cp_size=cp_size)
+                                       callbacks=[record], upipe_options=INNER, cp_size=cp_size,
+                                       ring_degree=ring_degree)
             else:
                 trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                                   callbacks=[record])

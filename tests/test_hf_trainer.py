@@ -76,6 +76,13 @@ def test_training_without_the_device_copy_matches_one_process(rank_pools):
     _compare([r[:2] for r in ranks], ref)
 
 
+def test_trainer_over_a_ring_by_all_to_all_mesh_matches_one_process(rank_pools):
+    """ring_degree=2 on 4 ranks (two all-to-all pairs, ring attention between them): batches
+    sharded in the mesh's zigzag layout with its positions; equals Trainer on one process."""
+    ranks = rank_pools(4).run(jobs.run_trainer, True, mask_fn=jobs.right_padded, samples=8, ring_degree=2)
+    _compare(ranks, jobs.run_trainer(False, mask_fn=jobs.right_padded, samples=8))
+
+
 def test_sft_trainer_leaves_the_users_config_alone(rank_pools):
     """UPipeSFTTrainer pads to a multiple of P in its own copy of the SFTConfig."""
     for user, own in rank_pools(WORLD).run(jobs.sft_config_untouched):

@@ -88,12 +88,15 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     ``shift_labels``, makes position ids when there are none, derives the documents'
     boundaries of a packed row from its position ids, and returns every per-token tensor's
     contiguous shard, the boundaries unsharded. Pure function of the batch and the rank."""
-    from upipe_compile.attention.collectives import resolve_group
+    from upipe_compile.attention.collectives import resolve_groups
     from upipe_compile.packed.documents import cu_seqlens_from_position_ids
     from upipe_compile.sharding import shard_sequence
 
+    ring = cp_mesh is not None and getattr(cp_mesh, "ndim", 1) == 2  # ring x all-to-all: two zigzag chunks a ring rank
     if world is None:
-        world = resolve_group(cp_mesh).size()
+        groups = resolve_groups(cp_mesh)
+        world = groups[0].size() * (1 if groups[1] is None else groups[1].size())
+    multiple = world * (2 if ring else 1)
     inputs = dict(inputs)
     if inputs.get("inputs_embeds") is not None:
         raise UnsupportedAttention(
@@ -120,12 +123,13 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
                 "collators and DataCollatorForLanguageModeling do), so that padding never enters the loss")
         # Right padding needs no mask under causal attention: no real token attends to a later
         # padded one, and padded positions carry no label.
-    if length % world:
+    if length % multiple:
+        layout = f"the context-parallel size {world}" + (" x 2 (two zigzag chunks a ring rank)" if ring else "")
         raise UnsupportedAttention(
-            f"sequence length {length} is not divisible by the context-parallel size {world}: pad every batch to a "
-            f"multiple of {world}: SFTConfig(pad_to_multiple_of={world}), "
-            f"DataCollatorForLanguageModeling(..., pad_to_multiple_of={world}) or "
-            f"DataCollatorWithPadding(..., pad_to_multiple_of={world}) (padding goes on the right, labels "
+            f"sequence length {length} is not divisible by {layout}: pad every batch to a "
+            f"multiple of {multiple}: SFTConfig(pad_to_multiple_of={multiple}), "
+            f"DataCollatorForLanguageModeling(..., pad_to_multiple_of={multiple}) or "
+            f"DataCollatorWithPadding(..., pad_to_multiple_of={multiple}) (padding goes on the right, labels "
             f"{IGNORE_INDEX})")
 
     if labels is not None and "shift_labels" not in inputs:
@@ -164,6 +168,11 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     return out
 
 
+def _groups_of(mesh) -> list:
+    """The process groups of each dimension of a 1-D or 2-D mesh."""
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
 def _map_tensors(data, fn):
     """``fn`` on every tensor of a nested tuple / list / dict (Trainer's logits, labels)."""
     if isinstance(data, torch.Tensor):
@@ -190,10 +199,14 @@ class UPipeTrainerMixin:
     - ``cp_size``: P, the context-parallel size, without ``ParallelismConfig`` (default: the
       number of processes; data parallelism over the rest). With ``ParallelismConfig`` its
       ``cp_size`` is P.
+    - ``ring_degree``: R > 1 splits the P ranks into a ring of R groups of P / R consecutive
+      ranks (all-to-all within a group, ring attention between them: several nodes), the
+      sequence laid out zigzag over the ring; without ``ParallelismConfig``.
     """
 
     def __init__(self, *args, upipe_options: Optional[dict[str, Any]] = None, cp_size: Optional[int] = None,
-                 **kwargs):
+                 ring_degree: int = 1, **kwargs):
+        self._upipe_ring_degree = ring_degree
         self._upipe_options = dict(upipe_options or {})
         if "cp_mesh" in self._upipe_options:
             raise UnsupportedAttention("upipe_options['cp_mesh'] is set by the trainer from its process layout; "
@@ -237,7 +250,12 @@ class UPipeTrainerMixin:
             raise UnsupportedAttention(
                 f"ParallelismConfig(tp_size={pc.tp_size}): tensor parallelism with upipe's context parallelism is "
                 "not supported yet")
+        ring = self._upipe_ring_degree
         if pc is not None and pc.cp_enabled:
+            if ring != 1:
+                raise UnsupportedAttention(
+                    f"ring_degree={ring} with ParallelismConfig(cp_size={pc.cp_size}) is not supported: pass cp_size= "
+                    "and ring_degree= to the trainer without ParallelismConfig (DDP)")
             if self._upipe_cp_size not in (None, pc.cp_size):
                 raise UnsupportedAttention(
                     f"cp_size={self._upipe_cp_size} but ParallelismConfig(cp_size={pc.cp_size}): give P once")
@@ -255,11 +273,19 @@ class UPipeTrainerMixin:
                     f"upipe's trainer runs under DDP (MULTI_CPU/MULTI_GPU) or accelerate's "
                     f"ParallelismConfig(cp_size=P) with FSDP2; got {acc.distributed_type}: with FSDP2 pass "
                     f"TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=..., cp_size={world}))")
+            if ring < 1 or world % ring:
+                raise UnsupportedAttention(f"ring_degree={ring} must be >= 1 and divide cp_size={world}")
             mesh = None
             if world > 1:
                 device_type = "cpu" if acc.device.type == "cpu" else acc.device.type
-                layout = init_device_mesh(device_type, (processes // world, world), mesh_dim_names=("dp", "cp"))
-                mesh, self._upipe_replicas = layout["cp"], layout["dp"]
+                if ring == 1:
+                    layout = init_device_mesh(device_type, (processes // world, world), mesh_dim_names=("dp", "cp"))
+                    mesh = layout["cp"]
+                else:
+                    layout = init_device_mesh(device_type, (processes // world, ring, world // ring),
+                                              mesh_dim_names=("dp", "cp_ring", "cp_a2a"))
+                    mesh = layout["cp_ring", "cp_a2a"]
+                self._upipe_replicas = layout["dp"]
                 self._upipe_own_layout = True
         self._upipe_world, self._upipe_mesh = world, mesh
 
@@ -359,10 +385,10 @@ class UPipeTrainerMixin:
             return loss, logits, labels
         from upipe_compile.sharding import gather_sequence
 
-        group = self._upipe_mesh.get_group()
         if loss is not None:
             loss = loss.clone()
-            dist.all_reduce(loss, group=group)
+            for group in _groups_of(self._upipe_mesh):  # over every rank of the group: each dimension in turn
+                dist.all_reduce(loss, group=group)
             loss = loss / self._upipe_world
         if logits is not None:
             logits = _map_tensors(logits, lambda t: gather_sequence(t.contiguous(), self._upipe_mesh, dim=1))
@@ -443,7 +469,7 @@ def _sft_trainer_class():
             cfg = args[1] if in_args else kwargs.get("args")
             self._upipe_cp_size = kwargs.get("cp_size")
             if cfg is not None:
-                size = self._upipe_plan_size(cfg)
+                size = self._upipe_plan_size(cfg) * (2 if kwargs.get("ring_degree", 1) > 1 else 1)  # zigzag chunks
                 multiple = cfg.pad_to_multiple_of or 1
                 if size > 1 and multiple % size:
                     cfg = copy.copy(cfg)  # the trainer's own copy: the user's config object stays as given
