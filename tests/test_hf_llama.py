@@ -242,3 +242,21 @@ def test_packed_positions_over_a_ring_by_all_to_all_mesh(rank_pools, lengths):
         assert relative_error(result[0], logits) < TOLERANCE, rank
     for name, grad in grads.items():
         assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, name
+
+
+def test_llama_over_a_4_by_2_mesh_with_and_without_packed_positions(rank_pools):
+    """Four ring ranks of two all-to-all ranks (8 gloo ranks): the layout's positions equal eager
+    on the full sequence; restarting positions (one document of a single token, documents
+    crossing chunks and ring ranks) equal each document run alone."""
+    from hf_llama_jobs import per_document_reference
+
+    case = LlamaCase(world=8, kv_heads=2, heads_per_stage=2, batch=1, seq_local=4)
+    pool = rank_pools(8)
+    for lengths, (logits, grads) in ((None, eager_reference(case)),
+                                     ((5, 1, 14, 12), per_document_reference(case, (5, 1, 14, 12)))):
+        ranks = pool.run(jobs.mesh_llama_case, case, 4, lengths)
+        for rank, result in enumerate(ranks):
+            assert not isinstance(result, str), result
+            assert relative_error(result[0], logits) < TOLERANCE, (rank, lengths)
+        for name, grad in grads.items():
+            assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, (name, lengths)
