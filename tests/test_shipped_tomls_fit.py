@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from upipe_compile.estimate.host import HOST_BUDGET_GIB
+from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOML_DIR = os.path.join(ROOT, "integrations", "torchtitan")

@@ -62,8 +62,10 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
         what = [f"{len(problems)} attention call(s)"] * bool(problems)
         what += [f"{len(refused_mixers)} mixer call(s)"] * bool(refused_mixers)
         what += [f"{len(mixing)} op(s) that mix tokens across the sharded sequence"] * bool(mixing)
+        ranks = f"P={world} ranks" if ring_group is None else \
+            f"a ring of {ring_group.size()} x {world} all-to-all ranks (P={ring_group.size() * world})"
         raise UnsupportedAttention(
-            f"upipe cannot run {' and '.join(what)} with context parallelism over P={world} ranks:\n"
+            f"upipe cannot run {' and '.join(what)} with context parallelism over {ranks}:\n"
             + "".join(problems + refused_mixers + mixing)
         )
     fused = 0

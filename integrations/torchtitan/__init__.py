@@ -23,17 +23,16 @@ from upipe_compile.integrations.torchtitan.parallelize import (
     build_loss_fn_upipe, check_job, compile_options, parallelize_llama_upipe, parallelize_qwen3_upipe, upipe_enabled,
 )
 
-MODEL_NAME = "llama3"
 MODEL_NAMES = ("llama3", "qwen3")
 _PARALLELIZE = {"llama3": parallelize_llama_upipe, "qwen3": parallelize_qwen3_upipe}
 
 __all__ = [
-    "MODEL_NAME", "MODEL_NAMES", "UPipe", "build_loss_fn_upipe", "check_job", "compile_options", "get_train_spec",
+    "MODEL_NAMES", "UPipe", "build_loss_fn_upipe", "check_job", "compile_options", "get_train_spec",
     "parallelize_llama_upipe", "parallelize_qwen3_upipe", "register", "upipe_config", "upipe_enabled",
 ]
 
 
-def get_train_spec(name: str = MODEL_NAME):
+def get_train_spec(name: str = "llama3"):
     """torchtitan's TrainSpec for ``name`` ("llama3" or "qwen3") with the UPipe-aware
     parallelize and loss builders."""
     import dataclasses

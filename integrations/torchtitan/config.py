@@ -25,7 +25,7 @@ and the integration uses the defaults below.
 
 from dataclasses import dataclass, field
 
-from upipe_compile.estimate.host import HOST_RESERVE_GIB
+from upipe_compile.stack.host_memory import HOST_RESERVE_GIB
 from upipe_compile.options import DEFAULT_PREFETCH
 
 

@@ -1,4 +1,4 @@
-"""Llama3 parallelization with UPipe context parallelism, built from torchtitan 0.2.2's own
+"""Llama3 and Qwen3 parallelization with UPipe context parallelism, built from torchtitan 0.2.2's own
 pieces (apply_ac, apply_fsdp, apply_ddp) in the same order as its ``parallelize_llama``:
 activation checkpointing -> per-block torch.compile -> FSDP/HSDP (or DDP).
 

@@ -37,6 +37,7 @@ allocate the CUDA kernel's workspace, so measured peaks are GPU peaks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -47,7 +48,7 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from upipe_compile.measure.workspace import modelled_backward_workspace, round_up, varlen_backward_groups
+from upipe_compile.attention.varlen_groups import round_up, varlen_backward_groups
 
 from upipe_compile.attention import blocked_kernel
 from upipe_compile.attention.device_constants import made_once
@@ -604,7 +605,7 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, docu
              softcap: float = 0.0):
     kernel, is_causal, window, softcap = _prepared(q, is_causal, window, softcap)
     packed = documents is not None and not documents.is_single
-    with modelled_backward_workspace(q, k, documents if packed else None):
+    with _backward_workspace(q, k, documents if packed else None):
         if not packed:
             return kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
         return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap)
@@ -622,4 +623,18 @@ def _prepared(q, is_causal: bool, window, softcap):
     return kernel, is_causal, window, softcap
 
 
-# --- what CUDA kernels allocate beyond their outputs, for fake-tensor measurements ------
+# A measurement (upipe_compile.measure.workspace.modelled_cuda_kernel) installs a hook that
+# allocates a CUDA kernel's backward workspace around each backward on fake tensors; no hook,
+# nothing happens. Installed from above, so the kernels import nothing of the measurement.
+_workspace_hook = None
+
+
+def install_backward_workspace_hook(hook):
+    """Install ``hook(q, k, documents)`` (a context manager factory, or None); returns the previous one."""
+    global _workspace_hook
+    previous, _workspace_hook = _workspace_hook, hook
+    return previous
+
+
+def _backward_workspace(q, k, documents):
+    return contextlib.nullcontext() if _workspace_hook is None else _workspace_hook(q, k, documents)

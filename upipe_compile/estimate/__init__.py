@@ -19,7 +19,7 @@ from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import GIB, budget_gib
-from upipe_compile.estimate.host import HOST_BUDGET_GIB
+from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step

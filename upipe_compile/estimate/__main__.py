@@ -16,7 +16,7 @@ from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.measure.workspace import CUDA_BACKWARD_WORKSPACE
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
 from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
-from upipe_compile.estimate.host import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
+from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
 
 
 def parse_args(argv):

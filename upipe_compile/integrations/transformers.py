@@ -242,15 +242,3 @@ def packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, cp_mesh=No
     kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)
     return kwargs
 
-
-_TRAINER_NAMES = ("UPipeTrainer", "UPipeSFTTrainer", "UPipeTrainerMixin", "upipe_batch")
-
-
-def __getattr__(name: str):
-    # The trainer side lives in hf_trainer (it imports accelerate, and trl for UPipeSFTTrainer,
-    # only when asked for).
-    if name in _TRAINER_NAMES:
-        from upipe_compile.integrations import hf_trainer
-
-        return getattr(hf_trainer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

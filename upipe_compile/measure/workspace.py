@@ -14,41 +14,8 @@ from typing import Iterator
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-H100_SMS = 132
-"""Streaming multiprocessors of an H100 SXM: flash's deterministic backward keeps one dq
-accumulator per split, and it splits until every SM has work."""
-
-
-def _ceil_div(x: int, y: int) -> int:
-    return -(-x // y)
-
-
-def round_up(x: int, multiple: int) -> int:
-    return _ceil_div(x, multiple) * multiple
-
-
-def varlen_backward_groups(documents, q_heads: int, deterministic: bool, sms: int = H100_SMS) -> list[tuple[int, int]]:
-    """Documents ``[first, last)`` per varlen backward call. flash's varlen backward pads its
-    fp32 ``dq_accum`` and ``softmax_d`` by 128 rows per document (``mha_varlen_bwd``): over a
-    1M-token row of 1000 documents, 12% more than the dense kernel's. Documents are taken in
-    order while a call's padded rows (times its deterministic splits) stay within the dense
-    kernel's for the whole row; a document that alone exceeds it is a call of its own."""
-    seq = documents.bounds[-1]
-
-    def size(tokens: int, count: int) -> int:
-        splits = _ceil_div(sms, count * q_heads) if deterministic else 1
-        return splits * (tokens + 128 * count)
-
-    dense = size(round_up(seq, 128) - 128, 1)  # the dense kernel's rows x splits (batch 1)
-    groups, first = [], 0
-    for last in range(1, len(documents.spans) + 1):
-        tokens = documents.bounds[last] - documents.bounds[first]
-        if last - first > 1 and size(tokens, last - first) > dense:
-            groups.append((first, last - 1))
-            first = last - 1
-    groups.append((first, len(documents.spans)))
-    return groups
-
+from upipe_compile.attention import kernels
+from upipe_compile.attention.varlen_groups import H100_SMS, ceil_div, round_up, varlen_backward_groups
 
 def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
                              deterministic: bool, sms: int = H100_SMS,
@@ -62,7 +29,7 @@ def flash_backward_workspace(batch: int, q_heads: int, kv_heads: int, seq: int, 
         lead, rows, work_units = (batch,), round_up(seq, 128), batch
     else:
         lead, rows, work_units = (), seq + 128 * documents, documents
-    splits = _ceil_div(sms, work_units * q_heads) if deterministic else 1
+    splits = ceil_div(sms, work_units * q_heads) if deterministic else 1
     workspace = {
         "softmax_d": ((*lead, q_heads, rows), torch.float32),
         "dq_accum": ((splits, *lead, rows, q_heads, dim_rounded), torch.float32),
@@ -104,10 +71,12 @@ def modelled_cuda_kernel(name: str = "flash-attn") -> Iterator[None]:
     if name not in CUDA_BACKWARD_WORKSPACE:
         raise ValueError(f"unknown CUDA kernel {name!r}; one of {sorted(CUDA_BACKWARD_WORKSPACE)}")
     previous, _modelled_kernel = _modelled_kernel, name
+    hook = kernels.install_backward_workspace_hook(modelled_backward_workspace)  # the kernels call it
     try:
         yield
     finally:
         _modelled_kernel = previous
+        kernels.install_backward_workspace_hook(hook)
 
 
 @contextlib.contextmanager

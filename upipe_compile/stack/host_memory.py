@@ -1,8 +1,10 @@
-"""The node's host memory as a budget for offloaded activations, like the GPU's (gpu.py).
+"""The node's host memory as a budget for offloaded activations (like the estimate's GPU
+budget, ``upipe_compile/estimate/gpu.py``).
 
-One owner for the figure: the search (search.py), the CLI (``--host-gib``),
-``benchmarks/max_context.py`` and ``tests/test_shipped_tomls_fit.py`` all take
-``HOST_BUDGET_GIB`` from here.
+One owner for the figures, below both users: a job's start-up check (``[upipe]
+host_memory_reserve_gib``'s default) takes ``HOST_RESERVE_GIB`` from here without loading the
+estimate; the estimate's search, its CLI (``--host-gib``), ``benchmarks/max_context.py`` and
+``tests/test_shipped_tomls_fit.py`` take ``HOST_BUDGET_GIB``.
 """
 
 from __future__ import annotations
