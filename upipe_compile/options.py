@@ -4,6 +4,8 @@ op's scalar arguments are spelled out in one place)."""
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Optional
 
@@ -188,15 +190,19 @@ class UPipeOptions:
         if problems:
             raise UnsupportedAttention("; ".join(problems))
 
+    @functools.cached_property
+    def _groups(self) -> tuple:
+        return resolve_groups(self.cp_mesh)  # resolved once per options object
+
     @property
     def group(self) -> dist.ProcessGroup:
         """The all-to-all group (the whole context-parallel group without a ring)."""
-        return resolve_groups(self.cp_mesh)[0]
+        return self._groups[0]
 
     @property
     def ring_group(self) -> dist.ProcessGroup | None:
         """The ring group of a ring x all-to-all mesh; None otherwise."""
-        return resolve_groups(self.cp_mesh)[1]
+        return self._groups[1]
 
     def stage_heads(self) -> int:
         return resolved_heads_per_stage(self.heads_per_stage, self.group.size())
