@@ -91,6 +91,7 @@ def _set(kwargs: dict) -> bool:
 
 def _conv(name, original):
     restarts = name.split(".")[0] not in _NO_DOCUMENT_RESTART
+
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         # packed documents come as the attention's boundaries (the layer hands its kwargs on)
         documents = kwargs.get("cu_seq_lens_q") if restarts else None

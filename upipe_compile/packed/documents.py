@@ -126,7 +126,8 @@ Reads: once per boundaries (or positions) tensor, never once per layer, and agai
 the tensor changes (its version counter moves). A backward may see the tensor the forward
 read as another Python object viewing the same memory (AOTAutograd saves graph inputs;
 before torch 2.14 it hands back a fresh alias): :func:`_cached` finds it through the tensor
-it aliases, which the cache still holds alive, so the memory cannot have been reused."""
+it aliases. The cache holds its tensors weakly and only looks at live ones, whose memory
+cannot have been reused by another tensor."""
 
 
 def _cached(tensor: torch.Tensor):
