@@ -32,6 +32,9 @@ def _config(family: str):
     if family == "qwen2":
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"], **COMMON)
+    if family == "qwen3":  # a sliding-window layer and a full one, QK-norm
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(use_sliding_window=True, sliding_window=WINDOW,
+                                                   layer_types=["sliding_attention", "full_attention"], **COMMON)
     if family == "gemma3":
         return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(sliding_window=WINDOW,
                                                          layer_types=["sliding_attention", "full_attention"], **COMMON)
@@ -72,9 +75,9 @@ def build_model(family: str, attn_implementation: str, seed: int = 0):
     return model
 
 
-def make_inputs(world: int, seed: int = 0):
+def make_inputs(world: int, seed: int = 0, seq_local: int = SEQ_LOCAL):
     gen = torch.Generator().manual_seed(seed + 2)
-    seq = SEQ_LOCAL * world
+    seq = seq_local * world
     ids = torch.randint(0, COMMON["vocab_size"], (1, seq), generator=gen)
     dout = torch.randn(1, seq, COMMON["vocab_size"], generator=gen)
     return ids, dout
@@ -84,11 +87,11 @@ def _grads(model):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def eager_reference(family: str, world: int):
+def eager_reference(family: str, world: int, seq_local: int = SEQ_LOCAL):
     """Uncompiled, unsharded, transformers' own "eager" attention (which implements the
     window through its mask, softcap and sinks by hand): (logits, param grads)."""
     model = build_model(family, "eager")
-    ids, dout = make_inputs(world)
+    ids, dout = make_inputs(world, seq_local=seq_local)
     logits = model(input_ids=ids, use_cache=False).logits
     (logits * dout).sum().backward()
     return logits.detach(), _grads(model)
@@ -147,7 +150,7 @@ def compiled_packed_case(family: str, world: int):
     return logits.detach(), _grads(model)
 
 
-def mesh_family_case(family: str, ring: int):
+def mesh_family_case(family: str, ring: int, seq_local: int = SEQ_LOCAL):
     """The family compiled over a ("cp_ring", "cp_a2a") mesh of ``ring`` x world/ring ranks
     with the layout's own positions: (full logits gathered in order, param grads)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,7 +161,7 @@ def mesh_family_case(family: str, ring: int):
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
     model = build_model(family, UPIPE_SDPA)
-    ids, dout = (shard_sequence(t, mesh, dim=1) for t in make_inputs(world))
+    ids, dout = (shard_sequence(t, mesh, dim=1) for t in make_inputs(world, seq_local=seq_local))
     compiled = torch.compile(model, backend="upipe", options={"cp_mesh": mesh, "inner_backend": "aot_eager"})
     logits = compiled(input_ids=ids, position_ids=upipe_compile.global_positions(ids.shape[1], mesh),
                       use_cache=False).logits

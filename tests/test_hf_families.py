@@ -42,12 +42,14 @@ def test_mla_packed_documents_match_each_document_alone(rank_pools):
     assert_shards_match(shards, logits, grads)
 
 
-def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools):
-    """Qwen2 (sliding-window and full layers) over a 2 x 2 mesh, the layout's positions: the
-    gathered logits on every rank and the summed gradients equal eager on the full sequence
-    (the window of 6 crosses the zigzag chunks of 8)."""
-    ranks = rank_pools(4).run(jobs.mesh_family_case, "qwen2", 2)
-    logits, grads = jobs.eager_reference("qwen2", 4)
+@pytest.mark.parametrize("family, world, ring, seq_local", [("qwen2", 4, 2, 8), ("qwen3", 4, 2, 8), ("qwen3", 8, 4, 4)],
+                         ids=["qwen2-2x2", "qwen3-2x2", "qwen3-4x2"])
+def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools, family, world, ring, seq_local):
+    """Qwen2 and Qwen3 (sliding-window and full layers) over 2 x 2 and 4 x 2 meshes, the
+    layout's positions: the gathered logits on every rank and the summed gradients equal eager
+    on the full sequence (the window of 6 crosses the zigzag chunks of 8 and of 4)."""
+    ranks = rank_pools(world).run(jobs.mesh_family_case, family, ring, seq_local)
+    logits, grads = jobs.eager_reference(family, world, seq_local)
     for rank, (rank_logits, _) in enumerate(ranks):
         assert relative_error(rank_logits, logits) < 1e-5, rank
     for name, grad in grads.items():
