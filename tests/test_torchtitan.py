@@ -169,7 +169,7 @@ def test_debug_model_ring_2x2_matches_cp1(rank_pools):
     """[upipe] ring_degree = 2 at CP = 4: two all-to-all pairs, ring attention between them;
     inputs and labels sharded zigzag over the ring by the Trainer's own call, each rank's RoPE
     table cut to its tokens' rows."""
-    from upipe_compile.attention.ring import zigzag_shard
+    from upipe_compile.attention.zigzag import zigzag_shard
 
     ring = rank_pools(4).run(train_debug_model, 4, STEPS, None, ("--upipe.ring_degree=2",))
     cp1 = rank_pools(1).run(train_debug_model, 1, STEPS)[0]
