@@ -170,14 +170,16 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
         _reset_accelerate()
 
 
-def run_evaluate(upipe: bool, eval_batch: int = 4, predict: bool = False):
+def run_evaluate(upipe: bool, eval_batch: int = 4, predict: bool = False, cp_size: int | None = None):
     """``trainer.evaluate()`` over 8 rows (every third right-padded, different numbers of
     labelled tokens) at ``eval_batch`` rows a batch; with ``predict`` also ``trainer.predict()``:
     (eval loss, predict loss, predicted logits or None)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     _reset_accelerate()
-    if upipe:
+    import torch.distributed as dist
+
+    if upipe or dist.is_initialized():  # stock Trainer on the pool's ranks too: plain DDP
         _distributed_env()
     try:
         model = build_model()
@@ -188,7 +190,7 @@ def run_evaluate(upipe: bool, eval_batch: int = 4, predict: bool = False):
                 from upipe_compile.integrations.hf_trainer import UPipeTrainer
 
                 trainer = UPipeTrainer(model=model, args=args, data_collator=default_data_collator,
-                                       upipe_options=INNER)
+                                       upipe_options=INNER, cp_size=cp_size)
             else:
                 trainer = Trainer(model=model, args=args, data_collator=default_data_collator)
             loss = trainer.evaluate(eval_dataset=data)["eval_loss"]

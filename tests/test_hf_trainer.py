@@ -68,6 +68,21 @@ def test_evaluate_and_predict_report_stock_trainer_numbers(rank_pools):
         assert (rank_logits - logits)[real].abs().max().item() <= TOLERANCE, rank
 
 
+def test_evaluate_and_predict_over_data_parallel_replicas(rank_pools):
+    """Two data-parallel replicas of P = 2 (4 ranks): evaluate() and predict() equal stock
+    Trainer with DDP over 2 processes (each row gathered once, over the replicas only)."""
+    ranks = rank_pools(4).run(jobs.run_evaluate, True, 2, True, 2)
+    stock = rank_pools(2).run(jobs.run_evaluate, False, 2, True)
+    loss, predict_loss, logits = stock[0]
+    real = torch.tensor([[1] * (32 - pad) + [0] * pad for pad in
+                         (2 + i if i % 3 == 0 else 0 for i in range(len(logits)))], dtype=torch.bool)
+    for rank, (rank_loss, rank_predict_loss, rank_logits) in enumerate(ranks):
+        assert abs(rank_loss - loss) <= TOLERANCE * abs(loss), (rank, rank_loss, loss)
+        assert abs(rank_predict_loss - predict_loss) <= TOLERANCE * abs(loss), (rank, rank_predict_loss, loss)
+        assert rank_logits.shape == logits.shape, (rank, rank_logits.shape, logits.shape)
+        assert (rank_logits - logits)[real].abs().max().item() <= TOLERANCE, rank
+
+
 def test_training_without_the_device_copy_matches_one_process(rank_pools):
     """Batch 2 with Trainer's per-batch device copy left out (a GPU's batch is already on its
     device): every shard handed to the model is contiguous, and training equals one process."""
