@@ -6,8 +6,9 @@
 One rank's peak over forward + backward of ``upipe::head_mixer_loop``'s loops beyond the
 mixer's own inputs, output and input gradients, measured on fake tensors over a fake
 process group (torch's MemTracker), for Qwen3-Next-80B's Gated DeltaNet layer (its short
-causal conv over 8192 channels, then the gated delta rule over 32 value heads of 128; q/k
-repeated to the value heads as the loop passes them) at the default stage count and at one
+causal conv over 8192 channels, then the gated delta rule over 32 value heads of 128, whose
+16 q/k heads each serve two: a stage gets the q/k heads its value heads share) at the default
+stage count and at one
 stage (every local head exchanged at once: what a Ulysses-style all-to-all holds). The conv
 is transformers' own torch implementation; the gated delta rule is a stand-in of the same
 inputs and output with no workspace of its own (the torch fallback's Python loop over 64-token
@@ -35,7 +36,7 @@ from upipe_compile.mixers.registry import KINDS
 from upipe_compile.passes.rewrite_mixer import mixer_stages
 
 CONV_CHANNELS, CONV_KERNEL = 8192, 4  # 2 x 16 key heads x 128 + 32 value heads x 128
-VALUE_HEADS, HEAD_DIM = 32, 128
+VALUE_HEADS, KEY_HEADS, HEAD_DIM = 32, 16, 128
 MAMBA2_HEADS, MAMBA2_HEAD_DIM, MAMBA2_GROUPS, MAMBA2_STATE = 128, 64, 1, 128  # Bamba-9B's Mamba2 layer
 
 
@@ -76,8 +77,9 @@ def measure(kind: str, group, seq: int, stages: int) -> tuple[int, int]:
             full += [torch.empty(MAMBA2_HEADS), torch.empty(MAMBA2_HEADS)]
             implementation, settings = _mamba2_stand_in, {"chunk_size": 256}
         else:
-            qkv = [torch.empty(1, s_local, VALUE_HEADS, HEAD_DIM, dtype=dtype) for _ in range(3)]
-            full = qkv + [torch.empty(1, s_local, VALUE_HEADS, dtype=torch.float32) for _ in range(2)]
+            qk = [torch.empty(1, s_local, KEY_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
+            full = qk + [torch.empty(1, s_local, VALUE_HEADS, HEAD_DIM, dtype=dtype)]
+            full += [torch.empty(1, s_local, VALUE_HEADS, dtype=torch.float32) for _ in range(2)]
             implementation, settings = _delta_stand_in, {}
         forward = MemTracker()
         forward.track_external(*[t for t in full if t is not None])

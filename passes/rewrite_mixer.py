@@ -38,8 +38,10 @@ def mixer_heads(node: fx.Node) -> int | None:
 
     name, tensors = node.args[0], node.args[1]
     spec, _ = resolve(name)
-    value = tensors[0].meta.get("example_value", tensors[0].meta.get("val"))
-    return None if value is None else int(value.shape[spec.inputs[0].head])
+    # the tensors before the head-counting input are never absent (registry.KINDS)
+    node_of_heads = tensors[spec.head_input]
+    value = node_of_heads.meta.get("example_value", node_of_heads.meta.get("val"))
+    return None if value is None else int(value.shape[spec.inputs[spec.head_input].head])
 
 
 def mixer_stages(heads: int, world: int) -> int:

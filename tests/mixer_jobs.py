@@ -18,7 +18,7 @@ class MixerCase:
     kind: str
     world: int
     heads: int
-    groups: int  # Mamba2's B/C groups (heads share them)
+    groups: int  # Mamba2's B/C groups, the gated delta rule's q/k heads (heads share them)
     stages: int
     seq_local: int
     seed: int
@@ -33,6 +33,10 @@ def _implementation(kind: str):
         from transformers.models.jamba.modeling_jamba import mamba_selective_scan
 
         return getattr(mamba_selective_scan, "__wrapped_original__", mamba_selective_scan)
+    if kind == "gated_delta_rule":
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        return getattr(torch_chunk_gated_delta_rule, "__wrapped_original__", torch_chunk_gated_delta_rule)
     return lightning_attention
 
 
@@ -48,6 +52,10 @@ def make_tensors(case: MixerCase) -> tuple[list, dict]:
         tensors = [rand(1, seq, h, 4), rand(1, seq, h, scale=0.5), -rand(h).abs() - 0.1,
                    rand(1, seq, case.groups, 3), rand(1, seq, case.groups, 3), rand(h), rand(h, scale=0.5)]
         return tensors, {"chunk_size": 3, "dt_softplus": True, "dt_limit": "0.0,inf"}
+    if case.kind == "gated_delta_rule":  # q, k: one head per group of value heads
+        tensors = [rand(1, seq, case.groups, 4, scale=0.5), rand(1, seq, case.groups, 4, scale=0.5), rand(1, seq, h, 4),
+                   -rand(1, seq, h, scale=0.3).abs(), torch.sigmoid(rand(1, seq, h))]
+        return tensors, {"chunk_size": 4, "use_qk_l2norm_in_kernel": True}
     if case.kind == "selective_scan":
         tensors = [rand(1, h, seq), rand(1, h, seq, scale=0.5), -rand(h, 3).abs() - 0.1, rand(1, 3, seq),
                    rand(1, 3, seq), rand(h), rand(1, h, seq), rand(h, scale=0.5)]

@@ -114,9 +114,7 @@ def _delta(name, original):
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             cu_seqlens=cu_seqlens, **kwargs)
-        group = value.shape[2] // key.shape[2]
-        if group > 1:  # one query/key head per value head, as the kernels do
-            query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
+        # q/k keep their own heads (each shared by a group of value heads): a stage gets the groups its heads share
         options = encode({"chunk_size": chunk_size, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel})
         return torch.ops.upipe.head_mixer(name, [query, key, value, g, beta], options, cu_seqlens), None
 

@@ -221,7 +221,7 @@ def run_mixer(spec, implementation, tensors: list, settings: dict, bounds: Optio
 
 # --- layouts --------------------------------------------------------------------------------
 def _heads(spec, tensors) -> int:
-    return tensors[0].shape[spec.inputs[0].head]
+    return tensors[spec.head_input].shape[spec.inputs[spec.head_input].head]
 
 
 def _rank(group_name: str) -> int:

@@ -47,6 +47,11 @@ class MixerSpec:
     output_like: Callable[[list], torch.Tensor]
     """An uninitialised output for these tensors (shape and dtype), without running the mixer."""
 
+    @property
+    def head_input(self) -> int:
+        """The input whose head dimension counts the mixer's heads (not a group, not shared)."""
+        return next(i for i, layout in enumerate(self.inputs) if layout.head is not None and not layout.grouped)
+
 
 def _conv_call(fn, tensors, options):
     x, weight, bias = tensors
@@ -101,9 +106,10 @@ KINDS = {
     # x [B, C, S], weight [C, K], bias [C]: one causal filter per channel
     "causal_conv1d": MixerSpec("causal_conv1d", (Layout(head=1, seq=2), Layout(head=0), Layout(head=0)),
                                Layout(head=1, seq=2), _conv_call, _like_input),
-    # q, k [B, S, H, Dk] (repeated to the value heads), v [B, S, H, Dv], g, beta [B, S, H]
-    "gated_delta_rule": MixerSpec("gated_delta_rule", (Layout(head=2, seq=1),) * 5, Layout(head=2, seq=1),
-                                  _delta_call, _like_values),
+    # q, k [B, S, Hk, Dk] (Hk groups of value heads, as the kernels take them), v [B, S, H, Dv],
+    # g, beta [B, S, H]
+    "gated_delta_rule": MixerSpec("gated_delta_rule", (Layout(head=2, seq=1, grouped=True),) * 2
+                                  + (Layout(head=2, seq=1),) * 3, Layout(head=2, seq=1), _delta_call, _like_values),
     # Mamba2's SSD scan: x [B, S, H, P], dt [B, S, H], A [H], B, C [B, S, G, N] (G groups of heads),
     # D [H], dt_bias [H]
     "mamba2_chunk_scan": MixerSpec("mamba2_chunk_scan",
