@@ -170,6 +170,11 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
         _reset_accelerate()
 
 
+def evaluation_rows() -> list[dict]:
+    """The rows :func:`run_evaluate` evaluates: 8, every third right-padded."""
+    return [right_padded(i, row) for i, row in enumerate(lm_dataset(8))]
+
+
 def run_evaluate(upipe: bool, eval_batch: int = 4, predict: bool = False, cp_size: int | None = None):
     """``trainer.evaluate()`` over 8 rows (every third right-padded, different numbers of
     labelled tokens) at ``eval_batch`` rows a batch; with ``predict`` also ``trainer.predict()``:
@@ -183,7 +188,7 @@ def run_evaluate(upipe: bool, eval_batch: int = 4, predict: bool = False, cp_siz
         _distributed_env()
     try:
         model = build_model()
-        data = [right_padded(i, row) for i, row in enumerate(lm_dataset(8))]
+        data = evaluation_rows()
         with tempfile.TemporaryDirectory() as out:
             args = TrainingArguments(**_common(out), per_device_eval_batch_size=eval_batch)
             if upipe:

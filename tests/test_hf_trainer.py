@@ -55,27 +55,24 @@ def test_trainer_matches_one_process(rank_pools):
 def test_evaluate_and_predict_report_stock_trainer_numbers(rank_pools):
     """evaluate() and predict() at eval batch 4 (rows of 32, right padding, different labelled
     counts) on P = 2 ranks: the loss stock Trainer reports on one process, on every rank, and
-    predict()'s logits over the whole sequences, once per row (at the real tokens: padded
-    positions, which carry no label, see other padding under causal attention without a mask)."""
-    ranks = rank_pools(WORLD).run(jobs.run_evaluate, True, 4, True)
-    loss, predict_loss, logits = jobs.run_evaluate(False, 4, True)
-    real = torch.tensor([[1] * (32 - pad) + [0] * pad for pad in
-                         (2 + i if i % 3 == 0 else 0 for i in range(len(logits)))], dtype=torch.bool)
-    for rank, (rank_loss, rank_predict_loss, rank_logits) in enumerate(ranks):
-        assert abs(rank_loss - loss) <= TOLERANCE * abs(loss), (rank, rank_loss, loss)
-        assert abs(rank_predict_loss - predict_loss) <= TOLERANCE * abs(loss), (rank, rank_predict_loss, loss)
-        assert rank_logits.shape == logits.shape, (rank, rank_logits.shape, logits.shape)
-        assert (rank_logits - logits)[real].abs().max().item() <= TOLERANCE, rank
+    predict()'s logits over the whole sequences, once per row."""
+    _assert_evaluation_matches(rank_pools(WORLD).run(jobs.run_evaluate, True, 4, True),
+                               jobs.run_evaluate(False, 4, True))
 
 
 def test_evaluate_and_predict_over_data_parallel_replicas(rank_pools):
     """Two data-parallel replicas of P = 2 (4 ranks): evaluate() and predict() equal stock
     Trainer with DDP over 2 processes (each row gathered once, over the replicas only)."""
-    ranks = rank_pools(4).run(jobs.run_evaluate, True, 2, True, 2)
-    stock = rank_pools(2).run(jobs.run_evaluate, False, 2, True)
-    loss, predict_loss, logits = stock[0]
-    real = torch.tensor([[1] * (32 - pad) + [0] * pad for pad in
-                         (2 + i if i % 3 == 0 else 0 for i in range(len(logits)))], dtype=torch.bool)
+    _assert_evaluation_matches(rank_pools(4).run(jobs.run_evaluate, True, 2, True, 2),
+                               rank_pools(2).run(jobs.run_evaluate, False, 2, True)[0])
+
+
+def _assert_evaluation_matches(ranks, stock):
+    """Every rank's (eval loss, predict loss, predicted logits) equal the stock trainer's, the
+    logits at the real tokens (padded positions carry no label and, with no mask, see other
+    padding under causal attention)."""
+    loss, predict_loss, logits = stock
+    real = torch.tensor([row["attention_mask"] for row in jobs.evaluation_rows()], dtype=torch.bool)
     for rank, (rank_loss, rank_predict_loss, rank_logits) in enumerate(ranks):
         assert abs(rank_loss - loss) <= TOLERANCE * abs(loss), (rank, rank_loss, loss)
         assert abs(rank_predict_loss - predict_loss) <= TOLERANCE * abs(loss), (rank, rank_predict_loss, loss)

@@ -58,26 +58,47 @@ LAYERS = {"minimax": {"MiniMaxLightningAttention": "lightning_attention"}}
 
 def route_mixers() -> list[str]:
     """Wrap every known family's mixer functions and layers (idempotent); the names routed."""
-    routed = _route_layers()
-    for family, functions in FAMILIES.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
-        for function, kind in functions.items():
-            original = getattr(module, function, None)
-            if original is None:
-                continue
-            name = f"{family}.{function}"
-            if not getattr(original, _ROUTED, False):
+    routed = []
+    for name, owner, attribute, kind, module in _targets():
+        original = getattr(owner, attribute)
+        if not getattr(original, _ROUTED, False):
+            if owner is module:  # a module-level function: the family's own implementation runs
                 if kind != "fused":
                     register_mixer(name, kind, original)
                 wrapper = _WRAPPERS[kind](name, original)
-                setattr(wrapper, _ROUTED, True)
-                wrapper.__wrapped_original__ = original
-                setattr(module, function, wrapper)
-            routed.append(name)
+            else:  # a layer's forward: upipe's implementation of its inline mixer runs
+                register_mixer(name, kind, _LAYER_MIXERS[kind])
+                wrapper = _LAYER_FORWARDS[kind](name, original, module)
+            setattr(wrapper, _ROUTED, True)
+            wrapper.__wrapped_original__ = original
+            setattr(owner, attribute, wrapper)
+        routed.append(name)
     return routed
+
+
+def _targets():
+    """``(name, owner, attribute, kind, family module)`` of each function (owner: the family's
+    module) and layer forward (owner: the layer class) that transformers has."""
+    for table in (FAMILIES, LAYERS):
+        for family, entries in table.items():
+            module = _family_module(family)
+            if module is None:
+                continue
+            for entry, kind in entries.items():
+                found = getattr(module, entry, None)
+                if found is None:
+                    continue
+                if table is FAMILIES:
+                    yield f"{family}.{entry}", module, entry, kind, module
+                else:
+                    yield f"{family}.{entry}", found, "forward", kind, module
+
+
+def _family_module(family: str):
+    try:
+        return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
 
 
 # flags a layer hands on with its kwargs that change nothing in a mixer (the documents'
@@ -171,28 +192,6 @@ _WRAPPERS = {"causal_conv1d": _conv, "gated_delta_rule": _delta, "mamba2_chunk_s
              "selective_scan": _selective, "fused": _fused}
 
 
-def _route_layers() -> list[str]:
-    routed = []
-    for family, layers in LAYERS.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
-        for layer, kind in layers.items():
-            cls = getattr(module, layer, None)
-            if cls is None:
-                continue
-            name = f"{family}.{layer}"
-            if not getattr(cls.forward, _ROUTED, False):
-                register_mixer(name, kind, _LAYER_MIXERS[kind])
-                forward = _LAYER_FORWARDS[kind](name, cls.forward, module)
-                setattr(forward, _ROUTED, True)
-                forward.__wrapped_original__ = cls.forward
-                cls.forward = forward
-            routed.append(name)
-    return routed
-
-
 def _lightning_layer(name, original, module):
     """MiniMax's lightning attention layer: its projections and output as the model writes
     them, the recurrence through the op (the model's own loop where the op cannot take it)."""
@@ -219,32 +218,17 @@ _LAYER_FORWARDS = {"lightning_attention": _lightning_layer}
 
 
 class original_mixers:
-    """``with original_mixers():`` the families' own functions, unrouted (a reference run)."""
+    """``with original_mixers():`` the families' own functions and layers, unrouted (a reference run)."""
 
     def __enter__(self):
         self.swapped = []
-        for family, functions in FAMILIES.items():
-            try:
-                module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-            except ImportError:
-                continue
-            for function in functions:
-                wrapper = getattr(module, function, None)
-                if getattr(wrapper, _ROUTED, False):
-                    self.swapped.append((module, function, wrapper))
-                    setattr(module, function, wrapper.__wrapped_original__)
-        for family, layers in LAYERS.items():
-            try:
-                module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-            except ImportError:
-                continue
-            for layer in layers:
-                cls = getattr(module, layer, None)
-                if cls is not None and getattr(cls.forward, _ROUTED, False):
-                    self.swapped.append((cls, "forward", cls.forward))
-                    cls.forward = cls.forward.__wrapped_original__
+        for _, owner, attribute, _, _ in _targets():
+            wrapper = getattr(owner, attribute)
+            if getattr(wrapper, _ROUTED, False):
+                self.swapped.append((owner, attribute, wrapper))
+                setattr(owner, attribute, wrapper.__wrapped_original__)
         return self
 
     def __exit__(self, *exc):
-        for module, function, wrapper in self.swapped:
-            setattr(module, function, wrapper)
+        for owner, attribute, wrapper in self.swapped:
+            setattr(owner, attribute, wrapper)
