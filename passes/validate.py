@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
 from upipe_compile.attention.kernels import NO_WINDOW
 from upipe_compile.passes.find import AttentionMatch
 
@@ -50,16 +50,8 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int,
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
+    cu_seqlens = _example(match.cu_seqlens)  # its value where known (2-D positions are no boundaries)
+    documents = boundaries_given(match.cu_seqlens if cu_seqlens is None else cu_seqlens)
     call = AttentionCall.of(q, k, v, enable_gqa=match.enable_gqa is not False, window=window, softcap=softcap,
-                            sinks=sinks, documents=_boundaries(match.cu_seqlens))
+                            sinks=sinks, documents=documents)
     return reasons + attention_problems(call, world, heads_per_stage, ring=ring)
-
-
-def _boundaries(cu_seqlens) -> bool:
-    """Packed documents' boundaries are given (1-D cu_seqlens). 2-D position ids are read at run
-    time: documents where they restart, one sequence where they count through (the layout's
-    own positions under a ring, which are not monotonic on a rank)."""
-    if cu_seqlens is None:
-        return False
-    value = _example(cu_seqlens) if isinstance(cu_seqlens, fx.Node) else cu_seqlens
-    return not (isinstance(value, torch.Tensor) and value.dim() == 2)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from upipe_compile.attention import collectives
-from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
 from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import attention_op, op_arguments
@@ -55,7 +55,7 @@ def upipe_attention(
     """
     window_left, window_right, softcap = normalised_variant(window, softcap)
     call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks, documents=cu_seqlens is not None and cu_seqlens.dim() == 1)
+                            sinks=sinks, documents=boundaries_given(cu_seqlens))
     if problems := attention_problems(call, 1, q.shape[1]):  # the call itself, before any process group
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     group, ring_group = collectives.resolve_groups(cp_mesh)

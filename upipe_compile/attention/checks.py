@@ -41,6 +41,14 @@ class AttentionCall:
         return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device.type, **rest)
 
 
+def boundaries_given(cu_seqlens) -> bool:
+    """Whether packed documents' boundaries are given (``cu_seqlens``, or a graph's argument
+    whose value is unknown). 2-D position ids are not: they are read at run time, documents
+    where they restart, one sequence where they count through (the layout's own positions
+    under a ring, which are not monotonic on a rank)."""
+    return cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 2)
+
+
 def attention_problems(call: AttentionCall, world: int, heads_per_stage: int, ring: bool = False) -> list[str]:
     """Why UPipe cannot run ``call`` on ``world`` all-to-all ranks with ``heads_per_stage``
     (over a ring too where ``ring``); empty when it can."""

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from upipe_compile.attention import collectives
 from upipe_compile.attention.ops import OP_TAGS, check_world
-from upipe_compile.attention.checks import AttentionCall, attention_problems
+from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
 from upipe_compile.block.loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block.region import BlockRegion, region_by_id, register_region
 from upipe_compile.packed.documents import documents_of
@@ -222,7 +222,7 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     problems = block_problems(region, x, extras, world, heads_per_stage, ring_group is not None,
-                              cu_seqlens is not None and cu_seqlens.dim() == 1)
+                              boundaries_given(cu_seqlens))
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,
