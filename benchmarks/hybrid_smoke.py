@@ -1,5 +1,5 @@
-"""Smoke run of hybrid models on this machine's device: Qwen3-Next and LFM2 (tiny configs,
-loaded with register()) compiled with backend="upipe" over a FAKE process group of 2 ranks,
+"""Smoke run of hybrid models on this machine's device: every hybrid family upipe routes (tiny
+configs, loaded with register()) compiled with backend="upipe" over a FAKE process group of 2 ranks,
 forward + backward in bf16 (CUDA if present). The collectives move nothing, so the values
 mean nothing: it shows that the mixer stage loops and attention ops compile and run on the
 device, and which upipe ops the graphs hold. Numerics are tests/test_hf_hybrid_numerics.py's.
@@ -31,7 +31,7 @@ def main() -> int:
     print(f"# torch {torch.__version__}, {name}")
     failed = 0
     with fake_process_group(2) as group:
-        for family in ["lfm2", "qwen3_next"]:
+        for family in jobs.FAMILIES:
             torch._dynamo.reset()
             start = time.perf_counter()
             ops: set[str] = set()

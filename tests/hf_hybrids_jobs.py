@@ -22,6 +22,9 @@ VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               use_cache=False, tie_word_embeddings=False)
 
+# the families whose mixers upipe routes, one of each mixer kind and layout
+FAMILIES = ["qwen3_next", "qwen3_5", "olmo_hybrid", "lfm2", "bamba", "falcon_h1", "jamba", "minimax"]
+
 
 def _config(family: str):
     import transformers as tf

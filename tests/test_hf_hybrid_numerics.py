@@ -14,7 +14,7 @@ from tests_support import assert_shards_match
 
 
 @pytest.mark.parametrize("world, heads_per_stage", [(2, None), (2, 4), (4, None)], ids=["P2", "P2-U4", "P4"])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "olmo_hybrid", "lfm2", "bamba", "falcon_h1", "jamba", "minimax"])
+@pytest.mark.parametrize("family", jobs.FAMILIES)
 def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_per_stage):
     """U = P (the default) and U = all 4 attention heads (Ulysses) for the attention layers."""
     shards = rank_pools(world).run(jobs.compiled_case, family, world, heads_per_stage)
