@@ -332,6 +332,13 @@ class _SequenceTracker(TorchDispatchMode):
             self.found(func, f"needs other ranks' tokens (a convolution over sequence dimension "
                              f"{self.get(args[0]).dim})")
             return
+        if func is _aten.constant_pad_nd.default and isinstance(self.get(args[0]), Shard):
+            # torch < 2.13 has no sharding rule that keeps an unpadded dimension sharded; a pad
+            # of other dimensions only (the head dim, as MLA's) stays on this rank's tokens
+            dim = self.get(args[0]).dim
+            if not _pads_dim(args[1], args[0].dim(), dim):
+                self.mark(out, Shard(dim), self.span.get(args[0]))
+                return
         to_dtensor = self._wrapper()
         self.partial_origin_by_spec = {}
         self.spec_tensor = {}
@@ -485,6 +492,12 @@ class _SequenceTracker(TorchDispatchMode):
 
     def _line(self) -> str:
         return source_line(self.node) if self.node is not None else "<unknown>"
+
+
+def _pads_dim(pad: list[int], ndim: int, dim: int) -> bool:
+    """Whether ``constant_pad_nd``'s ``pad`` (pairs from the last dimension back) pads ``dim``."""
+    pair = 2 * (ndim - 1 - dim)
+    return any(p != 0 for p in pad[pair:pair + 2])
 
 
 def _placement_name(p) -> str:

@@ -204,7 +204,8 @@ def test_router_aux_loss_loss_and_rope_are_accepted(world):
 
 
 class PerTokenOnly(nn.Module):
-    """Norms over features, an MLP, a per-token sum over heads and head_dim, in a checkpoint."""
+    """Norms over features, an MLP, a per-token sum over heads and head_dim, a pad of the
+    features (as MLA's head dim is padded), in a checkpoint."""
 
     def __init__(self):
         super().__init__()
@@ -212,7 +213,7 @@ class PerTokenOnly(nn.Module):
 
     def forward(self, x):
         def block(x):
-            h = self.down(F.silu(self.up(self.norm(x))))
+            h = F.pad(self.down(F.silu(self.up(self.norm(x)))), (0, 8))[..., :D]
             return h + h.view(*h.shape[:2], 4, D // 4).sum(dim=(2, 3)).unsqueeze(-1)
 
         return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
