@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
+from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.attention.kernels import NO_WINDOW
 from upipe_compile.passes.find import AttentionMatch
 
@@ -16,8 +16,8 @@ def _example(arg):
     return None
 
 
-def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int, ring: bool = False) -> list[str]:
-    """Empty when the call can run as UPipe on ``world`` ranks (over a ring too where ``ring``),
+def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int) -> list[str]:
+    """Empty when the call can run as UPipe on ``world`` ranks (over a ring too),
     else one line per problem: what the graph must fix at compile time here, the rest asked of
     :func:`upipe_compile.attention.checks.attention_problems` as every entry point does."""
     reasons = []
@@ -50,8 +50,6 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int,
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
-    cu_seqlens = _example(match.cu_seqlens)  # its value where known (2-D positions are no boundaries)
-    documents = boundaries_given(match.cu_seqlens if cu_seqlens is None else cu_seqlens)
     call = AttentionCall.of(q, k, v, enable_gqa=match.enable_gqa is not False, window=window, softcap=softcap,
-                            sinks=sinks, documents=documents)
-    return reasons + attention_problems(call, world, heads_per_stage, ring=ring)
+                            sinks=sinks)
+    return reasons + attention_problems(call, world, heads_per_stage)

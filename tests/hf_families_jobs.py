@@ -123,13 +123,14 @@ def compiled_family_case(family: str, world: int, fuse: bool):
 DOCUMENT_LENGTHS = (5, 1, 10)  # a packed row over SEQ_LOCAL * 2: one document of length 1, one crossing ranks
 
 
-def eager_documents_reference(family: str):
+def eager_documents_reference(family: str, world: int = 2, seq_local: int = SEQ_LOCAL,
+                              lengths: tuple[int, ...] = DOCUMENT_LENGTHS):
     """Each document of the packed row through the unsharded eager model on its own."""
     from tests_support import per_document_logits
 
     model = build_model(family, "eager")
-    ids, dout = make_inputs(2)
-    logits = per_document_logits(model, ids, dout, DOCUMENT_LENGTHS)
+    ids, dout = make_inputs(world, seq_local=seq_local)
+    logits = per_document_logits(model, ids, dout, lengths)
     return logits, _grads(model)
 
 
@@ -150,9 +151,10 @@ def compiled_packed_case(family: str, world: int):
     return logits.detach(), _grads(model)
 
 
-def mesh_family_case(family: str, ring: int, seq_local: int = SEQ_LOCAL):
+def mesh_family_case(family: str, ring: int, seq_local: int = SEQ_LOCAL, lengths: tuple[int, ...] | None = None):
     """The family compiled over a ("cp_ring", "cp_a2a") mesh of ``ring`` x world/ring ranks
-    with the layout's own positions: (full logits gathered in order, param grads)."""
+    with the layout's own positions (``lengths``: packed documents' positions, restarting at
+    each, in the layout's order): (full logits gathered in order, param grads)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from upipe_compile.sharding import gather_sequence, shard_sequence
@@ -162,8 +164,10 @@ def mesh_family_case(family: str, ring: int, seq_local: int = SEQ_LOCAL):
     mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
     model = build_model(family, UPIPE_SDPA)
     ids, dout = (shard_sequence(t, mesh, dim=1) for t in make_inputs(world, seq_local=seq_local))
+    positions = upipe_compile.global_positions(ids.shape[1], mesh)
+    if lengths is not None:
+        positions = shard_sequence(torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0), mesh, dim=1)
     compiled = torch.compile(model, backend="upipe", options={"cp_mesh": mesh, "inner_backend": "aot_eager"})
-    logits = compiled(input_ids=ids, position_ids=upipe_compile.global_positions(ids.shape[1], mesh),
-                      use_cache=False).logits
+    logits = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
     (logits * dout).sum().backward()
     return gather_sequence(logits.detach(), mesh, dim=1), _grads(model)

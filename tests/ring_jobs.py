@@ -50,13 +50,6 @@ def hybrid_case(case: AttentionCase, ring: int):
     return out.detach(), q.grad, k.grad, v.grad, positions, gathered
 
 
-def packed_attention(x):
-    import upipe_compile
-
-    return upipe_compile.document_sdpa(x, x, x, torch.tensor([0, 8, 16], dtype=torch.int32), is_causal=True,
-                                       window=(3, 0))
-
-
 def hybrid_refusals():
     """The messages of what a ring x all-to-all mesh refuses, on this rank."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,11 +60,8 @@ def hybrid_refusals():
     wrong = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     q = torch.randn(1, 4, 4, 8)
     attempts = {
-        "documents": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=mesh, cu_seqlens=torch.tensor([0, 8, 16]),
-                                                           window=(3, 0)),
         "names": lambda: upipe_compile.upipe_attention(q, q, q, cp_mesh=wrong),
         "uneven": lambda: upipe_compile.shard_sequence(torch.zeros(1, 12), mesh, dim=1),
-        "backend": lambda: torch.compile(packed_attention, backend="upipe", options={"cp_mesh": mesh})(q),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -197,29 +187,3 @@ def compiled_variant_ring_case(case: AttentionCase, ring: int, window, softcap, 
                            inner_backend="aot_eager", fuse_projections=fuse)
     model, seen = _compiled_recording(TinyVariantAttention(case, window, softcap, with_sinks), options)
     return (*block_grads(model, x, dout), sorted(set(seen)))
-
-
-def fused_block_ring_refusal(window=(-1, -1), softcap=0.0, with_sinks=False, cu_seqlens=None):
-    """upipe::attention_block called over a (2, 2) mesh's ring with what the ring does not run
-    (the backend refuses it at compile time; the op refuses it too): the message."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from upipe_compile.block.ops import attention_block_op
-    from upipe_compile.block.region import BlockRegion, register_region
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_a2a"))
-
-    def heads(p, n, *extras):
-        return p.view(p.shape[0], p.shape[1], n, 8).transpose(1, 2)
-
-    region = BlockRegion(2, 2, 8, heads, heads, heads, True, None, window=window, softcap=softcap,
-                         sinks_extra=0 if with_sinks else -1)
-    x, w = torch.randn(1, 4, 16), torch.randn(16, 16) / 4
-    extras = [torch.zeros(2)] if with_sinks else []
-    try:
-        attention_block_op(x, w, None, w, None, w, None, w, None, extras, cu_seqlens, register_region(region), 2, 2,
-                           mesh["cp_a2a"].get_group().group_name, "forward", False,
-                           mesh["cp_ring"].get_group().group_name)
-    except Exception as error:  # noqa: BLE001  (the test reads the message)
-        return f"{type(error).__name__}: {error}"
-    return None

@@ -137,8 +137,8 @@ def test_rows_that_see_no_key_give_zero_and_no_nan(monkeypatch):
     its lse -inf, and the gradients are finite (that row contributes nothing)."""
     real_hidden = blocked_kernel._hidden
 
-    def also_row_two(rows, keys, is_causal, window, device):
-        hidden = real_hidden(rows, keys, is_causal, window, device)
+    def also_row_two(rows, keys, shift, is_causal, window, device):
+        hidden = real_hidden(rows, keys, shift, is_causal, window, device)
         if hidden is None:
             hidden = torch.zeros(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.bool)
         if rows.start <= 2 < rows.stop:

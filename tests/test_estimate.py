@@ -277,6 +277,19 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
         out + lse + block_output)
 
 
+def test_saved_attention_output_uses_the_value_head_dim():
+    """The saved output's head dim: MLA's v_head_dim (DeepSeek-V3: q/k 192, v 128), Qwen3's
+    own head_dim (Qwen3-32B: 128, not 5120 / 64 = 80), else dim / n_heads (Llama3)."""
+    from types import SimpleNamespace
+
+    from upipe_compile.estimate import _value_head_dim
+
+    assert _value_head_dim(SimpleNamespace(dim=7168, n_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                           v_head_dim=128)) == 128
+    assert _value_head_dim(SimpleNamespace(dim=5120, n_heads=64, head_dim=128)) == 128
+    assert _value_head_dim(SimpleNamespace(dim=4096, n_heads=32)) == 128
+
+
 def test_the_stack_runs_for_real(debug_estimate, stack_estimate, debug_model):
     """With offload, tiled MLP and chunked loss: the block inputs are host memory (per rank and
     per node, by hand arithmetic), none is left on device, and the MLP's

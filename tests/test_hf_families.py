@@ -42,14 +42,23 @@ def test_mla_packed_documents_match_each_document_alone(rank_pools):
     assert_shards_match(shards, logits, grads)
 
 
-@pytest.mark.parametrize("family, world, ring, seq_local", [("qwen2", 4, 2, 8), ("qwen3", 4, 2, 8), ("qwen3", 8, 4, 4)],
-                         ids=["qwen2-2x2", "qwen3-2x2", "qwen3-4x2"])
-def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools, family, world, ring, seq_local):
-    """Qwen2 and Qwen3 (sliding-window and full layers) over 2 x 2 and 4 x 2 meshes, the
-    layout's positions: the gathered logits on every rank and the summed gradients equal eager
-    on the full sequence (the window of 6 crosses the zigzag chunks of 8 and of 4)."""
-    ranks = rank_pools(world).run(jobs.mesh_family_case, family, ring, seq_local)
-    logits, grads = jobs.eager_reference(family, world, seq_local)
+PACKED_OVER_RING = (5, 1, 14, 12)  # 32 tokens: documents shorter than a chunk, of one token, crossing chunks and ranks
+
+
+@pytest.mark.parametrize("family, world, ring, seq_local, lengths", [
+    ("qwen2", 4, 2, 8, None), ("qwen3", 4, 2, 8, None), ("qwen3", 8, 4, 4, None),
+    ("qwen3", 4, 2, 8, PACKED_OVER_RING), ("qwen3", 8, 4, 4, PACKED_OVER_RING), ("gemma2", 4, 2, 8, PACKED_OVER_RING),
+], ids=["qwen2-2x2", "qwen3-2x2", "qwen3-4x2", "qwen3-2x2-packed", "qwen3-4x2-packed", "gemma2-2x2-packed"])
+def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools, family, world, ring, seq_local, lengths):
+    """Qwen2 and Qwen3 (sliding-window and full layers) and Gemma2 (softcap too) over 2 x 2
+    and 4 x 2 meshes, the layout's positions or packed documents' (restarting at each): the
+    gathered logits on every rank and the summed gradients equal eager on the full sequence, or
+    each document run alone (the window of 6 crosses the zigzag chunks of 8 and of 4)."""
+    ranks = rank_pools(world).run(jobs.mesh_family_case, family, ring, seq_local, lengths)
+    if lengths is None:
+        logits, grads = jobs.eager_reference(family, world, seq_local)
+    else:
+        logits, grads = jobs.eager_documents_reference(family, world, seq_local, lengths)
     for rank, (rank_logits, _) in enumerate(ranks):
         assert relative_error(rank_logits, logits) < 1e-5, rank
     for name, grad in grads.items():

@@ -483,3 +483,47 @@ def test_aten_cuda_window_calls_match_the_op_schemas(batch):
         kernel.forward(q, k, k, True, None, (-1, -1), 30.0)
     with pytest.raises(UnsupportedAttention, match="flash-attn >= 2.6"):
         kernel.backward_documents(q, q, k, k, out, lse, documents, True, None, (-1, -1), 30.0)
+
+
+@settings(**SETTINGS)
+@given(
+    q_len=st.integers(1, 20), k_len=st.integers(1, 20), kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]), is_causal=st.booleans(), left=_window_edges(), right=_window_edges(),
+    softcap=st.one_of(st.just(0.0), st.floats(0.5, 50.0)),
+)
+def test_unequal_lengths_align_the_window_to_the_last_query_and_key(q_len, k_len, kv_heads, group, is_causal, left,
+                                                                     right, softcap):
+    """The CPU kernels with fewer or more queries than keys (a ring's chunk pair under packed
+    documents): query i's window is centred on key i + (k_len - q_len), as flash-attn aligns
+    it; out, lse and gradients equal float64 softmax math with that mask."""
+    from hypothesis import assume
+
+    shift = k_len - q_len
+    i, j = torch.arange(q_len).unsqueeze(-1) + shift, torch.arange(k_len)
+    visible = torch.ones(q_len, k_len, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= i - left
+    right_edge = 0 if is_causal else right
+    if right_edge >= 0:
+        visible &= j <= i + right_edge
+    assume(bool(visible.any(-1).all()))  # the ring only makes calls whose every row sees a key
+    gen = torch.Generator().manual_seed(q_len * 31 + k_len)
+    q, dout = (torch.randn(1, kv_heads * group, q_len, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, k_len, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def reference(q, k, v):
+        scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * 8**-0.5
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return scores.softmax(-1) @ v.repeat_interleave(group, 1), scores.logsumexp(-1)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = reference(*leaves)
+    want_grads = torch.autograd.grad(want_out, leaves, dout)
+    out, lse = kernels.forward(q, k, v, is_causal, None, None, (left, right), softcap)
+    grads = kernels.backward(dout, q, k, v, out, lse, is_causal, None, None, (left, right), softcap)
+    for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (want_out, want_lse,
+                                                                                           *want_grads)):
+        # lse is float32 in every kernel and the backward reads it: 1e-6, not float64's 1e-12
+        assert actual.shape == wanted.shape and torch.allclose(actual.double(), wanted, rtol=1e-6, atol=1e-6), name

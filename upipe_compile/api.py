@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from upipe_compile.attention import collectives
-from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
+from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import attention_op, op_arguments
@@ -55,7 +55,7 @@ def upipe_attention(
     """
     window_left, window_right, softcap = normalised_variant(window, softcap)
     call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks, documents=boundaries_given(cu_seqlens))
+                            sinks=sinks)
     if problems := attention_problems(call, 1, q.shape[1]):  # the call itself, before any process group
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     group, ring_group = collectives.resolve_groups(cp_mesh)
@@ -63,7 +63,7 @@ def upipe_attention(
     if problems := option_problems(world=world, heads_per_stage=heads_per_stage, prefetch=prefetch):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
-    if problems := attention_problems(call, world, heads_per_stage, ring=ring_group is not None):
+    if problems := attention_problems(call, world, heads_per_stage):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
     if world == 1 and ring_group is None and cu_seqlens is None and plain:

@@ -43,7 +43,7 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     problems = [
         f"  {match.source_line}\n" + "".join(f"    - {reason}\n" for reason in reasons)
         for match in matches
-        if (reasons := unsupported_reasons(match, world, heads_per_stage, ring=ring_group is not None))
+        if (reasons := unsupported_reasons(match, world, heads_per_stage))
     ]
     # head-separable mixers (short convs, the gated delta rule) run as stage loops too
     mixers = find_mixers(gm)

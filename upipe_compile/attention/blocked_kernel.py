@@ -7,7 +7,9 @@ with the shapes of :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, S, D]``, 
 (GQA: query head ``h`` uses KV head ``h // (Hq // Hkv)``), lse ``[B, Hq, S]`` float32.
 
 - ``window=(left, right)``: query ``i`` sees keys ``j`` with ``i - left <= j <= i + right``;
-  -1 leaves that side unbounded. ``is_causal`` adds ``j <= i``.
+  -1 leaves that side unbounded. ``is_causal`` adds ``j <= i``. With ``Sq`` queries and
+  ``Sk`` keys (unequal in a ring's chunk pair) both edges move by ``Sk - Sq``, aligning the
+  last query with the last key (flash-attn's convention).
 - ``softcap > 0``: the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before
   the softmax (Gemma 2); 0 turns it off.
 
@@ -38,9 +40,10 @@ def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), soft
     out = q.new_empty((batch, kv_heads, group, seq, v.shape[-1]))
     lse = q.new_empty((batch, kv_heads, group, seq), dtype=torch.float32)
     q5 = q.unflatten(1, (kv_heads, group))
-    for rows, keys in _blocks(seq, is_causal, window, block_rows):
+    shift = k.shape[2] - seq
+    for rows, keys in _blocks(seq, k.shape[2], is_causal, window, block_rows):
         qb = q5[:, :, :, rows].to(compute)
-        scores, _ = _scores(qb, k[:, :, keys].to(compute), rows, keys, is_causal, window, scale, softcap)
+        scores, _ = _scores(qb, k[:, :, keys].to(compute), rows, keys, shift, is_causal, window, scale, softcap)
         lse_b = scores.logsumexp(-1)
         probs = scores.sub_(_finite(lse_b).unsqueeze(-1)).exp_()
         out[:, :, :, rows] = _rows_matmul(probs, v[:, :, keys].to(compute)).to(out.dtype)
@@ -65,10 +68,11 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, wind
     dv = torch.zeros(v.shape, dtype=compute, device=v.device)
     q5, dout5, lse5 = (t.unflatten(1, (kv_heads, group)) for t in (q, dout, lse))
     delta5 = (dout.to(compute) * out.to(compute)).sum(-1).unflatten(1, (kv_heads, group))  # rowsum(dO * O)
-    for rows, keys in _blocks(seq, is_causal, window, block_rows):
+    shift = k.shape[2] - seq
+    for rows, keys in _blocks(seq, k.shape[2], is_causal, window, block_rows):
         qb, dob = q5[:, :, :, rows].to(compute), dout5[:, :, :, rows].to(compute)
         kb, vb = k[:, :, keys].to(compute), v[:, :, keys].to(compute)
-        scores, capped = _scores(qb, kb, rows, keys, is_causal, window, scale, softcap)
+        scores, capped = _scores(qb, kb, rows, keys, shift, is_causal, window, scale, softcap)
         probs = scores.sub_(_finite(lse5[:, :, :, rows]).unsqueeze(-1)).exp_()
         dprobs = _rows_matmul(dob, vb.transpose(-1, -2))
         dscores = dprobs.sub_(delta5[:, :, :, rows].unsqueeze(-1)).mul_(probs)
@@ -85,20 +89,21 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _blocks(seq: int, is_causal: bool, window, block_rows: int | None):
+def _blocks(q_len: int, k_len: int, is_causal: bool, window, block_rows: int | None):
     """``(rows, keys)`` slices: each block of query rows and the key range its rows can see."""
     left, right = window
     if is_causal:
         right = 0
+    shift = k_len - q_len
     step = block_rows or BLOCK_ROWS
-    for start in range(0, seq, step):
-        end = min(start + step, seq)
-        lo = 0 if left < 0 else max(0, start - left)
-        hi = seq if right < 0 else min(seq, end + right)
+    for start in range(0, q_len, step):
+        end = min(start + step, q_len)
+        lo = 0 if left < 0 else min(k_len, max(0, start + shift - left))
+        hi = k_len if right < 0 else max(lo, min(k_len, end + shift + right))
         yield slice(start, end), slice(lo, hi)
 
 
-def _scores(qb, kb, rows: slice, keys: slice, is_causal: bool, window, scale: float, softcap: float):
+def _scores(qb, kb, rows: slice, keys: slice, shift: int, is_causal: bool, window, scale: float, softcap: float):
     """Masked (with -inf), scaled, soft-capped scores ``[B, Hkv, g, rows, keys]`` (a new
     tensor), and the tanh the cap applied (None without a cap) for the backward's chain
     rule. The scale (over the cap) multiplies the q block, smaller than the scores."""
@@ -107,23 +112,24 @@ def _scores(qb, kb, rows: slice, keys: slice, is_causal: bool, window, scale: fl
     if softcap:
         capped = scores.tanh_()
         scores = capped * softcap
-    hidden = _hidden(rows, keys, is_causal, window, scores.device)
+    hidden = _hidden(rows, keys, shift, is_causal, window, scores.device)
     if hidden is not None:
         scores.masked_fill_(hidden, float("-inf"))
     return scores, capped
 
 
-def _hidden(rows: slice, keys: slice, is_causal: bool, window, device):
-    """``[rows, keys]`` bool, True where query i may not see key j; None when it may see all."""
+def _hidden(rows: slice, keys: slice, shift: int, is_causal: bool, window, device):
+    """``[rows, keys]`` bool, True where query i may not see key j; None when it may see all.
+    The edges are relative to key ``i + shift``, the query's place among the keys."""
     left, right = window
     if is_causal:
         right = 0
-    i = torch.arange(rows.start, rows.stop, device=device).unsqueeze(-1)
-    offset = torch.arange(keys.start, keys.stop, device=device) - i  # j - i
+    i = torch.arange(rows.start, rows.stop, device=device).unsqueeze(-1) + shift
+    offset = torch.arange(keys.start, keys.stop, device=device) - i  # j - (i + shift)
     hidden = None
-    if left >= 0 and keys.start < rows.stop - 1 - left:  # the last row's left edge falls inside the keys
+    if left >= 0 and keys.start < rows.stop - 1 + shift - left:  # the last row's left edge falls inside the keys
         hidden = offset < -left
-    if right >= 0 and keys.stop - 1 > rows.start + right:  # the first row's right edge does
+    if right >= 0 and keys.stop - 1 > rows.start + shift + right:  # the first row's right edge does
         hidden = offset > right if hidden is None else hidden | (offset > right)
     return hidden
 

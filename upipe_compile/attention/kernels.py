@@ -9,7 +9,9 @@ kernel here takes fewer KV heads natively, so K/V are never repeated.
 
 Variants (flash-attn's conventions): ``window=(left, right)`` lets query ``i`` see keys
 ``j`` with ``i - left <= j <= i + right``, -1 leaving that side unbounded; with
-``is_causal`` the right edge is also 0. ``softcap > 0`` turns the scaled scores ``s``
+``is_causal`` the right edge is also 0. Without ``documents`` q may be shorter or longer
+than k (a ring's chunk pair): the window and causal edge are then aligned to the last query
+and the last key, ``i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right``, as flash-attn does. ``softcap > 0`` turns the scaled scores ``s``
 into ``softcap * tanh(s / softcap)`` before the softmax; 0 is off. Values are checked
 here: :func:`variant_problems` (compile time) lists bad values and what the device's
 kernel cannot run, and ``forward``/``backward`` raise ``UnsupportedAttention`` for the same
@@ -116,13 +118,19 @@ def variant_problems(device_type: str, window=NO_WINDOW, softcap: float = 0.0) -
     return []
 
 
-def _effective(is_causal: bool, window: tuple[int, int], seq: int) -> tuple[bool, tuple[int, int]]:
-    """The same attention in its plainest form: an edge at least ``seq - 1`` away bounds
-    nothing; causal attention's right edge is 0 (``(-1, 0)`` is plain causal, window
-    ``(-1, -1)``), so windows that restrict nothing run the dense kernels."""
-    left, right = (-1 if edge >= seq - 1 else edge for edge in window)
-    if not is_causal and left == -1 and right == 0:
-        is_causal = True
+def _effective(is_causal: bool, window: tuple[int, int], q_len: int, k_len: int) -> tuple[bool, tuple[int, int]]:
+    """The same attention in its plainest form: a left edge at least ``k_len - 1`` away, or a
+    right one at least ``q_len - 1``, bounds nothing; causal attention's right edge is 0
+    (``(-1, 0)`` is plain causal, window ``(-1, -1)``), so windows that restrict nothing run
+    the dense kernels. Unequal lengths keep causal as the window's right edge 0, since aten's
+    CPU kernel aligns a causal mask to the first query, not the last."""
+    if is_causal:
+        window = (window[0], 0)
+    left, right = window
+    left, right = (-1 if left >= k_len - 1 else left), (-1 if right >= q_len - 1 else right)
+    if q_len != k_len:
+        return False, (left, right)
+    is_causal = is_causal or (left, right) == (-1, 0)
     if is_causal:
         right = -1 if left == -1 else 0
     return is_causal, (left, right)
@@ -178,14 +186,14 @@ class CpuKernels(PerDocumentKernels):
         return (window == NO_WINDOW and not softcap) or is_fake(q)
 
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
-        is_causal, window = _effective(is_causal, window, q.shape[2])
+        is_causal, window = _effective(is_causal, window, q.shape[2], k.shape[2])
         if self._on_aten(q, window, softcap):
             return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         return blocked_kernel.forward(q, k, v, is_causal, scale, window, softcap)
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
                  softcap: float = 0.0):
-        is_causal, window = _effective(is_causal, window, q.shape[2])
+        is_causal, window = _effective(is_causal, window, q.shape[2], k.shape[2])
         if self._on_aten(q, window, softcap):
             return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
@@ -299,9 +307,9 @@ class AtenCudaKernels(VarlenKernels):
         if window == NO_WINDOW:
             out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
             return out, lse
-        seq = q.shape[2]
         out, lse, *_ = _aten._flash_attention_forward(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, seq, seq, 0.0, is_causal, False,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.shape[2], k.shape[2], 0.0,
+            is_causal, False,
             scale=scale, **_aten_window(window),
         )
         return out.transpose(1, 2), lse
@@ -310,13 +318,13 @@ class AtenCudaKernels(VarlenKernels):
                  softcap: float = 0.0):
         self._check(window, softcap)
         cum_q, cum_k, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
-        seq = q.shape[2]
+        q_len, k_len = q.shape[2], k.shape[2]
         if window == NO_WINDOW:
             return _aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse, cum_q, cum_k, seq, seq, 0.0, is_causal, seed, offset, scale=scale
+                dout, q, k, v, out, lse, cum_q, cum_k, q_len, k_len, 0.0, is_causal, seed, offset, scale=scale
             )
         grads = _aten._flash_attention_backward(
-            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, cum_q, cum_k, seq, seq, 0.0, is_causal,
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, cum_q, cum_k, q_len, k_len, 0.0, is_causal,
             seed, offset, scale=scale, **_aten_window(window),
         )
         return tuple(g.transpose(1, 2) for g in grads)
@@ -595,7 +603,7 @@ def kernels_for(q: torch.Tensor):
 
 def forward(q, k, v, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW, softcap: float = 0.0):
     """(out, lse); with ``documents`` (more than one) attention stays inside each."""
-    kernel, is_causal, window, softcap = _prepared(q, is_causal, window, softcap)
+    kernel, is_causal, window, softcap = _prepared(q, k, is_causal, window, softcap)
     if documents is None or documents.is_single:
         return kernel.forward(q, k, v, is_causal, scale, window, softcap)
     return kernel.forward_documents(q, k, v, documents, is_causal, scale, window, softcap)
@@ -603,7 +611,7 @@ def forward(q, k, v, is_causal: bool, scale: float | None, documents=None, windo
 
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW,
              softcap: float = 0.0):
-    kernel, is_causal, window, softcap = _prepared(q, is_causal, window, softcap)
+    kernel, is_causal, window, softcap = _prepared(q, k, is_causal, window, softcap)
     packed = documents is not None and not documents.is_single
     with _backward_workspace(q, k, documents if packed else None):
         if not packed:
@@ -611,12 +619,12 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, docu
         return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap)
 
 
-def _prepared(q, is_causal: bool, window, softcap):
+def _prepared(q, k, is_causal: bool, window, softcap):
     """The kernel for ``q`` and the checked variant in its plainest form (see :func:`_effective`),
     refusing what that kernel cannot run."""
     kernel = kernels_for(q)
     window, softcap = check_variant(window, softcap)
-    is_causal, window = _effective(is_causal, window, q.shape[2])
+    is_causal, window = _effective(is_causal, window, q.shape[2], k.shape[2])
     problems = kernel.variant_problems(window, softcap)
     if problems:
         raise UnsupportedAttention("; ".join(problems))

@@ -7,13 +7,16 @@ Layout ("zigzag", for causal load balance): the sequence is cut into 2R equal ch
 rank ``r`` holds chunks ``r`` and ``2R - 1 - r``, concatenated, so every rank has the same
 amount of causal work. :func:`zigzag_chunks` names them; :func:`zigzag_shard` and
 :func:`zigzag_unshard` cut a full-sequence tensor into a rank's share and put the shares back.
-A sliding window (global positions) is shifted to each chunk pair by :func:`_band`.
+A sliding window (global positions) is shifted to each chunk pair by :func:`_band`. Packed
+documents are cut to each chunk pair by :func:`_document_pairs`, with the window and softcap.
 
 Shapes as :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, s, D]``, k/v ``[B, Hkv, s, D]``
 (``Hkv`` divides ``Hq``), ``s`` this rank's tokens (two chunks of ``s / 2``); ``lse`` is
 ``[B, Hq, s]`` float32. Every kernel call pairs one query chunk with one key chunk of the
 same length (or equal row ranges of them, under a window): a later key chunk is skipped
-under causal attention, the same chunk is causal, an earlier one is attended in full.
+under causal attention, the same chunk is causal, an earlier one is attended in full. Under
+packed documents a call against another chunk takes the one document crossing both, whose
+rows and keys can differ in number (the kernels align the window at the last of each).
 
 Backward: each K/V share travels the ring again with an accumulator of its dK/dV (in K/V's
 dtype), which every rank adds its queries' part to in fp32; after R steps the accumulator
@@ -82,54 +85,76 @@ def _visible_pairs(rank: int, source: int, ring: int, chunk: int, is_causal: boo
                 yield PairBand(qi, kj, *band)
 
 
-def ring_problems(documents: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> list[str]:
-    """What a call asks of ring attention that it does not run yet (empty: nothing). A
-    softcap acts on each score, so every chunk pair's kernel applies it; a sliding window is
-    shifted to each pair's chunks (:func:`_band`); sinks join the softmax once, after the
-    merge (the stage loops apply them to the merged output); packed documents are cut to
-    each chunk pair (:func:`_document_pairs`), without a window or softcap so far."""
-    if not documents or (tuple(window) == (-1, -1) and not softcap):
-        return []
-    return ["packed documents (cu_seqlens) with a sliding window or softcap over a ring x all-to-all cp_mesh are "
-            "not supported yet: use a 1-D cp_mesh, or packed documents without them"]
-
-
 @dataclass(frozen=True)
 class DocumentPair:
     """One kernel call of a chunk pair under packed documents: query rows ``rows`` of this
-    rank's chunk ``qi`` against key rows ``keys`` of the held share's chunk ``kj``; causal (or
-    not) within ``documents`` where the two are the same chunk (None: one document), else
-    one document's rows against its keys in full (all of them precede the rows)."""
+    rank's chunk ``qi`` against key rows ``keys`` of the held share's chunk ``kj``. A chunk
+    against itself: causal (or not) within ``documents`` (None: one document) with the
+    global ``window``. Against another chunk: the one document both touch, its rows against
+    its keys under ``window`` counted from the last row and the last key (the kernels'
+    convention for unequal lengths)."""
 
     qi: int
     kj: int
     rows: slice
     keys: slice
     is_causal: bool
+    window: tuple[int, int]
     documents: Optional[Documents]
 
 
-def _document_pairs(rank: int, source: int, ring: int, chunk: int, is_causal: bool,
+def _document_pairs(rank: int, source: int, ring: int, chunk: int, is_causal: bool, window: tuple[int, int],
                     documents: Documents) -> Iterator[DocumentPair]:
     """Each kernel call between this rank's query chunks and ``source``'s key chunks with packed
     ``documents`` (bounds over the whole sequence): a chunk against itself with the documents
-    cut to it; against another chunk (an earlier one under causal attention), one call per
-    document both chunks touch."""
+    cut to it; against another chunk, the document that crosses from one to the other (at
+    most one can), cut to the rows and keys its window lets see each other."""
     for qi, q_chunk in enumerate(zigzag_chunks(rank, ring)):
         for kj, k_chunk in enumerate(zigzag_chunks(source, ring)):
             if is_causal and k_chunk > q_chunk:
                 continue
             q0, k0 = q_chunk * chunk, k_chunk * chunk
             if q_chunk == k_chunk:
-                yield DocumentPair(qi, kj, slice(0, chunk), slice(0, chunk), is_causal,
+                yield DocumentPair(qi, kj, slice(0, chunk), slice(0, chunk), is_causal, window,
                                    _cut(documents, q0, q0 + chunk))
                 continue
             for start, end in documents.spans:
-                rows = (max(start, q0), min(end, q0 + chunk))
-                keys = (max(start, k0), min(end, k0 + chunk))
+                rows = (max(start, q0) - q0, min(end, q0 + chunk) - q0)
+                keys = (max(start, k0) - k0, min(end, k0 + chunk) - k0)
                 if rows[0] < rows[1] and keys[0] < keys[1]:
-                    yield DocumentPair(qi, kj, slice(rows[0] - q0, rows[1] - q0), slice(keys[0] - k0, keys[1] - k0),
-                                       False, None)
+                    call = _windowed_rectangle(rows, keys, q0 - k0, is_causal, window)
+                    if call is not None:
+                        call_rows, call_keys, call_window = call
+                        yield DocumentPair(qi, kj, call_rows, call_keys, False, call_window, None)
+
+
+def _windowed_rectangle(rows: tuple[int, int], keys: tuple[int, int], distance: int, is_causal: bool,
+                        window: tuple[int, int]):
+    """Query rows ``[r0, r1)`` of a chunk against key rows ``[c0, c1)`` of a chunk ``distance``
+    tokens before it (negative: after): query i sees key j when ``lo <= j - i <= hi``, the
+    global window shifted by the distance. None when no key is visible, else ``(rows, keys,
+    window)`` cut to the rows that see a key and the keys some row sees, the window counted
+    from the last row and last key: the first row then sees from the first key, the last row
+    up to the last key, so both edges are >= 0."""
+    left, right = window
+    lo = None if left < 0 else distance - left
+    hi = None if right < 0 else distance + right
+    if is_causal:
+        hi = distance if hi is None else min(hi, distance)
+    (r0, r1), (c0, c1) = rows, keys
+    if hi is not None:
+        r0 = max(r0, c0 - hi)
+    if lo is not None:
+        r1 = min(r1, c1 - lo)
+    if r0 >= r1:
+        return None
+    if lo is not None:
+        c0 = max(c0, r0 + lo)
+    if hi is not None:
+        c1 = min(c1, r1 + hi)
+    if c0 >= c1:
+        return None
+    return slice(r0, r1), slice(c0, c1), (-1 if lo is None else c1 - r1 - lo, -1 if hi is None else hi - c1 + r1)
 
 
 def _cut(documents: Documents, start: int, end: int) -> Optional[Documents]:
@@ -144,8 +169,8 @@ def _calls(rank: int, source: int, ring: int, chunk: int, is_causal: bool, windo
         for pair in _visible_pairs(rank, source, ring, chunk, is_causal, window):
             yield pair.qi, pair.kj, pair.rows, pair.keys, False, pair.window, None
     else:
-        for pair in _document_pairs(rank, source, ring, chunk, is_causal, documents):
-            yield pair.qi, pair.kj, pair.rows, pair.keys, pair.is_causal, (-1, -1), pair.documents
+        for pair in _document_pairs(rank, source, ring, chunk, is_causal, window, documents):
+            yield pair.qi, pair.kj, pair.rows, pair.keys, pair.is_causal, pair.window, pair.documents
 
 
 class _Exchange:

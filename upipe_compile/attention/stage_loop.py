@@ -33,7 +33,6 @@ from upipe_compile.packed.documents import Documents
 from upipe_compile.options import StageLoopSettings, prefetches
 from upipe_compile.attention.schedule import Stage, StageSchedule, plan_stages
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
-from upipe_compile.errors import UnsupportedAttention
 
 
 def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:
@@ -126,13 +125,6 @@ class StageAttention:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     ring_group_name: str = ""
-
-    def refuse_unsupported(self, documents: Optional[Documents]) -> None:
-        """Refuse what the ring does not run, before any collective starts (every rank has
-        the same settings, so every rank refuses)."""
-        if self.ring_group_name and (problems := ring.ring_problems(documents is not None and not documents.is_single,
-                                                                     self.window, self.softcap)):
-            raise UnsupportedAttention("; ".join(problems))
 
     def _ring_group(self):
         return collectives.group_from_name(self.ring_group_name) if self.ring_group_name else None
@@ -228,7 +220,6 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     schedule = schedule_for(q, k, world, settings.heads_per_stage)
     batch, _, s_local, _ = q.shape
     attention = stage_attention(settings)
-    attention.refuse_unsupported(documents)
 
     out = q.new_empty(q.shape)
     lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
@@ -268,7 +259,6 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     seq = s_local * world
     kv_per_rank = schedule.kv_per_rank
     attention = stage_attention(settings)
-    attention.refuse_unsupported(documents)
 
     dq = q.new_empty(q.shape)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)

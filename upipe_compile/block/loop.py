@@ -76,13 +76,11 @@ def block_schedule(region: BlockRegion, world: int, heads_per_stage: int) -> Sta
     return plan_stages(region.q_heads, region.kv_heads, world, heads_per_stage)
 
 
-def _stage_attention(region: BlockRegion, ring_group_name: str, documents: Optional[Documents]) -> StageAttention:
-    """The block's stage attention (the plain loop's: kernel, or ring attention over a ring),
-    after refusing what a ring does not run. The per-head ops (RoPE) run on the local tokens
-    before the all-to-all, with the caller's positions, so a ring needs nothing more here."""
-    attention = StageAttention(region.is_causal, region.scale, region.window, region.softcap, ring_group_name)
-    attention.refuse_unsupported(documents)
-    return attention
+def _stage_attention(region: BlockRegion, ring_group_name: str) -> StageAttention:
+    """The block's stage attention (the plain loop's: kernel, or ring attention over a ring).
+    The per-head ops (RoPE) run on the local tokens before the all-to-all, with the caller's
+    positions, so a ring needs nothing more here."""
+    return StageAttention(region.is_causal, region.scale, region.window, region.softcap, ring_group_name)
 
 
 def _rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -134,7 +132,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
-    attention = _stage_attention(region, ring_group_name, documents)
+    attention = _stage_attention(region, ring_group_name)
 
     o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
     lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
@@ -317,7 +315,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     schedule = block_schedule(region, world, heads_per_stage)
     batch, s_local, _ = x.shape
     dim, device = region.head_dim, x.device
-    attention = _stage_attention(region, ring_group_name, documents)
+    attention = _stage_attention(region, ring_group_name)
     # Extras enter vjp as primals; those taking no gradient (integer positions, the RoPE
     # table) are closed over.
     extras_need_grad = extras_needing_grad(weights.extras, extras_need_grad)  # None: all that can

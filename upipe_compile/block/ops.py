@@ -21,7 +21,7 @@ from torch import Tensor
 
 from upipe_compile.attention import collectives
 from upipe_compile.attention.ops import OP_TAGS, check_world
-from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
+from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.block.loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block.region import BlockRegion, region_by_id, register_region
 from upipe_compile.packed.documents import documents_of
@@ -188,16 +188,15 @@ class BlockFunction(torch.autograd.Function):
         return (dx, dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, None, None, *dextras)
 
 
-def block_problems(region: BlockRegion, x: Tensor, extras, world: int, heads_per_stage: int, ring: bool,
-                   documents: bool) -> list[str]:
+def block_problems(region: BlockRegion, x: Tensor, extras, world: int, heads_per_stage: int) -> list[str]:
     """The block's attention call, asked as every entry point asks it."""
     batch, s_local = x.shape[0], x.shape[1]
     q_shape = (batch, region.q_heads, s_local, region.head_dim)
     k_shape = (batch, region.kv_heads, s_local, region.head_dim)
     sinks = extras[region.sinks_extra] if region.sinks_extra >= 0 else None
     call = AttentionCall(q_shape, k_shape, k_shape, x.dtype, x.device.type, window=region.window,
-                         softcap=region.softcap, sinks=sinks, documents=documents)
-    return attention_problems(call, world, heads_per_stage, ring=ring)
+                         softcap=region.softcap, sinks=sinks)
+    return attention_problems(call, world, heads_per_stage)
 
 
 def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: BlockRegion, *, cp_mesh=None,
@@ -221,8 +220,7 @@ def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: Blo
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
-    problems = block_problems(region, x, extras, world, heads_per_stage, ring_group is not None,
-                              boundaries_given(cu_seqlens))
+    problems = block_problems(region, x, extras, world, heads_per_stage)
     if problems:
         raise UnsupportedAttention("upipe_attention_block: " + "; ".join(problems))
     settings = BlockSettings(register_region(region), heads_per_stage, world, group.group_name, prefetch,

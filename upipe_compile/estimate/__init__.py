@@ -146,13 +146,22 @@ def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, a2a
     ring = cp // a2a
     batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
     q_heads, kv_heads = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
-    head_dim = model_args.dim // q_heads
+    head_dim = _value_head_dim(model_args)
     element = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
     schedule = plan_stages(q_heads, kv_heads, a2a, heads_per_stage)
     out = batch * q_heads * (seq // cp) * head_dim * element
     lse = len(schedule.stages) * batch * schedule.q_per_rank * (seq // ring) * 4
     block_output = batch * (seq // cp) * model_args.dim * element if fused else 0
     return model_args.n_layers * (out + lse + block_output)
+
+
+def _value_head_dim(model_args) -> int:
+    """The attention output's head dim: MLA's ``v_head_dim`` (its q/k heads are wider),
+    else the model's ``head_dim`` (Qwen3's is not dim / n_heads), else dim / n_heads (Llama)."""
+    for name in ("v_head_dim", "head_dim"):
+        if getattr(model_args, name, None):
+            return getattr(model_args, name)
+    return model_args.dim // model_args.n_heads
 
 
 # FSDPMemTracker's categories, grouped as the report names them.

@@ -21,7 +21,7 @@ from upipe_compile.attention import kernels
 from upipe_compile.packed.documents import Documents, boundary_problems, bounds_from_positions
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import normalised_variant
-from upipe_compile.attention.checks import AttentionCall, attention_problems, boundaries_given
+from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 
@@ -137,7 +137,7 @@ def document_sdpa(
     window_left, window_right, softcap = normalised_variant(window, softcap)
     # Under torch.compile the upipe pass validates shapes (with P) from the graph instead.
     call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks, documents=boundaries_given(cu_seqlens))
+                            sinks=sinks)
     problems = [] if torch.compiler.is_compiling() else attention_problems(call, 1, q.shape[1])
     if problems:
         raise UnsupportedAttention("document_sdpa: " + "; ".join(problems))
