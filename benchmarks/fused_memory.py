@@ -23,6 +23,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.memory import PRESETS, measure_layer, upipe  # noqa: E402
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL  # noqa: E402
 from upipe_compile.measure.memory import fake_process_group  # noqa: E402
 
 
@@ -30,10 +31,10 @@ def run(world: int, seq: int) -> list[dict]:
     rows = []
     with fake_process_group(world) as group:
         for preset in PRESETS:
-            ulysses = measure_layer(preset, seq, world, upipe(preset.q_heads, group), "flash-attn")
-            plain = measure_layer(preset, seq, world, upipe(world, group), "flash-attn")
-            fused = measure_layer(preset, seq, world, ("fused", group, world), "flash-attn")
-            lean = measure_layer(preset, seq, world, ("fused", group, world, True), "flash-attn")
+            ulysses = measure_layer(preset, seq, world, upipe(preset.q_heads, group), DEFAULT_CUDA_KERNEL)
+            plain = measure_layer(preset, seq, world, upipe(world, group), DEFAULT_CUDA_KERNEL)
+            fused = measure_layer(preset, seq, world, ("fused", group, world), DEFAULT_CUDA_KERNEL)
+            lean = measure_layer(preset, seq, world, ("fused", group, world, True), DEFAULT_CUDA_KERNEL)
             rows.append({
                 "preset": preset.name, "Hq / Hkv": f"{preset.q_heads} / {preset.kv_heads}",
                 "Ulysses GiB": ulysses / 2**30, "UPipe GiB": plain / 2**30, "UPipe fused GiB": fused / 2**30,

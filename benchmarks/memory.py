@@ -40,12 +40,13 @@ from torch.distributed._tools.mem_tracker import MemTracker
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.tiny_llama import rope  # noqa: E402
+from upipe_compile.attention.kernels import CUDA_KERNELS, DEFAULT_CUDA_KERNEL  # noqa: E402
 from upipe_compile.measure.memory import (  # noqa: E402
     StageLoopFunction, fake_process_group, modelled_kernel, tracker_peak_bytes,
 )
 from upipe_compile.block.ops import upipe_attention_block  # noqa: E402
 from upipe_compile.block.region import BlockRegion  # noqa: E402
-from upipe_compile.options import StageLoopSettings  # noqa: E402
+from upipe_compile.attention.stage_loop import StageLoopSettings  # noqa: E402
 from upipe_compile.attention.schedule import plan_stages  # noqa: E402
 
 HEAD_DIM = 128
@@ -266,7 +267,7 @@ def main(argv=None):
     parser.add_argument("--seqs", type=int, nargs="+", default=SEQS)
     parser.add_argument("--presets", nargs="+", default=[p.name for p in PRESETS])
     parser.add_argument("--quick", action="store_true", help="P=4, 128K tokens, two presets")
-    parser.add_argument("--cuda-kernel", default="flash-attn", choices=["flash-attn", "aten-flash", "none"],
+    parser.add_argument("--cuda-kernel", default=DEFAULT_CUDA_KERNEL, choices=[*CUDA_KERNELS, "none"],
                         help="whose backward workspace to count (none: only what the CPU kernels allocate)")
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)

@@ -23,17 +23,23 @@ head of the rank shares the one group).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import torch
-from tabulate import tabulate
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, ROOT)
 
-from upipe_compile.measure.memory import fake_process_group, tracker_peak_bytes
-from upipe_compile.mixers.ops import loop_backward, loop_forward
-from upipe_compile.mixers.registry import KINDS
-from upipe_compile.passes.rewrite_mixer import mixer_stages
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+
+from benchmarks.report import emit  # noqa: E402
+from upipe_compile.measure.memory import fake_process_group, tracker_peak_bytes  # noqa: E402
+from upipe_compile.mixers.ops import loop_backward, loop_forward  # noqa: E402
+from upipe_compile.mixers.registry import KINDS  # noqa: E402
+from upipe_compile.passes.rewrite_mixer import mixer_stages  # noqa: E402
 
 CONV_CHANNELS, CONV_KERNEL = 8192, 4  # 2 x 16 key heads x 128 + 32 value heads x 128
 VALUE_HEADS, KEY_HEADS, HEAD_DIM = 32, 16, 128
@@ -126,10 +132,7 @@ def main(argv=None):
         f"P={args.world}, {args.seq} tokens (fake tensors + fake process group)",
         tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"),
     ])
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-import torch
-from tabulate import tabulate
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, ROOT)
 
-from upipe_compile.measure.memory import expected_ratio, fake_process_group, measure_op_memory
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from benchmarks.report import emit  # noqa: E402
+from upipe_compile.attention.kernels import CUDA_KERNELS, DEFAULT_CUDA_KERNEL  # noqa: E402
+from upipe_compile.measure.memory import expected_ratio, fake_process_group, measure_op_memory  # noqa: E402
 
 PRESETS = {
     "MHA 64q/64kv": (64, 64),
@@ -29,7 +36,7 @@ PRESETS = {
 }
 
 
-def run(world: int, seq: int, head_dim: int, cuda_kernel: str | None = "flash-attn"):
+def run(world: int, seq: int, head_dim: int, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL):
     rows = []
     with fake_process_group(world) as group:
         for name, (q_heads, kv_heads) in PRESETS.items():
@@ -58,7 +65,7 @@ def main(argv=None):
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2**20)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--cuda-kernel", default="flash-attn", choices=["flash-attn", "aten-flash", "none"],
+    parser.add_argument("--cuda-kernel", default=DEFAULT_CUDA_KERNEL, choices=[*CUDA_KERNELS, "none"],
                         help="whose backward workspace to count (none: only what the CPU kernels allocate)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", help="also write the table to this file")
@@ -75,10 +82,7 @@ def main(argv=None):
         f"{args.seq} tokens (fake tensors + fake process group); CUDA kernel workspace: {args.cuda_kernel}",
         tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"),
     ])
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

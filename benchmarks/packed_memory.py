@@ -18,12 +18,13 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL  # noqa: E402
 from upipe_compile.measure.memory import fake_process_group, measure_op_memory  # noqa: E402
 
 GiB = 2**30
 WORLD, SEQ, DOCUMENTS, HEAD_DIM = 8, 1 << 20, 1000, 128
 MODELS = [(8, 8), (32, 8), (64, 64)]
-KERNELS = {"CPU kernels": None, "flash-attn": "flash-attn"}
+KERNELS = {"CPU kernels": None, DEFAULT_CUDA_KERNEL: DEFAULT_CUDA_KERNEL}
 
 
 def random_bounds(seq: int, count: int, seed: int = 0) -> list[int]:

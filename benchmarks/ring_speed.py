@@ -25,6 +25,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import emit  # noqa: E402
 from upipe_compile.launch import RankPool  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
@@ -108,10 +109,7 @@ def main(argv=None) -> None:
     text = (f"# command: {command.strip()}\n# P={args.world} gloo ranks on CPU, {args.seq} tokens, causal, fp32, "
             f"{Q_HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}; median of {args.steps} interleaved steps\n\n"
             + tabulate(rows, headers="keys", floatfmt=".3g", tablefmt="github"))
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.memory import PRESETS, measure_layer, upipe  # noqa: E402
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL  # noqa: E402
 from upipe_compile.measure.memory import fake_process_group  # noqa: E402
 
 
@@ -32,9 +33,9 @@ def run(world: int, seq: int, window_tokens: int, presets=PRESETS) -> list[dict]
     with fake_process_group(world) as group:
         for preset in presets:
             for label, window in (("dense", (-1, -1)), (f"window {window_tokens}", (window_tokens - 1, 0))):
-                ulysses = measure_layer(preset, seq, world, upipe(preset.q_heads, group, window), "flash-attn")
-                plain = measure_layer(preset, seq, world, upipe(world, group, window), "flash-attn")
-                fused = measure_layer(preset, seq, world, ("fused", group, world, False, window), "flash-attn")
+                ulysses = measure_layer(preset, seq, world, upipe(preset.q_heads, group, window), DEFAULT_CUDA_KERNEL)
+                plain = measure_layer(preset, seq, world, upipe(world, group, window), DEFAULT_CUDA_KERNEL)
+                fused = measure_layer(preset, seq, world, ("fused", group, world, False, window), DEFAULT_CUDA_KERNEL)
                 rows.append({
                     "preset": preset.name, "attention": label,
                     "Ulysses GiB": ulysses / 2**30, "UPipe GiB": plain / 2**30, "UPipe fused GiB": fused / 2**30,

@@ -7,7 +7,7 @@ import operator
 import torch.nn.functional as F
 
 from upipe_compile.attention.ops import attention_op, op_arguments
-from upipe_compile.options import StageLoopSettings
+from upipe_compile.attention.stage_loop import StageLoopSettings
 from upipe_compile.passes.find import AttentionMatch
 
 UPIPE_ATTENTION = attention_op._opoverload

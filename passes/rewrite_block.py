@@ -29,8 +29,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from upipe_compile.block.ops import BlockSettings
 from upipe_compile.block.region import BlockRegion, register_region
-from upipe_compile.options import BlockSettings
 from upipe_compile.passes.find_block import ROLES, BlockMatch
 from upipe_compile.passes.head_separable import extract_head_fn
 
@@ -55,10 +55,10 @@ def block_region(block: BlockMatch) -> BlockRegion:
 def rewrite_block(block: BlockMatch, **settings) -> int:
     """Insert ``upipe::attention_block`` before the output projection, hand the projection's
     users item 0, erase the block's nodes. ``settings``: the fields of
-    :class:`~upipe_compile.options.BlockSettings` but the region id (the block's region is
+    :class:`~upipe_compile.block.ops.BlockSettings` but the region id (the block's region is
     registered here). Returns the region id. The caller lints and recompiles each touched
     graph module once."""
-    region_id = register_region(block_region(block))
+    region_id = register_region(block_region(block), owner=block.graph_module)
     settings = BlockSettings(region_id, **settings)
     graph = block.graph_module.graph
     anchor = block.out_linear

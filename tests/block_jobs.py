@@ -6,9 +6,8 @@ import torch
 import torch.distributed as dist
 
 from block_support import BlockCase, make_region, make_tensors, per_position
-from upipe_compile.block.ops import attention_block_op, upipe_attention_block
+from upipe_compile.block.ops import BlockSettings, attention_block_op, upipe_attention_block
 from upipe_compile.block.region import register_region
-from upipe_compile.options import BlockSettings
 
 
 def fused_block_case(case: BlockCase, mode: str, ring: int = 1):

@@ -90,32 +90,43 @@ def _share_scale(shares, expected):
 @given(case=block_cases(), mode=st.sampled_from(["op", "eager"]))
 # GQA with stages straddling KV heads (fp32 dK/dV accumulation), KV replicated (Hkv < P),
 # MQA at U > P, Qwen3-style norm + RoPE with biases.
-@example(case=BlockCase(2, 1, 12, 3, 3, 8, 6, True, None, "bfloat16", seed=1, prefetch="both", kind="qwen3", biases=True),
-         mode="op")
-@example(case=BlockCase(4, 1, 8, 2, 2, 8, 4, True, None, "float32", seed=2, kind="rope"), mode="op")
+@example(case=BlockCase(world=2, batch=1, q_heads=12, kv_heads=3, seq_local=3, head_dim=8, heads_per_stage=6,
+                        is_causal=True, scale=None, dtype="bfloat16", seed=1, prefetch="both", kind="qwen3",
+                        biases=True), mode="op")
+@example(case=BlockCase(world=4, batch=1, q_heads=8, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=4,
+                        is_causal=True, scale=None, dtype="float32", seed=2, kind="rope"), mode="op")
 # the attention output recomputed in backward: GQA straddling KV heads, prefetch in backward too
-@example(case=BlockCase(2, 1, 12, 3, 3, 8, 6, True, None, "float32", seed=4, prefetch="both", kind="qwen3",
+@example(case=BlockCase(world=2, batch=1, q_heads=12, kv_heads=3, seq_local=3, head_dim=8, heads_per_stage=6,
+                        is_causal=True, scale=None, dtype="float32", seed=4, prefetch="both", kind="qwen3",
                         biases=True, recompute_output=True), mode="op")
-@example(case=BlockCase(4, 2, 8, 1, 3, 4, 8, False, 0.5, "bfloat16", seed=5, prefetch="none", kind="rope",
+@example(case=BlockCase(world=4, batch=2, q_heads=8, kv_heads=1, seq_local=3, head_dim=4, heads_per_stage=8,
+                        is_causal=False, scale=0.5, dtype="bfloat16", seed=5, prefetch="none", kind="rope",
                         recompute_output=True), mode="eager")
 # MQA replicated over P = 2: the two ranks' K-norm weight (bf16) and dWk (fp32, a token per
 # rank, non-causal; dbk too) shares nearly cancel
-@example(case=BlockCase(2, 1, 2, 1, 1, 8, 2, False, 1.5, "float32", seed=108, prefetch="none", kind="plain",
+@example(case=BlockCase(world=2, batch=1, q_heads=2, kv_heads=1, seq_local=1, head_dim=8, heads_per_stage=2,
+                        is_causal=False, scale=1.5, dtype="float32", seed=108, prefetch="none", kind="plain",
                         biases=True), mode="op")
-@example(case=BlockCase(2, 1, 2, 1, 1, 8, 2, False, 1.5, "float32", seed=364, prefetch="none", kind="plain",
+@example(case=BlockCase(world=2, batch=1, q_heads=2, kv_heads=1, seq_local=1, head_dim=8, heads_per_stage=2,
+                        is_causal=False, scale=1.5, dtype="float32", seed=364, prefetch="none", kind="plain",
                         biases=True), mode="op")
-@example(case=BlockCase(2, 1, 6, 1, 2, 8, 6, True, 0.763671875, "bfloat16", seed=2, prefetch="none", kind="qwen3",
+@example(case=BlockCase(world=2, batch=1, q_heads=6, kv_heads=1, seq_local=2, head_dim=8, heads_per_stage=6,
+                        is_causal=True, scale=0.763671875, dtype="bfloat16", seed=2, prefetch="none", kind="qwen3",
                         biases=True), mode="op")
-@example(case=BlockCase(4, 2, 8, 1, 3, 4, 8, False, 0.5, "float32", seed=3, prefetch="none", kind="qwen3", biases=True),
-         mode="eager")
+@example(case=BlockCase(world=4, batch=2, q_heads=8, kv_heads=1, seq_local=3, head_dim=4, heads_per_stage=8,
+                        is_causal=False, scale=0.5, dtype="float32", seed=3, prefetch="none", kind="qwen3",
+                        biases=True), mode="eager")
 def test_fused_block_matches_eager(rank_pools, case, mode):
     _check(rank_pools(case.world).run(block_jobs.fused_block_case, case, mode), case)
 
 
 @pytest.mark.parametrize("case", [
-    BlockCase(2, 1, 8, 2, 4, 8, 2, True, None, "float32", seed=5, kind="qwen3", biases=True),
-    BlockCase(2, 2, 4, 4, 3, 8, 4, False, None, "float32", seed=6, kind="rope"),
-    BlockCase(2, 1, 8, 2, 4, 8, 4, True, None, "float32", seed=7, kind="qwen3", recompute_output=True),
+    BlockCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=4, head_dim=8, heads_per_stage=2, is_causal=True,
+              scale=None, dtype="float32", seed=5, kind="qwen3", biases=True),
+    BlockCase(world=2, batch=2, q_heads=4, kv_heads=4, seq_local=3, head_dim=8, heads_per_stage=4, is_causal=False,
+              scale=None, dtype="float32", seed=6, kind="rope"),
+    BlockCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=4, head_dim=8, heads_per_stage=4, is_causal=True,
+              scale=None, dtype="float32", seed=7, kind="qwen3", recompute_output=True),
 ], ids=str)
 def test_fused_block_compiles(rank_pools, case):
     """Through torch.compile (aot_eager): the fake kernels and the autograd registration."""

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import operator
+import weakref
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from upipe_compile import UPipeOptions, apply_upipe_passes
+from upipe_compile.block import region as block_region_registry
 from upipe_compile.block.region import region_by_id
 from upipe_compile.passes import find_attention
 from upipe_compile.passes.find_block import ROLES, BlockMatch, NotFusable, find_block
@@ -396,3 +399,29 @@ def test_torchtitan_document_block_is_fused_with_its_boundaries(world, checkpoin
 
 def example_shape(node):
     return tuple(node.meta.get("example_value", node.meta.get("val")).shape)
+
+
+# --- the region registry ----------------------------------------------------------------------
+def test_a_fused_region_lives_as_long_as_its_compiled_graph(world):
+    """The op finds its block's region (the extracted head fns) by id. The registry holds a
+    region while the compiled graph that calls the op can run, and lets it go with that
+    graph: recompiles leave nothing behind."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    registered_before = set(block_region_registry._REGIONS.keys())
+    compiled = torch.compile(TinyBlock("chunk"), backend="upipe", fullgraph=True,
+                             options={"cp_mesh": world, "inner_backend": "aot_eager"})
+    compiled(x, x).sum().backward()
+    (region_id,) = set(block_region_registry._REGIONS.keys()) - registered_before
+    region = weakref.ref(region_by_id(region_id))
+
+    gc.collect()
+    assert region() is not None  # the compiled graph still runs, forward and backward
+    compiled(x, x).sum().backward()
+
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert region() is None
+    with pytest.raises(RuntimeError, match="not registered"):
+        region_by_id(region_id)

@@ -567,8 +567,7 @@ def test_prefetch_overlaps_the_next_stage_with_the_kernel(world, prefetch, q_hea
     """Each stage's kernel runs while the next stage's inputs are in flight in the loops that
     prefetch (K and V too where the next stage opens a KV group), and with nothing in
     flight in those that do not; the last stage has nothing to prefetch."""
-    from upipe_compile.options import StageLoopSettings
-    from upipe_compile.attention.stage_loop import stage_loop_backward, stage_loop_forward
+    from upipe_compile.attention.stage_loop import StageLoopSettings, stage_loop_backward, stage_loop_forward
 
     settings = StageLoopSettings(True, None, WORLD, WORLD, world.group_name, prefetch)
     log = CollectivesInFlight()

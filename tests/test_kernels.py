@@ -18,6 +18,8 @@ from flash_attn_standins import FAMILIES
 from tests_support import TOLERANCE, AttentionCase, eager_reference, relative_error
 from upipe_compile import UnsupportedAttention
 from upipe_compile.attention import kernels
+from upipe_compile.attention.kernels import aten_cuda, flash_attn
+from upipe_compile.attention.varlen_groups import H100_SMS
 from upipe_compile.measure import workspace
 
 SETTINGS = dict(deadline=None, max_examples=40)
@@ -101,12 +103,12 @@ def test_unknown_parameters_with_defaults_keep_them():
     def fn(a, b, extra=7, c=None):
         seen.update(a=a, b=b, extra=extra, c=c)
 
-    kernels._call(fn, kernels._parameters(fn), {"a": 1, "b": 2, "c": 3}, "fn")
+    flash_attn._call(fn, flash_attn._parameters(fn), {"a": 1, "b": 2, "c": 3}, "fn")
     assert seen == {"a": 1, "b": 2, "extra": 7, "c": 3}
 
 
 def test_custom_op_parameters_come_from_the_schema():
-    names = [name for name, _ in kernels._parameters(FAMILIES["2.7/2.8"]()._flash_attn_backward)]
+    names = [name for name, _ in flash_attn._parameters(FAMILIES["2.7/2.8"]()._flash_attn_backward)]
     assert names[:9] == ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv"]
     assert names[-4:] == ["softcap", "alibi_slopes", "deterministic", "rng_state"]
 
@@ -126,13 +128,14 @@ def test_aten_cuda_markers_are_not_cached_under_fake_mode():
 
     device_constants._cache.clear()
     with FakeTensorMode():
-        markers = kernels._aten_cuda_dense_markers(torch.device("cpu"), torch.bfloat16)
+        markers = aten_cuda._aten_cuda_dense_markers(torch.device("cpu"), torch.bfloat16)
     assert len(markers) == 4
     assert device_constants._cache == {}
 
 
 def test_flash_backward_workspace_table():
-    ws = workspace.flash_backward_workspace(1, 4, 1, 1000, 128, torch.bfloat16, deterministic=False)
+    flash, aten = kernels.CUDA_KERNELS["flash-attn"], kernels.CUDA_KERNELS["aten-flash"]
+    ws = flash.backward_workspace(1, 4, 1, 1000, 128, torch.bfloat16, False, H100_SMS)
     assert ws == {
         "softmax_d": ((1, 4, 1024), torch.float32),
         "dq_accum": ((1, 1, 1024, 4, 128), torch.float32),
@@ -140,12 +143,12 @@ def test_flash_backward_workspace_table():
         "dv_expanded": ((1, 1000, 4, 128), torch.bfloat16),
     }
     # deterministic: one dq accumulator per split, until all 132 SMs of an H100 have work
-    assert workspace.flash_backward_workspace(1, 4, 4, 1000, 80, torch.bfloat16, True)["dq_accum"][0] == (
+    assert flash.backward_workspace(1, 4, 4, 1000, 80, torch.bfloat16, True, H100_SMS)["dq_accum"][0] == (
         33, 1, 1024, 4, 96)
-    aten = workspace.aten_flash_backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False)
-    assert set(aten) == {"softmax_d", "dq_accum", "dout_contiguous", "out_contiguous"}
+    aten_ws = aten.backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False, H100_SMS)
+    assert set(aten_ws) == {"softmax_d", "dq_accum", "dout_contiguous", "out_contiguous"}
     # one head a call: the [B, S, 1, D] view of a [B, 1, S, D] buffer is contiguous, no copies
-    assert set(workspace.aten_flash_backward_workspace(1, 1, 1, 1000, 128, torch.bfloat16, False)) == {
+    assert set(aten.backward_workspace(1, 1, 1, 1000, 128, torch.bfloat16, False, H100_SMS)) == {
         "softmax_d", "dq_accum"}
 
 
@@ -153,7 +156,7 @@ def _nbytes(workspace) -> int:
     return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in workspace.values())
 
 
-@pytest.mark.parametrize("cuda_kernel", sorted(workspace.CUDA_BACKWARD_WORKSPACE))
+@pytest.mark.parametrize("cuda_kernel", sorted(kernels.CUDA_KERNELS))
 def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kernel):
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -172,7 +175,8 @@ def test_modelled_cuda_workspace_is_allocated_during_the_fake_backward(cuda_kern
             del grads
             return peak
 
-    expected = _nbytes(workspace.CUDA_BACKWARD_WORKSPACE[cuda_kernel](1, 4, 2, 4096, 128, torch.bfloat16, False))
+    expected = _nbytes(kernels.CUDA_KERNELS[cuda_kernel].backward_workspace(1, 4, 2, 4096, 128, torch.bfloat16, False,
+                                                                          H100_SMS))
     assert backward_peak(True) - backward_peak(False) == expected
 
 
@@ -185,7 +189,7 @@ def test_op_measurement_counts_the_modelled_workspace():
         cpu = measure_op_memory(group, **shape, cuda_kernel=None)
         flash = measure_op_memory(group, **shape, cuda_kernel="flash-attn")
     # Ulysses here: 2 q heads and 1 KV head per rank -> the kernel expands dK/dV to 2 heads
-    kernel_bytes = _nbytes(workspace.flash_backward_workspace(1, 2, 1, seq, 128, torch.bfloat16, deterministic=False))
+    kernel_bytes = _nbytes(kernels.FlashAttnKernels.backward_workspace(1, 2, 1, seq, 128, torch.bfloat16, False, H100_SMS))
     assert flash.forward_bytes == cpu.forward_bytes
     assert cpu.backward_bytes < flash.backward_bytes <= cpu.backward_bytes + kernel_bytes
 
@@ -440,7 +444,7 @@ def test_cuda_variant_problems_name_the_fix(monkeypatch):
     assert kernels.variant_problems("cuda", (128, 0), 0.0) == []  # torch 2.13's aten flash takes a window
     (softcap,) = kernels.variant_problems("cuda", (-1, -1), 50.0)
     assert "aten's CUDA flash" in softcap and "flash-attn >= 2.6" in softcap
-    monkeypatch.setattr(kernels, "_aten_flash_takes_window", lambda: False)
+    monkeypatch.setattr(aten_cuda, "_aten_flash_takes_window", lambda: False)
     (window,) = kernels.variant_problems("cuda", (128, 0), 0.0)
     assert "window_size_left/right" in window and "install flash-attn" in window
     assert kernels.variant_problems("cuda", (-1, -1), 0.0) == []
@@ -455,7 +459,7 @@ def test_cuda_variant_problems_name_the_fix(monkeypatch):
 
 
 def test_torch_aten_flash_schemas_take_the_window():
-    assert kernels._aten_flash_takes_window()
+    assert aten_cuda._aten_flash_takes_window()
 
 
 @pytest.mark.parametrize("batch", [1, 2])

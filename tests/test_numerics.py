@@ -64,13 +64,19 @@ def _assert_close(name: str, actual, expected, case) -> None:
 # Always covered, whatever hypothesis draws: stages whose query heads straddle KV heads
 # (gathered KV slots) with fp32 dK/dV accumulation, and KV heads replicated (Hkv < P);
 # each prefetch mode across several KV groups (MHA: every stage opens one).
-@example(case=AttentionCase(2, 1, 12, 3, 5, 8, 6, True, None, "bfloat16", seed=1, prefetch="both"))
-@example(case=AttentionCase(4, 1, 24, 6, 3, 8, 12, False, 0.5, "float32", seed=2))
-@example(case=AttentionCase(4, 2, 8, 2, 3, 16, 4, True, None, "bfloat16", seed=3, prefetch="none"))
-@example(case=AttentionCase(4, 1, 16, 16, 3, 8, 4, True, None, "float32", seed=4, prefetch="both"))
+@example(case=AttentionCase(world=2, batch=1, q_heads=12, kv_heads=3, seq_local=5, head_dim=8, heads_per_stage=6,
+                            is_causal=True, scale=None, dtype="bfloat16", seed=1, prefetch="both"))
+@example(case=AttentionCase(world=4, batch=1, q_heads=24, kv_heads=6, seq_local=3, head_dim=8, heads_per_stage=12,
+                            is_causal=False, scale=0.5, dtype="float32", seed=2))
+@example(case=AttentionCase(world=4, batch=2, q_heads=8, kv_heads=2, seq_local=3, head_dim=16, heads_per_stage=4,
+                            is_causal=True, scale=None, dtype="bfloat16", seed=3, prefetch="none"))
+@example(case=AttentionCase(world=4, batch=1, q_heads=16, kv_heads=16, seq_local=3, head_dim=8, heads_per_stage=4,
+                            is_causal=True, scale=None, dtype="float32", seed=4, prefetch="both"))
 # MLA: q/k head dim 24 (nope + rope), v 16; and v wider than q/k
-@example(case=AttentionCase(2, 1, 4, 4, 4, 24, 2, True, None, "float32", seed=5, value_dim=16))
-@example(case=AttentionCase(2, 1, 4, 2, 3, 8, 2, False, 0.4, "bfloat16", seed=6, value_dim=16))
+@example(case=AttentionCase(world=2, batch=1, q_heads=4, kv_heads=4, seq_local=4, head_dim=24, heads_per_stage=2,
+                            is_causal=True, scale=None, dtype="float32", seed=5, value_dim=16))
+@example(case=AttentionCase(world=2, batch=1, q_heads=4, kv_heads=2, seq_local=3, head_dim=8, heads_per_stage=2,
+                            is_causal=False, scale=0.4, dtype="bfloat16", seed=6, value_dim=16))
 def test_op_matches_eager_sdpa(rank_pools, case):
     shards = rank_pools(case.world).run(rank_jobs.op_case, case)
     expected = eager_reference(case)
@@ -98,9 +104,12 @@ def test_compiled_block_matches_eager(rank_pools, case, inner):
 @pytest.mark.parametrize(
     "case",
     [
-        AttentionCase(2, 1, 8, 2, 8, 16, 2, True, None, "float32"),
-        AttentionCase(4, 2, 8, 8, 4, 8, 4, False, 0.3, "bfloat16", prefetch="both"),
-        AttentionCase(4, 1, 12, 1, 6, 8, 12, True, None, "float32"),  # Ulysses, MQA replicated
+        AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=8, head_dim=16, heads_per_stage=2,
+                      is_causal=True, scale=None, dtype="float32"),
+        AttentionCase(world=4, batch=2, q_heads=8, kv_heads=8, seq_local=4, head_dim=8, heads_per_stage=4,
+                      is_causal=False, scale=0.3, dtype="bfloat16", prefetch="both"),
+        AttentionCase(world=4, batch=1, q_heads=12, kv_heads=1, seq_local=6, head_dim=8, heads_per_stage=12,
+                      is_causal=True, scale=None, dtype="float32"),  # Ulysses, MQA replicated
     ],
     ids=str,
 )
@@ -118,5 +127,6 @@ def test_inductor_cache_never_reuses_a_graph_across_world_sizes(rank_pools):
     """The same local shapes compiled at P = 2 and then P = 4 (one inductor cache on disk):
     P is an argument of the op, so the P = 2 graph cannot be served for P = 4."""
     for world in (2, 4):
-        case = AttentionCase(world, 1, 8, 4, 8, 16, world, True, None, "float32", seed=7)
+        case = AttentionCase(world=world, batch=1, q_heads=8, kv_heads=4, seq_local=8, head_dim=16,
+                             heads_per_stage=world, is_causal=True, scale=None, dtype="float32", seed=7)
         _check_block(rank_pools(world).run(rank_jobs.compiled_block_case, case, "inductor"), case)

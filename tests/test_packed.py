@@ -40,12 +40,15 @@ def _check(shards, case, bounds):
 @settings(max_examples=int(os.environ.get("UPIPE_PACKED_EXAMPLES", "40")), **SETTINGS)
 @given(packed=packed_cases())
 # A document crossing the shard boundary next to documents of length 1, GQA, U > P, P = 2.
-@example(packed=(AttentionCase(2, 1, 8, 2, 6, 8, 4, True, None, "float32", seed=1), (0, 1, 2, 9, 10, 12)))
+@example(packed=(AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=6, head_dim=8, heads_per_stage=4,
+                               is_causal=True, scale=None, dtype="float32", seed=1), (0, 1, 2, 9, 10, 12)))
 # Many short documents at P = 4, MQA replicated over ranks, fp32 dK/dV accumulation.
-@example(packed=(AttentionCase(4, 2, 8, 1, 4, 16, 4, True, None, "float32", seed=2, prefetch="both"),
+@example(packed=(AttentionCase(world=4, batch=2, q_heads=8, kv_heads=1, seq_local=4, head_dim=16, heads_per_stage=4,
+                               is_causal=True, scale=None, dtype="float32", seed=2, prefetch="both"),
                  (0, 1, 3, 5, 6, 8, 9, 11, 12, 13, 14, 16)))
 # Non-causal, every document of length 1.
-@example(packed=(AttentionCase(2, 1, 4, 4, 3, 8, 2, False, 0.5, "float32", seed=3), (0, 1, 2, 3, 4, 5, 6)))
+@example(packed=(AttentionCase(world=2, batch=1, q_heads=4, kv_heads=4, seq_local=3, head_dim=8, heads_per_stage=2,
+                               is_causal=False, scale=0.5, dtype="float32", seed=3), (0, 1, 2, 3, 4, 5, 6)))
 def test_packed_op_matches_eager_per_document(rank_pools, packed):
     case, bounds = packed
     _check(rank_pools(case.world).run(rank_jobs.packed_op_case, case, bounds), case, bounds)
@@ -53,7 +56,8 @@ def test_packed_op_matches_eager_per_document(rank_pools, packed):
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
 def test_single_document_is_exactly_the_causal_path(rank_pools, dtype):
-    case = AttentionCase(2, 1, 8, 2, 5, 8, 2, True, None, "float32", seed=4)
+    case = AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=5, head_dim=8, heads_per_stage=2,
+                         is_causal=True, scale=None, dtype="float32", seed=4)
     pool = rank_pools(2)
     packed = pool.run(rank_jobs.packed_op_case, case, (0, case.seq), dtype)
     plain = pool.run(rank_jobs.op_case, case)
@@ -101,8 +105,10 @@ def test_a_remembered_check_is_used_only_when_every_rank_remembers_it(rank_pools
 @pytest.mark.parametrize(
     "case,bounds,inner",
     [
-        (AttentionCase(2, 1, 8, 2, 6, 8, 4, True, None, "float32", seed=6), (0, 1, 5, 9, 12), "aot_eager"),
-        (AttentionCase(4, 2, 4, 4, 3, 8, 4, True, 0.5, "float32", seed=7, prefetch="both"), (0, 2, 3, 11, 12),
+        (AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=6, head_dim=8, heads_per_stage=4,
+                       is_causal=True, scale=None, dtype="float32", seed=6), (0, 1, 5, 9, 12), "aot_eager"),
+        (AttentionCase(world=4, batch=2, q_heads=4, kv_heads=4, seq_local=3, head_dim=8, heads_per_stage=4,
+                       is_causal=True, scale=0.5, dtype="float32", seed=7, prefetch="both"), (0, 2, 3, 11, 12),
          "inductor"),
     ],
     ids=str,
@@ -120,7 +126,8 @@ def test_compiled_document_sdpa_block_matches_one_process(rank_pools, case, boun
 
 
 def test_document_sdpa_on_one_process_equals_attention_per_document():
-    case = AttentionCase(1, 2, 6, 3, 10, 8, 6, True, None, "float32", seed=8)
+    case = AttentionCase(world=1, batch=2, q_heads=6, kv_heads=3, seq_local=10, head_dim=8, heads_per_stage=6,
+                         is_causal=True, scale=None, dtype="float32", seed=8)
     bounds = (0, 1, 4, 10)
     q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(__import__("tests_support").make_inputs(case)))
     import upipe_compile

@@ -91,7 +91,8 @@ def packed_ring_cases(draw):
 @settings(max_examples=16, deadline=None)
 @given(packed=packed_ring_cases())
 # documents crossing the zigzag chunks and ranks, one of a single token, on a ring of 4
-@example(packed=(AttentionCase(4, 1, 4, 2, 6, 8, 4, True, None, "float32", seed=1), (0, 5, 6, 17, 24)))
+@example(packed=(AttentionCase(world=4, batch=1, q_heads=4, kv_heads=2, seq_local=6, head_dim=8, heads_per_stage=4,
+                               is_causal=True, scale=None, dtype="float32", seed=1), (0, 5, 6, 17, 24)))
 def test_packed_documents_over_the_ring_match_each_document_alone(rank_pools, packed):
     """Packed documents cut to each chunk pair (a chunk against itself: the documents within
     it; against another: each document both touch, in full): every rank's out, dq, dk, dv
@@ -117,7 +118,8 @@ def test_packed_documents_over_the_ring_match_each_document_alone(rank_pools, pa
 @given(packed=packed_ring_cases(), left=st.sampled_from([-1, 1, 2, 5, 12]), right=st.sampled_from([-1, 0, 1, 4]),
        softcap=st.sampled_from([0.0, 2.0]))
 # a window reaching back over a chunk boundary into a document that crosses chunks and ranks
-@example(packed=(AttentionCase(4, 1, 4, 2, 6, 8, 4, True, None, "float32", seed=1), (0, 5, 6, 17, 24)), left=5,
+@example(packed=(AttentionCase(world=4, batch=1, q_heads=4, kv_heads=2, seq_local=6, head_dim=8, heads_per_stage=4,
+                               is_causal=True, scale=None, dtype="float32", seed=1), (0, 5, 6, 17, 24)), left=5,
          right=0, softcap=2.0)
 def test_packed_documents_with_window_and_softcap_over_the_ring(rank_pools, packed, left, right, softcap):
     """Packed documents with a sliding window and a softcap over the ring: a chunk against
@@ -245,10 +247,14 @@ def test_compiled_model_over_ring_by_all_to_all_matches_eager(rank_pools, drawn,
 
 
 @pytest.mark.parametrize("case, ring, recompute", [
-    (AttentionCase(4, 1, 4, 2, 4, 8, 2, True, None, "float32", seed=1), 2, False),
-    (AttentionCase(4, 2, 8, 2, 2, 8, 4, False, 0.3, "float32", seed=2, prefetch="both"), 2, True),
-    (AttentionCase(8, 1, 8, 4, 2, 8, 4, True, None, "float32", seed=3), 2, False),
-    (AttentionCase(8, 1, 4, 2, 2, 8, 2, False, None, "bfloat16", seed=4, prefetch="both"), 4, False),
+    (AttentionCase(world=4, batch=1, q_heads=4, kv_heads=2, seq_local=4, head_dim=8, heads_per_stage=2, is_causal=True,
+                   scale=None, dtype="float32", seed=1), 2, False),
+    (AttentionCase(world=4, batch=2, q_heads=8, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=4,
+                   is_causal=False, scale=0.3, dtype="float32", seed=2, prefetch="both"), 2, True),
+    (AttentionCase(world=8, batch=1, q_heads=8, kv_heads=4, seq_local=2, head_dim=8, heads_per_stage=4, is_causal=True,
+                   scale=None, dtype="float32", seed=3), 2, False),
+    (AttentionCase(world=8, batch=1, q_heads=4, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=2,
+                   is_causal=False, scale=None, dtype="bfloat16", seed=4, prefetch="both"), 4, False),
 ], ids=["2x2-causal", "2x2-full-recompute", "2x4-causal", "4x2-full-bf16"])
 def test_compiled_fused_block_over_ring_by_all_to_all_matches_eager(rank_pools, case, ring, recompute):
     """A Llama-like layer (GQA, RoPE from global_positions) compiled with backend="upipe" over
@@ -277,9 +283,12 @@ def test_compiled_fused_block_over_ring_by_all_to_all_matches_eager(rank_pools, 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("case, ring, window, softcap, with_sinks", [
-    (AttentionCase(4, 1, 4, 2, 4, 8, 2, True, None, "float32", seed=3), 2, (3, 0), 3.0, True),
-    (AttentionCase(8, 1, 8, 2, 2, 8, 4, False, 0.4, "float32", seed=4), 2, (2, 3), 2.0, False),
-    (AttentionCase(8, 2, 4, 2, 4, 8, 2, True, None, "bfloat16", seed=5), 4, None, None, True),
+    (AttentionCase(world=4, batch=1, q_heads=4, kv_heads=2, seq_local=4, head_dim=8, heads_per_stage=2, is_causal=True,
+                   scale=None, dtype="float32", seed=3), 2, (3, 0), 3.0, True),
+    (AttentionCase(world=8, batch=1, q_heads=8, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=4,
+                   is_causal=False, scale=0.4, dtype="float32", seed=4), 2, (2, 3), 2.0, False),
+    (AttentionCase(world=8, batch=2, q_heads=4, kv_heads=2, seq_local=4, head_dim=8, heads_per_stage=2, is_causal=True,
+                   scale=None, dtype="bfloat16", seed=5), 4, None, None, True),
 ], ids=["2x2-causal-window-softcap-sinks", "2x4-full-window-softcap", "4x2-causal-sinks-bf16"])
 def test_variants_over_ring_by_all_to_all(rank_pools, case, ring, window, softcap, with_sinks, fuse):
     """A sliding window (shifted to each chunk pair), softcap (every chunk pair's kernel
@@ -307,10 +316,12 @@ def test_variants_over_ring_by_all_to_all(rank_pools, case, ring, window, softca
 
 @pytest.mark.parametrize("mode", ["op", "eager"])
 @pytest.mark.parametrize("case, ring", [
-    (BlockCase(4, 1, 8, 2, 2, 8, 2, True, None, "float32", seed=2, kind="rope"), 2),
-    (BlockCase(8, 1, 8, 4, 2, 8, 4, True, None, "float32", seed=3, kind="qwen3", biases=True,
-               recompute_output=True), 2),
-    (BlockCase(8, 2, 4, 2, 2, 8, 2, False, 0.5, "bfloat16", seed=4, kind="rope"), 4),
+    (BlockCase(world=4, batch=1, q_heads=8, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=2, is_causal=True,
+               scale=None, dtype="float32", seed=2, kind="rope"), 2),
+    (BlockCase(world=8, batch=1, q_heads=8, kv_heads=4, seq_local=2, head_dim=8, heads_per_stage=4, is_causal=True,
+               scale=None, dtype="float32", seed=3, kind="qwen3", biases=True, recompute_output=True), 2),
+    (BlockCase(world=8, batch=2, q_heads=4, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=2, is_causal=False,
+               scale=0.5, dtype="bfloat16", seed=4, kind="rope"), 4),
 ], ids=["2x2-rope", "2x4-qwen3-recompute", "4x2-full-bf16"])
 def test_fused_block_api_over_ring_by_all_to_all(rank_pools, case, ring, mode):
     """upipe_attention_block (the op, and its eager twin) with a (ring, all-to-all) cp_mesh:

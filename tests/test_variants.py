@@ -66,10 +66,14 @@ def _check(shards, expected, case):
 @given(drawn=variant_cases())
 # window smaller than a shard, with sinks and GQA across stages; window crossing a shard with
 # softcap, U > P; non-causal two-sided window; a window beyond the sequence with MQA.
-@example(drawn=(AttentionCase(4, 1, 8, 2, 6, 8, 4, True, None, "float32", seed=1), (2, 0), None, True))
-@example(drawn=(AttentionCase(2, 2, 8, 4, 5, 16, 4, True, 0.7, "float32", seed=2), (7, -1), 5.0, False))
-@example(drawn=(AttentionCase(4, 1, 12, 3, 3, 8, 12, False, None, "bfloat16", seed=3), (4, 2), 20.0, True))
-@example(drawn=(AttentionCase(2, 1, 4, 1, 7, 8, 2, True, None, "float32", seed=4), (100, -1), None, True))
+@example(drawn=(AttentionCase(world=4, batch=1, q_heads=8, kv_heads=2, seq_local=6, head_dim=8, heads_per_stage=4,
+                              is_causal=True, scale=None, dtype="float32", seed=1), (2, 0), None, True))
+@example(drawn=(AttentionCase(world=2, batch=2, q_heads=8, kv_heads=4, seq_local=5, head_dim=16, heads_per_stage=4,
+                              is_causal=True, scale=0.7, dtype="float32", seed=2), (7, -1), 5.0, False))
+@example(drawn=(AttentionCase(world=4, batch=1, q_heads=12, kv_heads=3, seq_local=3, head_dim=8, heads_per_stage=12,
+                              is_causal=False, scale=None, dtype="bfloat16", seed=3), (4, 2), 20.0, True))
+@example(drawn=(AttentionCase(world=2, batch=1, q_heads=4, kv_heads=1, seq_local=7, head_dim=8, heads_per_stage=2,
+                              is_causal=True, scale=None, dtype="float32", seed=4), (100, -1), None, True))
 def test_variants_match_full_sequence_attention(rank_pools, drawn):
     case, window, softcap, with_sinks = drawn
     sinks = make_sinks(case) if with_sinks else None
@@ -121,9 +125,12 @@ def _check_block(shards, case, window, softcap, with_sinks):
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("case, window, softcap, with_sinks", [
-    (AttentionCase(2, 1, 4, 2, 6, 8, 2, True, None, "float32", seed=5), (3, 0), None, False),
-    (AttentionCase(4, 1, 8, 2, 3, 8, 4, True, None, "float32", seed=6), (5, -1), 8.0, True),
-    (AttentionCase(2, 2, 4, 4, 4, 8, 4, False, 0.4, "float32", seed=7), (2, 3), 2.0, False),
+    (AttentionCase(world=2, batch=1, q_heads=4, kv_heads=2, seq_local=6, head_dim=8, heads_per_stage=2, is_causal=True,
+                   scale=None, dtype="float32", seed=5), (3, 0), None, False),
+    (AttentionCase(world=4, batch=1, q_heads=8, kv_heads=2, seq_local=3, head_dim=8, heads_per_stage=4, is_causal=True,
+                   scale=None, dtype="float32", seed=6), (5, -1), 8.0, True),
+    (AttentionCase(world=2, batch=2, q_heads=4, kv_heads=4, seq_local=4, head_dim=8, heads_per_stage=4,
+                   is_causal=False, scale=0.4, dtype="float32", seed=7), (2, 3), 2.0, False),
 ], ids=["window", "window+softcap+sinks", "bidirectional-window+softcap"])
 def test_compiled_variant_block(rank_pools, case, window, softcap, with_sinks, fuse):
     """Under backend="upipe": the fused block (or, with fuse_projections off, the plain op), exact."""
@@ -136,7 +143,8 @@ def test_compiled_variant_block(rank_pools, case, window, softcap, with_sinks, f
 
 def test_fused_sinks_with_recomputed_attention_output(rank_pools):
     """recompute_attention_output: each stage's forward runs again in backward, sinks included."""
-    case = AttentionCase(4, 1, 8, 4, 3, 8, 4, True, None, "float32", seed=8, prefetch="both")
+    case = AttentionCase(world=4, batch=1, q_heads=8, kv_heads=4, seq_local=3, head_dim=8, heads_per_stage=4,
+                         is_causal=True, scale=None, dtype="float32", seed=8, prefetch="both")
     shards = rank_pools(4).run(rank_jobs.compiled_variant_block_case, case, (4, 0), 3.0, True, True, "aot_eager",
                                True)
     assert "upipe.attention_block.default" in shards[0][3]
@@ -147,12 +155,14 @@ def test_fused_sinks_with_recomputed_attention_output(rank_pools):
 def test_variants_through_flash_attn_adapter(rank_pools, family, softcap):
     """The stage loop through each flash-attn release's interface (CPU stand-ins): window
     (and softcap from 2.6) reach the kernel and the answer is exact."""
-    case = AttentionCase(2, 1, 8, 2, 6, 16, 4, True, None, "float32", seed=9)
+    case = AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=6, head_dim=16, heads_per_stage=4,
+                         is_causal=True, scale=None, dtype="float32", seed=9)
     shards = rank_pools(2).run(rank_jobs.variant_op_case_with_flash_standin, case, family, (5, 0), softcap, True)
     _check(shards, variant_reference(case, (5, 0), softcap, make_sinks(case)), case)
 
 
 def test_softcap_on_flash_attn_2_5_refused(rank_pools):
-    case = AttentionCase(2, 1, 8, 2, 6, 16, 4, True, None, "float32", seed=9)
+    case = AttentionCase(world=2, batch=1, q_heads=8, kv_heads=2, seq_local=6, head_dim=16, heads_per_stage=4,
+                         is_causal=True, scale=None, dtype="float32", seed=9)
     with pytest.raises(Exception, match="no softcap parameter"):
         rank_pools(2).run(rank_jobs.variant_op_case_with_flash_standin, case, "2.5", None, 4.0, False)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from upipe_compile.attention import kernels
+from upipe_compile.attention.kernels import varlen
 from upipe_compile.measure import workspace
 from upipe_compile.packed.documents import Documents
 
@@ -26,13 +27,13 @@ class StandInVarlen(kernels.VarlenKernels):
         out, lse = self.cpu.forward_documents(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), documents,
                                               is_causal, scale, window, softcap)
         lse = lse[0]
-        return out[0].transpose(0, 1), (kernels._padded_lse(lse, documents) if self.lse_padded else lse)
+        return out[0].transpose(0, 1), (varlen._padded_lse(lse, documents) if self.lse_padded else lse)
 
     def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal, scale, window=(-1, -1),
                              softcap=0.0):
         self.calls.append(len(documents.spans))
         if self.lse_padded:
-            lse = kernels._packed_lse(lse, documents)
+            lse = varlen._packed_lse(lse, documents)
         as_bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (dout, q, k, v, out)]
         grads = self.cpu.backward_documents(*as_bhsd, lse.unsqueeze(0), documents, is_causal, scale, window, softcap)
         return tuple(g[0].transpose(0, 1) for g in grads)

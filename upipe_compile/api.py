@@ -14,9 +14,8 @@ from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import attention_op, op_arguments
-from upipe_compile.options import (
-    DEFAULT_PREFETCH, StageLoopSettings, normalised_variant, option_problems, resolved_heads_per_stage,
-)
+from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, StageLoopSettings
+from upipe_compile.options import normalised_variant, option_problems, resolved_heads_per_stage
 
 
 def upipe_attention(
@@ -32,7 +31,7 @@ def upipe_attention(
     ``[r*S/P, (r+1)*S/P)`` and gets back the same shard of attention over the full
     sequence. ``heads_per_stage`` (U, a multiple of P; default P) sets how many query heads
     all ranks together compute per stage; U = Hq is plain Ulysses. ``prefetch`` is one of
-    :data:`~upipe_compile.options.PREFETCH_MODES`.
+    :data:`~upipe_compile.attention.stage_loop.PREFETCH_MODES`.
 
     ``cu_seqlens`` (packed sequences): the cumulative document lengths over the *full*
     sequence, ``[0, len_0, len_0 + len_1, ..., S]`` (int32/int64, the same on every rank);

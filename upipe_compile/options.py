@@ -1,12 +1,13 @@
-"""Option values and the records that carry them: the backend's options (validated once
-when torch.compile calls the backend) and the stage-loop op's settings (one record, so the
-op's scalar arguments are spelled out in one place)."""
+"""Option values: the backend's options (validated once when torch.compile calls the
+backend) and the one check of every option value. The ops' settings records live beside
+the ops (:class:`~upipe_compile.attention.stage_loop.StageLoopSettings`,
+:class:`~upipe_compile.block.ops.BlockSettings`)."""
 
 from __future__ import annotations
 
 import functools
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -15,16 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from upipe_compile.attention.collectives import resolve_groups
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.kernels import NO_WINDOW, check_variant
+from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, PREFETCH_MODES
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
-
-PREFETCH_MODES = ("none", "forward", "both")
-DEFAULT_PREFETCH = "forward"
-"""Which loops start the next stage's input all-to-alls before this stage's kernel runs:
-``forward`` (the default) adds no peak memory for GQA models, whose backward loop holds
-more (MHA, where every stage also prefetches K and V: one head-unit more); ``both`` also
-overlaps backward, at the cost of the next stage's q/out/dout (and K/V at a KV-group
-boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
 
 
 def normalised_variant(window, softcap) -> tuple[int, int, float]:
@@ -35,12 +29,6 @@ def normalised_variant(window, softcap) -> tuple[int, int, float]:
         raise UnsupportedAttention(f"softcap={softcap!r}: must be > 0 (None for no softcap)")
     (left, right), softcap = check_variant(NO_WINDOW if window is None else window, 0.0 if softcap is None else softcap)
     return left, right, softcap
-
-
-def prefetches(prefetch: str, backward: bool) -> bool:
-    """Whether the forward (or backward) stage loop starts the next stage's all-to-alls
-    before this stage's kernel, under ``prefetch``."""
-    return prefetch == "both" if backward else prefetch in ("forward", "both")
 
 
 def option_problems(*, world: Optional[int] = None, heads_per_stage=None, prefetch=DEFAULT_PREFETCH,
@@ -71,79 +59,6 @@ def option_problems(*, world: Optional[int] = None, heads_per_stage=None, prefet
 def resolved_heads_per_stage(heads_per_stage: Optional[int], world: int) -> int:
     """U: ``heads_per_stage``, or P where it is None (the default: least memory)."""
     return world if heads_per_stage is None else heads_per_stage
-
-
-@dataclass(frozen=True)
-class StageLoopSettings:
-    """The settings of one stage-loop attention call (``upipe::attention``). The custom op
-    takes them as scalar arguments (torch.library needs those), in this order:
-    :meth:`op_args` gives them, :meth:`from_op_args` builds the record back. Not validated
-    here: :func:`upipe_compile.upipe_attention` and :class:`UPipeOptions` check them."""
-
-    is_causal: bool
-    scale: Optional[float]
-    heads_per_stage: int
-    """U: query heads per stage across all ranks."""
-    world_size: int
-    """P, the context-parallel size the call was made (or compiled) for."""
-    group_name: str
-    """The process group of the context-parallel ranks."""
-    prefetch: str = DEFAULT_PREFETCH
-    """One of :data:`PREFETCH_MODES`."""
-    window_left: int = -1
-    """Sliding window, as flash-attn counts it: query i sees keys [i - left, i + right] of
-    the full sequence (global positions); -1 = unbounded on that side."""
-    window_right: int = -1
-    softcap: float = 0.0
-    """Attention-logit softcap: scores become ``softcap * tanh(scores / softcap)``; 0 = off."""
-    ring_group_name: str = ""
-    """Ring x all-to-all: the ring group over which each stage's attention runs as ring
-    attention (:mod:`upipe_compile.attention.ring`); ``group_name`` is then the all-to-all
-    group and ``world_size`` its size A. Empty: no ring."""
-
-    def op_args(self) -> tuple:
-        """The op's scalar arguments, in its schema's order."""
-        return astuple(self)
-
-    @classmethod
-    def from_op_args(cls, is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int,
-                     group_name: str, prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1,
-                     softcap: float = 0.0, ring_group_name: str = "") -> "StageLoopSettings":
-        return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left, window_right,
-                   softcap, ring_group_name)
-
-    @property
-    def window(self) -> tuple[int, int]:
-        return (self.window_left, self.window_right)
-
-
-@dataclass(frozen=True)
-class BlockSettings:
-    """The settings of one fused attention-block call (``upipe::attention_block``), passed
-    to the op as scalar arguments in this order (:meth:`op_args`, :meth:`from_op_args`)."""
-
-    region_id: int
-    """The block's registered :class:`~upipe_compile.block.region.BlockRegion`."""
-    heads_per_stage: int
-    world_size: int
-    group_name: str
-    prefetch: str = DEFAULT_PREFETCH
-    recompute_attention_output: bool = False
-    """Keep no attention output for backward; each stage's attention forward runs again there."""
-    ring_group_name: str = ""
-    """Ring x all-to-all, as :attr:`StageLoopSettings.ring_group_name`: each stage's attention
-    runs as ring attention over this group; ``group_name``/``world_size`` are the
-    all-to-all's. Empty: no ring."""
-
-    def op_args(self) -> tuple:
-        return astuple(self)
-
-    @classmethod
-    def from_op_args(cls, region_id: int, heads_per_stage: int, world_size: int, group_name: str,
-                     prefetch: str = DEFAULT_PREFETCH, recompute_attention_output: bool = False,
-                     ring_group_name: str = "") -> "BlockSettings":
-        return cls(region_id, heads_per_stage, world_size, group_name, prefetch, recompute_attention_output,
-                   ring_group_name)
 
 
 @dataclass(frozen=True)

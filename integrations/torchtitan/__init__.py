@@ -10,10 +10,13 @@ Three keys turn it on (see llama3_8b_upipe.toml and README.md next to this file)
     enable = true
     backend = "upipe"
 
-Importing this module registers TrainSpecs under the names "llama3" and "qwen3" (torchtitan
-looks up user-registered specs before its own), identical to torchtitan's specs except for
-``parallelize_fn`` and ``build_loss_fn`` (see parallelize.py). Those fall through to the stock
-functions unless ``[compile] backend = "upipe"``, so importing it changes nothing else.
+Importing this module calls :func:`register`, the one place it changes torchtitan: it
+registers TrainSpecs under the names "llama3" and "qwen3" (torchtitan looks up user-registered
+specs before its own), identical to torchtitan's specs except for ``parallelize_fn`` and
+``build_loss_fn`` (see parallelize.py), and wraps the Trainer's and validator's
+``prepare_context_parallel_input`` (cp_layout.py: torchtitan has no hook for a sharding
+layout of one's own). All of these fall through to the stock functions unless
+``[compile] backend = "upipe"``.
 """
 
 from __future__ import annotations
@@ -38,10 +41,7 @@ def get_train_spec(name: str = "llama3"):
     import dataclasses
     import importlib
 
-    from upipe_compile.integrations.torchtitan.cp_layout import install_input_sharding
     from upipe_compile.integrations.torchtitan.documents import varlen_model_args
-
-    install_input_sharding()  # the Trainer shards ring layouts and varlen batches upipe's way (cp_layout.py)
 
     stock = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     return dataclasses.replace(
@@ -51,8 +51,13 @@ def get_train_spec(name: str = "llama3"):
 
 
 def register() -> tuple[str, ...]:
-    """Register the specs under "llama3" and "qwen3" (idempotent); returns the names."""
+    """Register the specs under "llama3" and "qwen3" and route the Trainer's input sharding
+    through upipe's layout for upipe jobs (idempotent); returns the names."""
     from torchtitan.protocols import train_spec as ts
+
+    from upipe_compile.integrations.torchtitan.cp_layout import install_input_sharding
+
+    install_input_sharding()  # ring layouts and varlen batches sharded upipe's way (cp_layout.py)
 
     for name in MODEL_NAMES:
         existing = ts._extra_train_specs.get(name)

@@ -4,7 +4,7 @@ They are ``torch.library`` custom ops with fake kernels, so torch.compile treats
 loop (:mod:`upipe_compile.attention.stage_loop`) as one opaque node and never unrolls it (unrolling
 would let autograd keep every stage's buffers alive; see docs/design.md). The ops take the
 settings as scalar arguments (torch.library needs those); :func:`op_arguments` and
-:func:`parse_op_arguments` turn a :class:`~upipe_compile.options.StageLoopSettings` into them
+:func:`parse_op_arguments` turn a :class:`~upipe_compile.attention.stage_loop.StageLoopSettings` into them
 and back. What autograd saves and how backward replays it is defined once
 (:func:`save_for_backward`, :func:`replay_backward`) and shared by the op's autograd and the
 eager autograd.Function that memory measurements run under FakeTensorMode (where the op
@@ -21,8 +21,9 @@ import torch
 from upipe_compile.attention import collectives
 from upipe_compile.packed.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
-from upipe_compile.attention.stage_loop import schedule_for, stage_loop_backward, stage_loop_forward
+from upipe_compile.attention.stage_loop import (
+    DEFAULT_PREFETCH, StageLoopSettings, schedule_for, stage_loop_backward, stage_loop_forward,
+)
 
 # The first call per shape syncs with the host (the cross-rank shape check, head indices
 # and kernel markers made once), so CUDA graphs must not capture the ops.

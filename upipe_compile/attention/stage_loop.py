@@ -1,5 +1,5 @@
 """The UPipe stage loops: SDPA semantics on sequence-sharded q, k, v, one stage of heads at
-a time. Plain functions of tensors and a :class:`~upipe_compile.options.StageLoopSettings`
+a time. Plain functions of tensors and a :class:`StageLoopSettings`
 (no torch.library, no FX), so the custom ops (:mod:`upipe_compile.attention.ops`), the eager
 memory measurements and the fused block's loops (:mod:`upipe_compile.block.loop`, which
 reuses the exchange helpers and :class:`StageAttention` here) all run the same code.
@@ -21,7 +21,7 @@ dq (per stage) and dk/dv (per KV group) back to their sequence shards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -30,9 +30,67 @@ from torch._subclasses.fake_tensor import is_fake
 from upipe_compile.attention import collectives, kernels, ring
 from upipe_compile.attention.device_constants import made_once
 from upipe_compile.packed.documents import Documents
-from upipe_compile.options import StageLoopSettings, prefetches
 from upipe_compile.attention.schedule import Stage, StageSchedule, plan_stages
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
+
+PREFETCH_MODES = ("none", "forward", "both")
+DEFAULT_PREFETCH = "forward"
+"""Which loops start the next stage's input all-to-alls before this stage's kernel runs:
+``forward`` (the default) adds no peak memory for GQA models, whose backward loop holds
+more (MHA, where every stage also prefetches K and V: one head-unit more); ``both`` also
+overlaps backward, at the cost of the next stage's q/out/dout (and K/V at a KV-group
+boundary) in flight during the kernel -- see benchmarks/results/op_memory.md."""
+
+
+def prefetches(prefetch: str, backward: bool) -> bool:
+    """Whether the forward (or backward) stage loop starts the next stage's all-to-alls
+    before this stage's kernel, under ``prefetch``."""
+    return prefetch == "both" if backward else prefetch in ("forward", "both")
+
+
+@dataclass(frozen=True)
+class StageLoopSettings:
+    """The settings of one stage-loop attention call (``upipe::attention``). The custom op
+    takes them as scalar arguments (torch.library needs those), in this order:
+    :meth:`op_args` gives them, :meth:`from_op_args` builds the record back. Not validated
+    here: :func:`upipe_compile.upipe_attention` and :class:`~upipe_compile.options.UPipeOptions`
+    check them."""
+
+    is_causal: bool
+    scale: Optional[float]
+    heads_per_stage: int
+    """U: query heads per stage across all ranks."""
+    world_size: int
+    """P, the context-parallel size the call was made (or compiled) for."""
+    group_name: str
+    """The process group of the context-parallel ranks."""
+    prefetch: str = DEFAULT_PREFETCH
+    """One of :data:`PREFETCH_MODES`."""
+    window_left: int = -1
+    """Sliding window, as flash-attn counts it: query i sees keys [i - left, i + right] of
+    the full sequence (global positions); -1 = unbounded on that side."""
+    window_right: int = -1
+    softcap: float = 0.0
+    """Attention-logit softcap: scores become ``softcap * tanh(scores / softcap)``; 0 = off."""
+    ring_group_name: str = ""
+    """Ring x all-to-all: the ring group over which each stage's attention runs as ring
+    attention (:mod:`upipe_compile.attention.ring`); ``group_name`` is then the all-to-all
+    group and ``world_size`` its size A. Empty: no ring."""
+
+    def op_args(self) -> tuple:
+        """The op's scalar arguments, in its schema's order."""
+        return astuple(self)
+
+    @classmethod
+    def from_op_args(cls, is_causal: bool, scale: Optional[float], heads_per_stage: int, world_size: int,
+                     group_name: str, prefetch: str = DEFAULT_PREFETCH, window_left: int = -1, window_right: int = -1,
+                     softcap: float = 0.0, ring_group_name: str = "") -> "StageLoopSettings":
+        return cls(is_causal, scale, heads_per_stage, world_size, group_name, prefetch, window_left, window_right,
+                   softcap, ring_group_name)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return (self.window_left, self.window_right)
 
 
 def schedule_for(q: torch.Tensor, k: torch.Tensor, world: int, heads_per_stage: int) -> StageSchedule:

@@ -38,10 +38,11 @@ from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.attention import collectives
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
-from upipe_compile.attention.stage_loop import Incoming, InputPipeline, StageAttention, head_index, my_heads, stage_kv
+from upipe_compile.attention.stage_loop import (
+    DEFAULT_PREFETCH, Incoming, InputPipeline, StageAttention, head_index, my_heads, prefetches, stage_kv,
+)
 from upipe_compile.block.region import BlockRegion
 from upipe_compile.packed.documents import Documents
-from upipe_compile.options import DEFAULT_PREFETCH, prefetches
 from upipe_compile.attention.schedule import StageSchedule, plan_stages
 
 

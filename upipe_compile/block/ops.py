@@ -9,11 +9,13 @@ under FakeTensorMode (where the custom op would run only its fake kernel).
 
 The region (head fns, head counts) is not a tensor, so the op takes its registry id
 (:func:`upipe_compile.block.region.register_region`). The op's scalar arguments are the
-fields of :class:`~upipe_compile.options.BlockSettings`, in its order.
+fields of :class:`BlockSettings`, in its order; the op bodies make the record of them once
+and it travels whole from there.
 """
 
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass
 from typing import Optional
 
 import torch
@@ -21,12 +23,68 @@ from torch import Tensor
 
 from upipe_compile.attention import collectives
 from upipe_compile.attention.ops import OP_TAGS, check_world
+from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH
 from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.block.loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block.region import BlockRegion, region_by_id, register_region
 from upipe_compile.packed.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.options import DEFAULT_PREFETCH, BlockSettings, option_problems, resolved_heads_per_stage
+from upipe_compile.options import option_problems, resolved_heads_per_stage
+
+
+@dataclass(frozen=True)
+class BlockSettings:
+    """The settings of one fused attention-block call (``upipe::attention_block``), passed
+    to the op as scalar arguments in this order (:meth:`op_args`, :meth:`from_op_args`)."""
+
+    region_id: int
+    """The block's registered :class:`~upipe_compile.block.region.BlockRegion`."""
+    heads_per_stage: int
+    world_size: int
+    group_name: str
+    prefetch: str = DEFAULT_PREFETCH
+    recompute_attention_output: bool = False
+    """Keep no attention output for backward; each stage's attention forward runs again there."""
+    ring_group_name: str = ""
+    """Ring x all-to-all, as :attr:`~upipe_compile.attention.stage_loop.StageLoopSettings.ring_group_name`:
+    each stage's attention runs as ring attention over this group; ``group_name``/``world_size``
+    are the all-to-all's. Empty: no ring."""
+
+    def op_args(self) -> tuple:
+        return astuple(self)
+
+    @classmethod
+    def from_op_args(cls, region_id: int, heads_per_stage: int, world_size: int, group_name: str,
+                     prefetch: str = DEFAULT_PREFETCH, recompute_attention_output: bool = False,
+                     ring_group_name: str = "") -> "BlockSettings":
+        return cls(region_id, heads_per_stage, world_size, group_name, prefetch, recompute_attention_output,
+                   ring_group_name)
+
+
+# --- the settings as the block loops' arguments ---------------------------------------------
+def _loop_arguments(settings: BlockSettings, x: Tensor, boundaries_or_positions: Optional[Tensor]) -> dict:
+    """The block loops' arguments besides the tensors: the one place the record is taken
+    apart. The loops take the region itself, not its id: they never see the registry, and
+    the compiled op and its eager twin (each compile registers its own id) call them alike."""
+    return dict(region=region_by_id(settings.region_id), heads_per_stage=settings.heads_per_stage,
+                group_name=settings.group_name, prefetch=settings.prefetch,
+                documents=documents_of(boundaries_or_positions, x.shape[1], settings.group_name, x.device,
+                                       settings.ring_group_name),
+                ring_group_name=settings.ring_group_name)
+
+
+def _run_forward(x, weights: BlockWeights, settings: BlockSettings, boundaries_or_positions) -> tuple:
+    """:func:`~upipe_compile.block.loop.block_forward`'s ``(y, o, lse)`` under ``settings``."""
+    return block_forward(x, weights, keep_output=not settings.recompute_attention_output,
+                         **_loop_arguments(settings, x, boundaries_or_positions))
+
+
+def _run_backward(dy, x, weights: BlockWeights, o, lse, settings: BlockSettings, boundaries_or_positions,
+                  extras_need_grad: list[bool]) -> tuple:
+    """:func:`~upipe_compile.block.loop.block_backward`'s gradients under ``settings`` (``o``
+    is not read where the settings recompute it)."""
+    return block_backward(dy, x, weights, None if settings.recompute_attention_output else o, lse,
+                          extras_need_grad=extras_need_grad, **_loop_arguments(settings, x, boundaries_or_positions))
 
 
 @torch.library.custom_op("upipe::attention_block", mutates_args=(), tags=OP_TAGS)
@@ -36,11 +94,13 @@ def attention_block_op(
     region_id: int, heads_per_stage: int, world_size: int, group_name: str, prefetch: str,
     recompute_attention_output: bool, ring_group_name: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, o, lse)``. ``cu_seqlens`` is either the documents' boundaries ``[n + 1]`` or, 2-D,
+    this rank's position ids (:func:`~upipe_compile.packed.documents.documents_for`); the
+    schema keeps the public name."""
+    settings = BlockSettings.from_op_args(region_id, heads_per_stage, world_size, group_name, prefetch,
+                                          recompute_attention_output, ring_group_name)
     check_world(world_size, group_name)
-    weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
-    return block_forward(x, weights, region_by_id(region_id), heads_per_stage, group_name, prefetch,
-                         documents_of(cu_seqlens, x.shape[1], group_name, x.device, ring_group_name),
-                         keep_output=not recompute_attention_output, ring_group_name=ring_group_name)
+    return _run_forward(x, BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras)), settings, cu_seqlens)
 
 
 @attention_block_op.register_fake
@@ -81,13 +141,13 @@ def attention_block_backward_op(
     cu_seqlens: Optional[Tensor], extras_need_grad: list[bool], region_id: int, heads_per_stage: int,
     world_size: int, group_name: str, prefetch: str, recompute_attention_output: bool, ring_group_name: str = "",
 ) -> list[Tensor]:
+    """The block's gradients as :func:`_gradient_list` flattens them; ``cu_seqlens`` as in
+    :func:`attention_block_op`."""
+    settings = BlockSettings.from_op_args(region_id, heads_per_stage, world_size, group_name, prefetch,
+                                          recompute_attention_output, ring_group_name)
     check_world(world_size, group_name)
     weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
-    grads = block_backward(dy, x, weights, None if recompute_attention_output else o, lse, region_by_id(region_id),
-                           heads_per_stage, group_name, prefetch,
-                           documents_of(cu_seqlens, x.shape[1], group_name, x.device, ring_group_name),
-                           list(extras_need_grad), ring_group_name=ring_group_name)
-    return _gradient_list(grads, weights)
+    return _gradient_list(_run_backward(dy, x, weights, o, lse, settings, cu_seqlens, list(extras_need_grad)), weights)
 
 
 @attention_block_backward_op.register_fake
@@ -106,49 +166,49 @@ def _attention_block_backward_fake(dy, x, wq, bq, wk, bk, wv, bv, wo, bo, extras
 _TENSOR_INPUTS = 9  # x, wq, bq, wk, bk, wv, bv, wo, bo
 
 
-def _save(ctx, tensors: tuple, extras: list, o, lse, settings: BlockSettings, cu_seqlens) -> None:
+def _save(ctx, tensors: tuple, extras: list, o, lse, settings: BlockSettings, boundaries_or_positions) -> None:
     """``tensors``: (x, wq, bq, wk, bk, wv, bv, wo, bo); ``o`` is empty when the settings
     recompute it."""
-    ctx.save_for_backward(*tensors, o, lse, cu_seqlens, *extras)
+    ctx.save_for_backward(*tensors, o, lse, boundaries_or_positions, *extras)
     ctx.settings = settings
+    # the registry holds a region only while someone does: an eager caller may drop its own
+    # before backward looks it up by id
+    ctx.region = region_by_id(settings.region_id)
 
 
 def _saved(ctx):
     saved = ctx.saved_tensors
-    tensors, (o, lse, cu_seqlens), extras = saved[:_TENSOR_INPUTS], saved[_TENSOR_INPUTS:_TENSOR_INPUTS + 3], \
-        list(saved[_TENSOR_INPUTS + 3:])
-    return tensors, extras, o, lse, cu_seqlens
+    tensors, (o, lse, boundaries_or_positions), extras = saved[:_TENSOR_INPUTS], \
+        saved[_TENSOR_INPUTS:_TENSOR_INPUTS + 3], list(saved[_TENSOR_INPUTS + 3:])
+    return tensors, extras, o, lse, boundaries_or_positions
 
 
 def _replay(ctx, dy, run_backward, extras_requested) -> tuple:
     """Gradients in the op's input order; ``run_backward(dy, tensors, extras, o, lse,
-    settings, cu_seqlens, extras_need_grad)`` returns them as :func:`block_backward` does.
-    ``extras_requested``: which extras autograd wants a gradient for (``needs_input_grad``)."""
-    tensors, extras, o, lse, cu_seqlens = _saved(ctx)
+    settings, boundaries_or_positions, extras_need_grad)`` returns them as
+    :func:`block_backward` does. ``extras_requested``: which extras autograd wants a gradient
+    for (``needs_input_grad``)."""
+    tensors, extras, o, lse, boundaries_or_positions = _saved(ctx)
     need = extras_needing_grad(extras, extras_requested)
-    return run_backward(dy, tensors, extras, o, lse, ctx.settings, cu_seqlens, need)
+    return run_backward(dy, tensors, extras, o, lse, ctx.settings, boundaries_or_positions, need)
 
 
-def _backward_through_op(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_need_grad):
-    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, cu_seqlens, extras_need_grad,
+def _backward_through_op(dy, tensors, extras, o, lse, settings, boundaries_or_positions, extras_need_grad):
+    flat = attention_block_backward_op(dy, *tensors, extras, o, lse, boundaries_or_positions, extras_need_grad,
                                        *settings.op_args())
     return _from_gradient_list(flat, BlockWeights(*tensors[1:], extras), extras_need_grad)
 
 
-def _backward_eagerly(dy, tensors, extras, o, lse, settings, cu_seqlens, extras_need_grad):
-    x = tensors[0]
-    return block_backward(dy, x, BlockWeights(*tensors[1:], extras), None if settings.recompute_attention_output else o,
-                          lse, region_by_id(settings.region_id), settings.heads_per_stage, settings.group_name,
-                          settings.prefetch, documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device,
-                                       settings.ring_group_name),
-                          extras_need_grad, ring_group_name=settings.ring_group_name)
+def _backward_eagerly(dy, tensors, extras, o, lse, settings, boundaries_or_positions, extras_need_grad):
+    return _run_backward(dy, tensors[0], BlockWeights(*tensors[1:], extras), o, lse, settings,
+                         boundaries_or_positions, extras_need_grad)
 
 
 def _setup_context(ctx, inputs, output):
-    x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings = inputs
+    x, wq, bq, wk, bk, wv, bv, wo, bo, extras, boundaries_or_positions, *scalars = inputs
     _, o, lse = output
-    _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, BlockSettings.from_op_args(*settings),
-          cu_seqlens)
+    _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, BlockSettings.from_op_args(*scalars),
+          boundaries_or_positions)
 
 
 def _op_backward(ctx, dy, _do, _dlse):
@@ -170,15 +230,10 @@ class BlockFunction(torch.autograd.Function):
     saving and replaying exactly as the op does."""
 
     @staticmethod
-    def forward(ctx, x, wq, bq, wk, bk, wv, bv, wo, bo, settings: BlockSettings, cu_seqlens, *extras):
-        weights = BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras))
-        y, o, lse = block_forward(x, weights, region_by_id(settings.region_id), settings.heads_per_stage,
-                                  settings.group_name, settings.prefetch,
-                                  documents_of(cu_seqlens, x.shape[1], settings.group_name, x.device,
-                                       settings.ring_group_name),
-                                  keep_output=not settings.recompute_attention_output,
-                                  ring_group_name=settings.ring_group_name)
-        _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, cu_seqlens)
+    def forward(ctx, x, wq, bq, wk, bk, wv, bv, wo, bo, settings: BlockSettings, boundaries_or_positions, *extras):
+        y, o, lse = _run_forward(x, BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras)), settings,
+                                 boundaries_or_positions)
+        _save(ctx, (x, wq, bq, wk, bk, wv, bv, wo, bo), list(extras), o, lse, settings, boundaries_or_positions)
         return y
 
     @staticmethod

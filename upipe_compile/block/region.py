@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 HeadFn = Callable[..., "torch.Tensor"]  # (projected [B, s, n*D], n: int, *extras) -> [B, n, s, D]
 
@@ -53,28 +57,39 @@ class BlockRegion:
         return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]
 
 
-# The op takes an int, not the region (custom ops take tensors and scalars only): the pass
-# registers each region it fuses once, at compile time, and the op looks it up.
-_REGIONS: dict[int, BlockRegion] = {}
-_IDS: dict[BlockRegion, int] = {}
+# The op takes an int, not the region (custom ops take tensors and scalars only). The
+# registry holds regions weakly, so it keeps no extracted head fns alive across recompiles:
+# a region the fusion pass registers is held by the graph module it rewrote (``owner``),
+# which Dynamo keeps while the compiled graph can run; any other by whoever registered it.
+_REGIONS: weakref.WeakValueDictionary[int, BlockRegion] = weakref.WeakValueDictionary()
+_IDS: weakref.WeakKeyDictionary[BlockRegion, int] = weakref.WeakKeyDictionary()
+_OWNED: weakref.WeakKeyDictionary[object, list[BlockRegion]] = weakref.WeakKeyDictionary()
 _NEXT_ID = itertools.count()
 _LOCK = threading.Lock()
 
 
-def register_region(region: BlockRegion) -> int:
-    """The region's id (the same id for the same region, registered once)."""
+def register_region(region: BlockRegion, owner: Optional[object] = None) -> int:
+    """The region's id (the same id for an equal region while one is registered). It stays
+    registered while ``owner`` (the graph module whose op calls carry the id) or the caller
+    holds it."""
     with _LOCK:
-        if region not in _IDS:
-            _IDS[region] = region_id = next(_NEXT_ID)
+        region_id = _IDS.get(region)
+        registered = None if region_id is None else _REGIONS.get(region_id)
+        if registered is None:
+            registered, region_id = region, next(_NEXT_ID)
+            _IDS[region] = region_id
             _REGIONS[region_id] = region
-        return _IDS[region]
+        if owner is not None:
+            _OWNED.setdefault(owner, []).append(registered)
+        return region_id
 
 
 def region_by_id(region_id: int) -> BlockRegion:
-    try:
-        return _REGIONS[region_id]
-    except KeyError:
+    region = _REGIONS.get(region_id)
+    if region is None:
         raise RuntimeError(
             f"fused attention block {region_id} is not registered in this process: a graph that calls "
-            "upipe::attention_block must be compiled in the process that runs it"
-        ) from None
+            "upipe::attention_block must be compiled in the process that runs it, and runs only while the "
+            "graph module the pass rewrote is alive (torch._dynamo.reset() releases it)"
+        )
+    return region

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from upipe_compile.measure import workspace
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import GIB, budget_gib
@@ -34,7 +35,7 @@ __all__ = ["H100_80GB_GIB", "HOST_BUDGET_GIB", "Estimate", "JobError", "estimate
 class Estimate:
     seq_len: int
     cuda_kernel: str
-    """The attention kernel whose GPU workspace is counted (workspace.CUDA_BACKWARD_WORKSPACE)."""
+    """The CUDA attention kernel whose backward workspace is counted (one of kernels.CUDA_KERNELS)."""
     world_size: int
     cp: int
     heads_per_stage: int
@@ -79,7 +80,7 @@ class Estimate:
 
 
 def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
-             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = "flash-attn") -> Estimate:
+             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL) -> Estimate:
     """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
     fake default process group: call it where no process group exists. ``cuda_kernel=None``:
     the same job with CPU kernels (no GPU workspace; RMSNorm and RoPE as eager CPU torch runs

@@ -13,7 +13,7 @@ import json
 import sys
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.measure.workspace import CUDA_BACKWARD_WORKSPACE
+from upipe_compile.attention.kernels import CUDA_KERNELS, DEFAULT_CUDA_KERNEL
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
 from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
@@ -37,9 +37,9 @@ def parse_args(argv):
                         help=f"host memory per node the offloaded activations may take (default {HOST_BUDGET_GIB}: "
                              f"a 2 TB node's {NODE_2TB_MEMTOTAL_GIB} GiB MemTotal less a {HOST_RESERVE_GIB} GiB reserve "
                              "for the OS, the trainer processes, the dataloader and CUDA/NCCL host buffers)")
-    parser.add_argument("--cuda-kernel", choices=sorted(CUDA_BACKWARD_WORKSPACE), default="flash-attn",
-                        help="the attention kernel whose GPU workspace is counted (default flash-attn; "
-                             "aten-flash where flash-attn is not installed)")
+    parser.add_argument("--cuda-kernel", choices=sorted(CUDA_KERNELS), default=DEFAULT_CUDA_KERNEL,
+                        help=f"the CUDA attention kernel whose backward workspace is counted (default "
+                             f"{DEFAULT_CUDA_KERNEL}; the others where it is not installed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_known_args(argv)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.estimate import H100_80GB_GIB, HOST_BUDGET_GIB, Estimate, JobError, estimate
 from upipe_compile.estimate.gpu import budget_gib
 
@@ -40,7 +41,7 @@ def bound_of(result) -> str:
 
 def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
                 host_gib: float = HOST_BUDGET_GIB, progress: bool = True, max_probes: int = MAX_PROBES,
-                cuda_kernel: str = "flash-attn"):
+                cuda_kernel: str = DEFAULT_CUDA_KERNEL):
     """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed, the bound
     that stopped it: "device", "host", "device and host", or None when the probes ran out
     before any longer probe failed)."""

@@ -23,7 +23,8 @@ from upipe_compile.block.ops import BlockFunction
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.measure.memory import StageLoopFunction, eager_calls
 from upipe_compile.attention.ops import parse_op_arguments
-from upipe_compile.options import BlockSettings, UPipeOptions
+from upipe_compile.block.ops import BlockSettings
+from upipe_compile.options import UPipeOptions
 
 
 def block_twin(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings):

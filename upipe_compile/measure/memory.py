@@ -24,10 +24,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.overrides import TorchFunctionMode
 
 from upipe_compile.measure import workspace
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.packed.documents import Documents
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_backward
-from upipe_compile.options import DEFAULT_PREFETCH, StageLoopSettings
+from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, StageLoopSettings
 from upipe_compile.passes.find import SDPA_SIGNATURE
 from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
@@ -72,14 +73,14 @@ def tracker_peak_bytes(tracker: MemTracker) -> int:
 
 def modelled_kernel(cuda_kernel: str | None):
     """The context that makes fake-tensor runs allocate CUDA kernel ``cuda_kernel``'s
-    workspace (see :data:`upipe_compile.measure.workspace.CUDA_BACKWARD_WORKSPACE`); None: CPU kernels only."""
+    workspace (one of :data:`upipe_compile.attention.kernels.CUDA_KERNELS`); None: CPU kernels only."""
     return contextlib.nullcontext() if cuda_kernel is None else workspace.modelled_cuda_kernel(cuda_kernel)
 
 
 def measure_op_memory(
     group: dist.ProcessGroup, *, seq: int, q_heads: int, kv_heads: int, head_dim: int,
     heads_per_stage: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16, is_causal: bool = True,
-    prefetch: str = DEFAULT_PREFETCH, cuda_kernel: str | None = "flash-attn", cu_seqlens=None,
+    prefetch: str = DEFAULT_PREFETCH, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL, cu_seqlens=None,
 ) -> OpMemory:
     """Peak intermediate memory of one rank's forward and backward of the stage-loop op,
     with the workspace of CUDA kernel ``cuda_kernel`` counted (None: the CPU kernels').
@@ -163,7 +164,7 @@ class SDPAThroughStageLoops(TorchFunctionMode):
             problems.append(f"attention dropout is on (dropout_p={a['dropout_p']})")
         q, k, v = a["query"], a["key"], a["value"]
         problems += attention_problems(AttentionCall.of(q, k, v, enable_gqa=a["enable_gqa"]), self.group.size(),
-                                       self.heads_per_stage, ring=bool(self.ring_group_name))
+                                       self.heads_per_stage)
         if problems:
             raise UnsupportedAttention("upipe cannot run this attention call: " + "; ".join(problems))
         q, k, v, scale, value_dim = one_head_dim(q, k, v, a["scale"])

@@ -26,16 +26,18 @@ from upipe_compile.attention.head_dims import cut_to_value_dim, one_head_dim
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 
 
-def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
-    if cu_seqlens.dim() == 2:  # position_ids of the whole (unsharded) sequence
-        if cu_seqlens.shape[1] != q.shape[2]:
+def _local_documents(boundaries_or_positions: torch.Tensor, q: torch.Tensor) -> Documents:
+    if boundaries_or_positions.dim() == 2:  # position_ids of the whole (unsharded) sequence
+        positions = boundaries_or_positions
+        if positions.shape[1] != q.shape[2]:
             raise UnsupportedAttention(
-                f"document_sdpa: position_ids cover {cu_seqlens.shape[1]} tokens, the attention {q.shape[2]}. On "
+                f"document_sdpa: position_ids cover {positions.shape[1]} tokens, the attention {q.shape[2]}. On "
                 "sequence shards (context parallelism) it must run under torch.compile(backend='upipe')")
         try:
-            return Documents.from_bounds(bounds_from_positions(cu_seqlens.long()), q.device)
+            return Documents.from_bounds(bounds_from_positions(positions.long()), q.device)
         except ValueError as e:
             raise UnsupportedAttention(f"document_sdpa: {e}") from None
+    cu_seqlens = boundaries_or_positions
     problems = boundary_problems(cu_seqlens, q.shape[2])
     if problems:
         raise UnsupportedAttention(
@@ -46,19 +48,19 @@ def _local_documents(cu_seqlens: torch.Tensor, q: torch.Tensor) -> Documents:
 
 
 _read: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""boundaries tensor -> ((its version counter, seq, device), Documents): every layer's forward
+"""boundaries (or positions) tensor -> ((its version counter, seq, device), Documents): every layer's forward
 and backward of a step pass the same tensor, so it is read back (and copied) once, not per call."""
 
 
-def _documents(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor) -> Optional[Documents]:
-    if cu_seqlens is None:
+def _documents(boundaries_or_positions: Optional[torch.Tensor], q: torch.Tensor) -> Optional[Documents]:
+    if boundaries_or_positions is None:
         return None
     if torch._guards.detect_fake_mode() is not None:  # nothing cached: a fake tensor must not outlive its mode
-        return _local_documents(cu_seqlens, q)
-    key = (cu_seqlens._version, q.shape[2], q.device)
-    cached = _read.get(cu_seqlens)
+        return _local_documents(boundaries_or_positions, q)
+    key = (boundaries_or_positions._version, q.shape[2], q.device)
+    cached = _read.get(boundaries_or_positions)
     if cached is None or cached[0] != key:
-        cached = _read[cu_seqlens] = (key, _local_documents(cu_seqlens, q))
+        cached = _read[boundaries_or_positions] = (key, _local_documents(boundaries_or_positions, q))
     return cached[1]
 
 
@@ -68,6 +70,8 @@ def document_sdpa_op(
     scale: Optional[float], window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``. ``cu_seqlens`` is either the boundaries or, 2-D, the position ids
+    (as :func:`document_sdpa` takes them); the schema keeps the public name."""
     out, lse = kernels.forward(q, k, v, is_causal, scale, _documents(cu_seqlens, q), window=(window_left, window_right),
                                softcap=softcap)
     if sinks is not None:

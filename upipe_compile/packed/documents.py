@@ -150,22 +150,24 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device,
+def documents_for(boundaries_or_positions: torch.Tensor, seq: int, group: dist.ProcessGroup, device: torch.device,
                   ring_group: Optional[dist.ProcessGroup] = None) -> Optional[Documents]:
-    """The checked boundaries of ``cu_seqlens`` for a full sequence of ``seq`` tokens,
-    raising UnsupportedAttention on every rank at once when any rank's are invalid or they
-    differ across ranks. Every rank must call this for the same calls (as for the op itself).
-    A 2-D tensor is this rank's ``position_ids`` shard instead (see
-    :func:`documents_from_positions`)."""
-    cached = _cached(cu_seqlens)
-    key = (cu_seqlens._version, group.group_name, seq, None if ring_group is None else ring_group.group_name)
+    """The checked documents of a full sequence of ``seq`` tokens, raising
+    UnsupportedAttention on every rank at once when any rank's are invalid or they differ
+    across ranks. Every rank must call this for the same calls (as for the op itself).
+    ``boundaries_or_positions``: the ``cu_seqlens`` boundaries, or, 2-D, this rank's
+    ``position_ids`` shard (see :func:`documents_from_positions`)."""
+    cached = _cached(boundaries_or_positions)
+    key = (boundaries_or_positions._version, group.group_name, seq,
+           None if ring_group is None else ring_group.group_name)
     hit = cached is not None and cached[0] == key
     if every_rank_agrees(hit, group):  # one rank's miss sends every rank through the collectives below
         return cached[1]
-    if cu_seqlens.dim() == 2:
-        documents = documents_from_positions(cu_seqlens, seq, group, device, ring_group)
-        _checked[cu_seqlens] = (key, documents)
+    if boundaries_or_positions.dim() == 2:
+        documents = documents_from_positions(boundaries_or_positions, seq, group, device, ring_group)
+        _checked[boundaries_or_positions] = (key, documents)
         return documents
+    cu_seqlens = boundaries_or_positions
     problems = boundary_problems(cu_seqlens, seq)
     rows = values_of_every_rank(_summary(cu_seqlens, not problems), group, device)
     invalid = [rank for rank, row in enumerate(rows) if not row[0]]
@@ -187,18 +189,19 @@ def documents_for(cu_seqlens: torch.Tensor, seq: int, group: dist.ProcessGroup, 
     return documents
 
 
-def documents_of(cu_seqlens: Optional[torch.Tensor], local_seq: int, group_name: str,
+def documents_of(boundaries_or_positions: Optional[torch.Tensor], local_seq: int, group_name: str,
                  device: torch.device, ring_group_name: str = "") -> Optional["Documents"]:
-    """The checked boundaries the stage loops and the fused block use for a call whose shard
+    """The checked documents the stage loops and the fused block use for a call whose shard
     holds ``local_seq`` tokens (:func:`documents_for` over the full sequence), or None for
-    one sequence per batch row. ``ring_group_name``: under a ring x all-to-all mesh, where
-    position ids are the layout's (one sequence) unless they restart."""
-    if cu_seqlens is None:
+    one sequence per batch row. ``boundaries_or_positions``: the op's ``cu_seqlens``
+    argument, boundaries or 2-D position ids. ``ring_group_name``: under a ring x all-to-all
+    mesh, where position ids are the layout's (one sequence) unless they restart."""
+    if boundaries_or_positions is None:
         return None
     group = group_from_name(group_name)
     ring_group = group_from_name(ring_group_name) if ring_group_name else None
     seq = local_seq * group.size() * (1 if ring_group is None else ring_group.size())
-    return documents_for(cu_seqlens, seq, group, device, ring_group)
+    return documents_for(boundaries_or_positions, seq, group, device, ring_group)
 
 
 def _preview(cu_seqlens: torch.Tensor, limit: int = 8) -> str:
