@@ -30,17 +30,17 @@ from upipe_compile.attention.stage_loop import (
 OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def op_arguments(q, k, v, settings: StageLoopSettings, cu_seqlens=None, sinks=None) -> tuple:
+def op_arguments(q, k, v, settings: StageLoopSettings, boundaries_or_positions=None, sinks=None) -> tuple:
     """``upipe::attention``'s arguments (tensors or FX nodes), trailing Nones left out."""
-    optional = (cu_seqlens, sinks)
+    optional = (boundaries_or_positions, sinks)
     while optional and optional[-1] is None:
         optional = optional[:-1]
     return (q, k, v, *settings.op_args(), *optional)
 
 
 def parse_op_arguments(args) -> tuple:
-    """``(q, k, v, settings, cu_seqlens, sinks)`` from ``upipe::attention``'s arguments as
-    given (trailing defaults may be left out)."""
+    """``(q, k, v, settings, boundaries_or_positions, sinks)`` from ``upipe::attention``'s
+    arguments as given (trailing defaults may be left out)."""
     q, k, v, *rest = args
     scalars = len(fields(StageLoopSettings))
     optional = list(rest[scalars:]) + [None, None]
@@ -58,7 +58,8 @@ def check_world(world_size: int, group_name: str) -> None:
 
 # P (world_size) is an explicit argument (not read from the group) so that it is part of
 # the graph, and so of every compile cache key: a graph compiled for P = 2 is never reused
-# for P = 4.
+# for P = 4. ``cu_seqlens`` carries packed documents' boundaries (1-D) or 2-D position ids,
+# read at run time (documents where they restart): see packed/documents.py.
 @torch.library.custom_op("upipe::attention", mutates_args=(), tags=OP_TAGS)
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,9 +112,9 @@ def save_for_backward(ctx, inputs: tuple, outputs: tuple) -> None:
     """Save what backward needs: the local q, k, v, out and the per-stage LSE (and the
     boundaries and sinks: tensors, saved, not captured). ``inputs``: the op's arguments
     (:func:`op_arguments`); ``outputs``: ``(out, lse)``."""
-    q, k, v, settings, cu_seqlens, sinks = parse_op_arguments(inputs)
+    q, k, v, settings, boundaries_or_positions, sinks = parse_op_arguments(inputs)
     out, lse = outputs
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, boundaries_or_positions, sinks)
     ctx.settings = settings
 
 
@@ -121,12 +122,14 @@ def replay_backward(ctx, dout: torch.Tensor, *, eager: bool = False) -> tuple:
     """``(dq, dk, dv, dsinks)`` from what :func:`save_for_backward` saved (dsinks None
     without sinks): through ``upipe::attention_backward``, or with ``eager`` the backward
     loop itself."""
-    q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+    q, k, v, out, lse, boundaries_or_positions, sinks = ctx.saved_tensors
     settings = ctx.settings
     if eager:
-        documents = documents_of(cu_seqlens, q.shape[2], settings.group_name, q.device, settings.ring_group_name)
+        documents = documents_of(boundaries_or_positions, q.shape[2], settings.group_name, q.device,
+                                 settings.ring_group_name)
         return stage_loop_backward(dout, q, k, v, out, lse, settings, documents, sinks)
-    dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, *settings.op_args(), cu_seqlens, sinks)
+    dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, *settings.op_args(), boundaries_or_positions,
+                                               sinks)
     return dq, dk, dv, None if sinks is None else dsinks
 
 
