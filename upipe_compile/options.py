@@ -20,6 +20,12 @@ from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, PREFETCH_MODES
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
+# The defaults of the options that are not the stage loop's own (DEFAULT_PREFETCH is), for
+# UPipeOptions, the public functions and the torchtitan [upipe] section alike.
+DEFAULT_INNER_BACKEND = INNER_BACKENDS[0]
+DEFAULT_FUSE_PROJECTIONS = True
+DEFAULT_RECOMPUTE_ATTENTION_OUTPUT = False
+
 
 def normalised_variant(window, softcap) -> tuple[int, int, float]:
     """``(window_left, window_right, softcap)`` as the ops take them (None: no window / no
@@ -32,7 +38,8 @@ def normalised_variant(window, softcap) -> tuple[int, int, float]:
 
 
 def option_problems(*, world: Optional[int] = None, heads_per_stage=None, prefetch=DEFAULT_PREFETCH,
-                    inner_backend="inductor", fuse_projections=True, recompute_attention_output=False) -> list[str]:
+                    inner_backend=DEFAULT_INNER_BACKEND, fuse_projections=DEFAULT_FUSE_PROJECTIONS,
+                    recompute_attention_output=DEFAULT_RECOMPUTE_ATTENTION_OUTPUT) -> list[str]:
     """What is wrong with these option values (empty: nothing), each naming the option: the
     one check of every option, for :class:`UPipeOptions`, the public functions and the
     torchtitan ``[upipe]`` section alike. ``heads_per_stage`` None is the default (P)."""
@@ -71,17 +78,17 @@ class UPipeOptions:
     heads_per_stage: int | None = None
     """U: query heads per stage across all ranks, a multiple of P; None = P (least memory).
     U = number of query heads is plain Ulysses."""
-    inner_backend: str = "inductor"
+    inner_backend: str = DEFAULT_INNER_BACKEND
     """What compiles the graph after the UPipe passes: inductor, aot_eager or eager."""
     prefetch: str = DEFAULT_PREFETCH
     """Start the next stage's all-to-alls while this stage's attention runs: "forward"
     (no extra peak memory for GQA; MHA +1 full-sequence head), "both" (backward too; about
     U = 2P's memory) or "none"."""
-    fuse_projections: bool = True
+    fuse_projections: bool = DEFAULT_FUSE_PROJECTIONS
     """Fuse each whole attention block (q/k/v projections, their per-head ops, attention and
     the output projection) into one stage loop (``upipe::attention_block``) where the block is
     head-separable; other SDPA calls get the plain attention op."""
-    recompute_attention_output: bool = False
+    recompute_attention_output: bool = DEFAULT_RECOMPUTE_ATTENTION_OUTPUT
     """Fused blocks keep no attention output for backward (one activation of the block's
     input size, Hq x head_dim features, per block in flight): each stage's attention forward
     runs again in backward instead. Less memory, one more attention forward per block."""

@@ -26,7 +26,8 @@ and the integration uses the defaults below.
 from dataclasses import dataclass, field
 
 from upipe_compile.stack.host_memory import HOST_RESERVE_GIB
-from upipe_compile.options import DEFAULT_PREFETCH
+from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH
+from upipe_compile.options import DEFAULT_FUSE_PROJECTIONS, DEFAULT_INNER_BACKEND, DEFAULT_RECOMPUTE_ATTENTION_OUTPUT
 
 
 @dataclass
@@ -57,7 +58,7 @@ class UPipe:
         """``heads_per_stage`` as UPipeOptions takes it (None = the default, P)."""
         return self.heads_per_stage or None
 
-    inner_backend: str = "inductor"
+    inner_backend: str = DEFAULT_INNER_BACKEND
     """What compiles each TransformerBlock after the UPipe passes (and the loss, when
     [compile] components has "loss"): "inductor", "aot_eager" or "eager"."""
 
@@ -65,12 +66,12 @@ class UPipe:
     """Start the next stage's all-to-alls during this stage's attention: "forward" (no extra
     peak memory for GQA models), "both" (backward too; about U = 2P's memory) or "none"."""
 
-    fuse_projections: bool = True
+    fuse_projections: bool = DEFAULT_FUSE_PROJECTIONS
     """Fuse each block's q/k/v projections, per-head ops (RoPE, QK-norm), attention and output
     projection into one stage loop (upipe::attention_block), so no rank holds the q, k, v of
     all heads; blocks that are not head-separable keep the plain attention op."""
 
-    recompute_attention_output: bool = False
+    recompute_attention_output: bool = DEFAULT_RECOMPUTE_ATTENTION_OUTPUT
     """Fused blocks keep no attention output for backward (one activation of the block
     input's size per block being recomputed); each stage's attention forward runs again in
     backward instead: less memory, one more attention forward per block."""

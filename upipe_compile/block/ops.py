@@ -29,7 +29,7 @@ from upipe_compile.block.loop import BlockWeights, block_backward, block_forward
 from upipe_compile.block.region import BlockRegion, region_by_id, register_region
 from upipe_compile.packed.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.options import option_problems, resolved_heads_per_stage
+from upipe_compile.options import DEFAULT_RECOMPUTE_ATTENTION_OUTPUT, option_problems, resolved_heads_per_stage
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,8 @@ def block_problems(region: BlockRegion, x: Tensor, extras, world: int, heads_per
 
 def upipe_attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, region: BlockRegion, *, cp_mesh=None,
                           heads_per_stage: Optional[int] = None, prefetch: str = DEFAULT_PREFETCH,
-                          recompute_attention_output: bool = False, cu_seqlens: Optional[Tensor] = None,
+                          recompute_attention_output: bool = DEFAULT_RECOMPUTE_ATTENTION_OUTPUT,
+                          cu_seqlens: Optional[Tensor] = None,
                           eager: bool = False) -> Tensor:
     """A whole attention block on this rank's sequence shard ``x [B, S/P, d]``: for each
     role, ``region.head_fn(role)(x @ W_roleᵀ + b_role, n, *extras)``, attention over the
