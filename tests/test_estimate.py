@@ -277,6 +277,19 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
         out + lse + block_output)
 
 
+def test_keep_attention_counts_the_kept_attention_outputs():
+    """Full AC with [upipe] keep_attention keeps upipe's attention outputs as selective op AC
+    does: the estimate adds them; plain full AC does not."""
+    import upipe_compile.integrations.torchtitan  # noqa: F401  the [upipe] section
+    from torchtitan_jobs import load_config
+    from upipe_compile.estimate import _op_selective_ac
+
+    assert _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=full", "--upipe.keep_attention"))
+    assert not _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=full"))
+    assert _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=selective",
+                                        "--activation_checkpoint.selective_ac_option=op"))
+
+
 def test_saved_attention_output_uses_the_value_head_dim():
     """The saved output's head dim: MLA's v_head_dim (DeepSeek-V3: q/k 192, v 128), Qwen3's
     own head_dim (Qwen3-32B: 128, not 5120 / 64 = 80), else dim / n_heads (Llama3)."""

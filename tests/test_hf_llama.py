@@ -260,3 +260,21 @@ def test_llama_over_a_4_by_2_mesh_with_and_without_packed_positions(rank_pools):
             assert relative_error(result[0], logits) < TOLERANCE, (rank, lengths)
         for name, grad in grads.items():
             assert relative_error(sum(r[1][name] for r in ranks), grad) < TOLERANCE, (name, lengths)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "plain"])
+def test_keep_attention_under_gradient_checkpointing(rank_pools, fuse):
+    """transformers' gradient checkpointing with upipe's keep_attention context_fn: each
+    layer's attention op runs once per step (not again in the recompute), and every rank's
+    logits and gradients equal plain checkpointing's (fp32, P = 2)."""
+    import keep_attention_jobs
+
+    op = "upipe::attention_block" if fuse else "upipe::attention"
+    plain = rank_pools(2).run(keep_attention_jobs.checkpointed_step, False, fuse)
+    kept = rank_pools(2).run(keep_attention_jobs.checkpointed_step, True, fuse)
+    for (logits, grads, counts), (kept_logits, kept_grads, kept_counts) in zip(plain, kept):
+        assert counts[op] == 2 * keep_attention_jobs.LAYERS, counts
+        assert kept_counts[op] == keep_attention_jobs.LAYERS, kept_counts
+        assert relative_error(kept_logits, logits) < 1e-6
+        for name, grad in grads.items():
+            assert relative_error(kept_grads[name], grad) < 1e-5, name

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from torchtitan_jobs import DEBUG_TOML, load_config
+from tests_support import relative_error
+from torchtitan_jobs import DEBUG_TOML, load_config, train_debug_model
 from upipe_compile.errors import UnsupportedAttention
 
 GIB = 1 << 30
@@ -238,3 +239,31 @@ def _rope_table_seen_by_the_blocks():
         block.forward = lambda x, *rest, **kwargs: x  # the block itself is not what is tested
     model(torch.randint(0, args.vocab_size, (1, config.training.seq_len // 2)))
     return seen
+
+
+def test_keep_attention_runs_attention_once_per_step_with_the_same_numbers(rank_pools):
+    """[upipe] keep_attention under full AC: the recompute in backward reruns the block but
+    not its attention (one upipe::attention_block forward per layer per step, not two), and
+    losses and first-step gradients equal full AC's at CP = 2 (fp32)."""
+    full = ("--activation_checkpoint.mode=full",)
+    plain = rank_pools(2).run(train_debug_model, 2, 2, None, full)
+    kept = rank_pools(2).run(train_debug_model, 2, 2, None, (*full, "--upipe.keep_attention"))
+    layers = plain[0]["n_layers"]
+    for rank in range(2):
+        assert plain[rank]["counts"]["upipe::attention_block"] == 2 * layers, plain[rank]["counts"]
+        assert kept[rank]["counts"]["upipe::attention_block"] == layers, kept[rank]["counts"]
+        for a, b in zip(kept[rank]["losses"], plain[rank]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
+        for name, ref in plain[rank]["grads"].items():
+            assert relative_error(kept[rank]["grads"][name], ref) < 1e-5, name
+
+
+def test_keep_attention_refusals():
+    """keep_attention without full AC, with recompute_attention_output or with offloaded block
+    inputs is refused before the model is built, naming the keys."""
+    message = refusal("--upipe.keep_attention", "--activation_checkpoint.mode=selective")
+    assert '[upipe] keep_attention = true needs [activation_checkpoint] mode = "full"' in message
+    message = refusal("--upipe.keep_attention", "--upipe.recompute_attention_output")
+    assert "keep_attention = true and recompute_attention_output = true" in message
+    message = refusal("--upipe.keep_attention", "--upipe.offload_block_inputs")
+    assert "keep_attention = true with offload_block_inputs = true is not supported yet" in message

@@ -12,6 +12,7 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     prefetch = "forward"        # overlap the next stage's all-to-alls: none | forward | both
     fuse_projections = true     # projections, RoPE/QK-norm, attention, output projection: one stage loop
     recompute_attention_output = false  # fused blocks: no attention output kept for backward
+    keep_attention = false      # full AC: keep each block's attention output, never run its forward twice
     # the long-context stack (each off by default; see stack.py and README.md)
     offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
     host_memory_reserve_gib = 64    # node RAM kept free for everything but offloaded inputs
@@ -75,6 +76,14 @@ class UPipe:
     """Fused blocks keep no attention output for backward (one activation of the block
     input's size per block being recomputed); each stage's attention forward runs again in
     backward instead: less memory, one more attention forward per block."""
+
+    keep_attention: bool = False
+    """Under [activation_checkpoint] mode = "full": keep each block's attention outputs
+    (upipe::attention / upipe::attention_block: the output, and what its backward needs, on the
+    GPU) from the forward, so the recompute in backward reruns the rest of the block but not
+    attention, at long context almost all of the work. Costs one attention output per block
+    (x-sized with fused blocks) of GPU memory until that block's backward. With mode =
+    "selective" (op) the ops are already kept."""
 
     # --- the long-context stack: each piece opt-in ---
     offload_block_inputs: bool = False

@@ -43,6 +43,7 @@ from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
 from upipe_compile.integrations.torchtitan.documents import use_document_attention
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.options import option_problems
+from upipe_compile.stack.keep_attention import KEPT_OPS
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +251,9 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
     stack.apply_module_swaps(model, job_config)
 
     if job_config.activation_checkpoint.mode != "none":
-        save_list = set(sac_save_list) | {torch.ops.upipe.attention.default, torch.ops.upipe.attention_block.default}
-        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=True,
-                 op_sac_save_list=save_list, base_folder=job_config.job.dump_folder)
+        ac_config, save_list = _ac_with_upipe_ops(job_config, sac_save_list)
+        apply_ac(model, ac_config, model_compile_enabled=True, op_sac_save_list=save_list,
+                 base_folder=job_config.job.dump_folder)
 
     compile_blocks(model, job_config, parallel_dims)
 
@@ -278,6 +279,18 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
         keep_local_rope_rows(model, upipe_cp_mesh(job_config, parallel_dims))
     stack.install_offload(model, job_config, parallel_dims)
     return model
+
+
+def _ac_with_upipe_ops(job_config, sac_save_list):
+    """The AC config and op save list the blocks get: selective op AC saves upipe's attention
+    ops beside torchtitan's list; full AC with [upipe] keep_attention becomes selective op AC
+    that saves those ops and nothing else (everything else is recomputed, as under full AC)."""
+    import dataclasses
+
+    ac_config = job_config.activation_checkpoint
+    if upipe_config(job_config).keep_attention and ac_config.mode == "full":
+        return dataclasses.replace(ac_config, mode="selective", selective_ac_option="op"), set(KEPT_OPS)
+    return ac_config, set(sac_save_list) | KEPT_OPS
 
 
 def _root_buffers_in_param_dtype(model: nn.Module, param_dtype: torch.dtype) -> None:

@@ -57,9 +57,29 @@ def stack_problems(job_config) -> list[str]:
             f'[upipe] offload_block_inputs = true needs [activation_checkpoint] mode = "full" (got '
             f'"{job_config.activation_checkpoint.mode}"): only then is the block input all a block saves'
         )
+    problems += _keep_attention_problems(cfg, job_config)
     reserve = cfg.host_memory_reserve_gib
     if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
         problems.append(f"[upipe] host_memory_reserve_gib = {reserve!r} must be a number >= 0")
+    return problems
+
+
+def _keep_attention_problems(cfg, job_config) -> list[str]:
+    if not isinstance(cfg.keep_attention, bool):
+        return [f"[upipe] keep_attention = {cfg.keep_attention!r} must be true or false"]
+    if not cfg.keep_attention:
+        return []
+    problems = []
+    if job_config.activation_checkpoint.mode != "full":
+        problems.append(f'[upipe] keep_attention = true needs [activation_checkpoint] mode = "full" (got '
+                        f'"{job_config.activation_checkpoint.mode}"): without a recompute there is no second '
+                        'attention forward to save ("selective" op AC keeps the attention ops already)')
+    if cfg.recompute_attention_output:
+        problems.append("[upipe] keep_attention = true and recompute_attention_output = true ask for opposite "
+                        "things (keep the attention output / run attention again in backward): set one")
+    if cfg.offload_block_inputs:
+        problems.append("[upipe] keep_attention = true with offload_block_inputs = true is not supported yet: "
+                        "the kept attention outputs stay on the GPU, beside the offloaded block inputs")
     return problems
 
 

@@ -127,8 +127,13 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
 
 
 def _op_selective_ac(job_config) -> bool:
+    """Whether the blocks keep upipe's attention ops' outputs from the forward: selective op
+    AC, or full AC with [upipe] keep_attention (selective op AC that keeps only them)."""
+    from upipe_compile.integrations.torchtitan.config import upipe_config
+
     ac = job_config.activation_checkpoint
-    return ac.mode == "selective" and ac.selective_ac_option == "op"
+    keep = ac.mode == "full" and upipe_config(job_config).keep_attention
+    return keep or (ac.mode == "selective" and ac.selective_ac_option == "op")
 
 
 def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, a2a: int, fused: bool) -> int:
