@@ -126,7 +126,8 @@ def _result(trainer, record):
 
 
 def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dropout: float = 0.0,
-                samples: int = 8, mask_fn=None, cp_size: int | None = None, ring_degree: int = 1):
+                samples: int = 8, mask_fn=None, cp_size: int | None = None, ring_degree: int = 1,
+                gradient_checkpointing: bool = False, keep_attention: bool = False):
     """Train with ``transformers.Trainer`` (``upipe``: UPipeTrainer on this pool's ranks);
     returns (logged losses, final parameters)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
@@ -142,13 +143,15 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
             data = [mask_fn(i, row) for i, row in enumerate(data)]
         record = _Record()
         with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(**_common(out))
+            args = TrainingArguments(**_common(out), gradient_checkpointing=gradient_checkpointing)
             if upipe:
                 from upipe_compile.integrations.hf_trainer import UPipeTrainer
 
                 trainer = UPipeTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                                        callbacks=[record], upipe_options=INNER, cp_size=cp_size,
-                                       ring_degree=ring_degree)
+                                       ring_degree=ring_degree, keep_attention=keep_attention)
+                # the user's arguments are left alone (transformers 5.x: activation_checkpointing_kwargs)
+                assert getattr(args, "activation_checkpointing_kwargs", args.gradient_checkpointing_kwargs) is None
             else:
                 trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                                   callbacks=[record])

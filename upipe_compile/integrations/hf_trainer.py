@@ -202,11 +202,15 @@ class UPipeTrainerMixin:
     - ``ring_degree``: R > 1 splits the P ranks into a ring of R groups of P / R consecutive
       ranks (all-to-all within a group, ring attention between them: several nodes), the
       sequence laid out zigzag over the ring; without ``ParallelismConfig``.
+    - ``keep_attention``: with ``gradient_checkpointing=True``, the recompute in backward skips
+      attention (:mod:`upipe_compile.stack.keep_attention`); the trainer works on a copy of the
+      arguments with that ``context_fn``, never on the user's.
     """
 
     def __init__(self, *args, upipe_options: Optional[dict[str, Any]] = None, cp_size: Optional[int] = None,
-                 ring_degree: int = 1, **kwargs):
+                 ring_degree: int = 1, keep_attention: bool = False, **kwargs):
         self._upipe_ring_degree = ring_degree
+        self._upipe_keep_attention = keep_attention
         self._upipe_options = dict(upipe_options or {})
         if "cp_mesh" in self._upipe_options:
             raise UnsupportedAttention("upipe_options['cp_mesh'] is set by the trainer from its process layout; "
@@ -288,6 +292,8 @@ class UPipeTrainerMixin:
                 self._upipe_replicas = layout["dp"]
                 self._upipe_own_layout = True
         self._upipe_world, self._upipe_mesh = world, mesh
+        if self._upipe_keep_attention:
+            self.args = _with_kept_attention(self.args)
 
         args = self.args
         if world > 1:
@@ -443,6 +449,28 @@ class UPipeTrainerMixin:
             raise UnsupportedAttention(f"the batch was refused on process(es) {refused} (their error says why); "
                                        "every process stops with them")
         return contextlib.nullcontext, batch
+
+
+def _with_kept_attention(args):
+    """A copy of ``args`` whose gradient checkpointing keeps upipe's attention outputs.
+    transformers 5.x names the settings ``activation_checkpointing(_kwargs)``, earlier releases
+    ``gradient_checkpointing(_kwargs)``."""
+    import copy
+
+    from upipe_compile.stack.keep_attention import keep_attention
+
+    prefix = "activation" if hasattr(args, "activation_checkpointing_kwargs") else "gradient"
+    kwargs = dict(getattr(args, f"{prefix}_checkpointing_kwargs") or {})
+    if not getattr(args, f"{prefix}_checkpointing"):
+        raise UnsupportedAttention(f"keep_attention=True needs TrainingArguments({prefix}_checkpointing=True): "
+                                   "without a recompute attention runs once anyway")
+    if kwargs.get("use_reentrant", False) or kwargs.get("context_fn") not in (None, keep_attention):
+        raise UnsupportedAttention(
+            f"keep_attention=True sets {prefix}_checkpointing_kwargs' context_fn and needs use_reentrant=False; "
+            f"got {kwargs}")
+    kept = copy.copy(args)
+    setattr(kept, f"{prefix}_checkpointing_kwargs", {**kwargs, "use_reentrant": False, "context_fn": keep_attention})
+    return kept
 
 
 @functools.lru_cache(maxsize=None)
