@@ -103,15 +103,7 @@ def test_packed_documents_over_the_ring_match_each_document_alone(rank_pools, pa
     case, bounds = packed
     shares = rank_pools(case.world).run(ring_jobs.ring_case, case, (-1, -1), 0.0, bounds)
     expected = eager_documents_reference(case, bounds)
-    scale = expected[3].double().norm()
-    for name, index, wanted in (("out", 0, expected[0]), ("dq", 2, expected[1]), ("dk", 3, expected[2]),
-                                ("dv", 4, expected[3])):
-        for rank, share in enumerate(shares):
-            part = zigzag_shard(wanted, rank, case.world, dim=2)
-            error = relative_error(share[index], part)
-            if name in ("dq", "dk") and wanted.double().norm() < 1e-6 * scale:
-                error = ((share[index].double() - part.double()).norm() / scale).item()
-            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, bounds)
+    _assert_packed_shares(shares, expected, case, bounds)
 
 
 @settings(max_examples=20, deadline=None)
@@ -134,6 +126,13 @@ def test_packed_documents_with_window_and_softcap_over_the_ring(rank_pools, pack
     window = (left, right)
     shares = rank_pools(case.world).run(ring_jobs.ring_case, case, window, softcap, bounds)
     expected = variant_reference(case, window, softcap or None, bounds=bounds)
+    _assert_packed_shares(shares, expected, case, bounds, window, softcap)
+
+
+def _assert_packed_shares(shares, expected, case, bounds, *context):
+    """Every rank's out, dq, dk, dv against the reference's zigzag share; dq and dk measured
+    against dv's scale where they (nearly) vanish: single-token documents, or a window of the
+    query alone, where relative error means nothing."""
     scale = expected[3].double().norm()
     for name, index, wanted in (("out", 0, expected[0]), ("dq", 2, expected[1]), ("dk", 3, expected[2]),
                                 ("dv", 4, expected[3])):
@@ -142,7 +141,7 @@ def test_packed_documents_with_window_and_softcap_over_the_ring(rank_pools, pack
             error = relative_error(share[index], part)
             if name in ("dq", "dk") and part.double().norm() < 1e-3 * scale:
                 error = ((share[index].double() - part.double()).norm() / scale).item()
-            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, bounds, window, softcap)
+            assert error <= TOLERANCE[case.dtype], (name, rank, error, case, bounds, *context)
 
 
 def test_zigzag_layout_balances_causal_work():
