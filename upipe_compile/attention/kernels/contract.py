@@ -81,7 +81,6 @@ def check_variant(window, softcap) -> tuple[tuple[int, int], float]:
     return (int(window[0]), int(window[1])), float(softcap)
 
 
-
 def effective(is_causal: bool, window: tuple[int, int], q_len: int, k_len: int) -> tuple[bool, tuple[int, int]]:
     """The same attention in its plainest form: a left edge at least ``k_len - 1`` away, or a
     right one at least ``q_len - 1``, bounds nothing; causal attention's right edge is 0
