@@ -22,6 +22,7 @@ that blocked it. :mod:`upipe_compile.passes.rewrite_block` turns a match into on
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -69,6 +70,10 @@ class BlockMatch:
     q_heads: int
     kv_heads: int
     head_dim: int
+    value_dim: int
+    """Output columns per head the output projection reads (< head_dim where v was padded)."""
+    projection_inputs: tuple
+    """Per role, what it projects: -1 the block input x, i ``extras[i]``."""
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -177,8 +182,10 @@ def _fused(linear: fx.Node, slices: list) -> Projection:
 
 
 def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
-    """sdpa out -> [identity reshape] -> transpose(1, 2) -> [contiguous] -> reshape/view
-    (B, s, Hq * D) -> [contiguous] -> linear(Wo, bo?)."""
+    """sdpa out -> [identity reshape] -> [out[..., :Dv], where v was padded] -> transpose(1, 2)
+    -> [contiguous] -> reshape/view (B, s, Hq * Dv) -> [contiguous] -> linear(Wo, bo?).
+    Returns ``(out_nodes, o_proj node, Wo, bo, Dv)``."""
+    value_dim = head_dim
     node = match.node
     dead = []
     if match.returns_lse:  # document_sdpa returns (out, lse); users take item 0
@@ -203,18 +210,20 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
                                          "attention output")
             if wo is node or bo is node:
                 raise NotSeparable(user, "the output projection's weight depends on attention")
-            return out_nodes, user, wo, bo
+            return out_nodes, user, wo, bo, value_dim
         in_shape, out_shape = shape_of(node), shape_of(user)
         method = user.target if user.op == "call_method" else None
         if method == "contiguous" or (method in ("view", "reshape") and in_shape == out_shape):
             pass
+        elif state == "bhsd" and value_dim == head_dim and _cuts_head_dim(user):
+            value_dim = out_shape[-1]  # padded value columns cut away: out[..., :Dv]
         elif method == "transpose" or (user.op == "call_function" and user.target is torch.transpose):
             dims = sorted(d % len(in_shape) for d in user.args[1:3])
             if state != "bhsd" or dims != [1, 2]:
                 raise NotSeparable(user, "the attention output is transposed other than (1, 2)")
             state = "bshd"
         elif method in ("view", "reshape") or (user.op == "call_function" and user.target is torch.reshape):
-            if state != "bshd" or out_shape != (in_shape[0], in_shape[1], q_heads * head_dim):
+            if state != "bshd" or out_shape != (in_shape[0], in_shape[1], q_heads * value_dim):
                 raise NotSeparable(user, f"the attention output is reshaped {in_shape} -> {out_shape}, not to "
                                          "[B, s, heads * head_dim] after transpose(1, 2)")
             state = "merged"
@@ -223,6 +232,17 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
                                      "cover")
         out_nodes.append(user)
         node = user
+
+
+def _cuts_head_dim(node: fx.Node) -> bool:
+    """``out[..., :n]`` (or ``out[:, :, :, :n]``): the first columns of each head."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    *lead, last = index
+    whole_lead = lead == [Ellipsis] or (len(lead) == 3 and all(i == slice(None) for i in lead))
+    return whole_lead and isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) \
+        and isinstance(last.stop, int)
 
 
 def find_block(match: AttentionMatch) -> Union[BlockMatch, NotFusable]:
@@ -243,36 +263,44 @@ def _find_block(match: AttentionMatch) -> BlockMatch:
     inputs = dict(zip(ROLES, (match.query, match.key, match.value)))
     heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
     projections = {role: _find_projection(inputs[role]) for role in ROLES}
-    xs = {_linear_args(p.linear)[0] for p in projections.values()}
-    if len(xs) != 1:
-        raise NotSeparable(match.node, "q, k and v are not projected from one common input x")
-    x = xs.pop()
+    # q's projection input is the block's x; k and v may project another head-shared tensor
+    # (MLA: the normalised KV latent), which the op takes as an extra
+    x = _linear_args(projections["q"].linear)[0]
+    role_inputs = {role: _linear_args(p.linear)[0] for role, p in projections.items()}
+    tokens = math.prod(shape_of(x)[:-1]) if shape_of(x) is not None else None
     for role, p in projections.items():
+        shape = shape_of(role_inputs[role])
+        if shape is None or math.prod(shape[:-1]) != tokens:
+            raise NotSeparable(p.linear, f"projects {role_inputs[role].name}, whose tokens are not the block input "
+                                         f"x's ({shape} against {shape_of(x)})")
         if any(n is p.linear or (n is not None and p.linear in _ancestors_of(n)) for n in (p.weight, p.bias)):
             raise NotSeparable(p.linear, "the projection's weight depends on its own output")
-        if p.rows is not None:
-            a, b = p.rows
-            if (b - a) != heads[role] * head_dim or a % head_dim:
-                raise NotSeparable(p.value, f"reads rows [{a}, {b}) of a fused projection: not {heads[role]} whole "
-                                            f"heads of {head_dim}")
+        if p.rows is not None and (p.rows[1] - p.rows[0]) % heads[role]:
+            raise NotSeparable(p.value, f"reads rows [{p.rows[0]}, {p.rows[1]}) of a fused projection: not "
+                                        f"{heads[role]} whole heads")
     chains = {role: prove_chain(projections[role].value, inputs[role], heads[role], head_dim) for role in ROLES}
+    if any(e in role_inputs.values() for role in ROLES for e in chains[role].externals):
+        raise NotSeparable(chains["q"].output, "a per-head chain reads a projection's input (the block input x) "
+                                               "itself")
     extras: list[fx.Node] = []
     for role in ROLES:
         for e in chains[role].externals:
-            if e not in extras and e is not x:
+            if e not in extras:
                 extras.append(e)
+    for role in ("k", "v"):
+        if role_inputs[role] is not x and role_inputs[role] not in extras:
+            extras.append(role_inputs[role])
     order = {n: i for i, n in enumerate(match.graph_module.graph.nodes)}
     extras.sort(key=order.__getitem__)
-    if any(e is x for role in ROLES for e in chains[role].externals):
-        raise NotSeparable(chains["q"].output, "a per-head chain reads the block input x itself")
     if match.sinks is not None:  # per-head logits: the op slices them with each stage's heads
         if match.sinks is x or match.sinks in _ancestors_of(match.query):
             raise NotSeparable(match.sinks, "the attention sinks depend on the block's own projections")
         if match.sinks not in extras:
             extras.append(match.sinks)
-    out_nodes, out_linear, wo, bo = _output_side(match, q_heads, head_dim)
+    out_nodes, out_linear, wo, bo, value_dim = _output_side(match, q_heads, head_dim)
+    projection_inputs = tuple(-1 if role_inputs[role] is x else extras.index(role_inputs[role]) for role in ROLES)
     block = BlockMatch(match, x, projections, chains, extras, out_nodes, out_linear, wo, bo, q_heads, kv_heads,
-                       head_dim)
+                       head_dim, value_dim, projection_inputs)
     _check_closed(block)
     return block
 

@@ -9,6 +9,9 @@ ancestors of the SDPA input. The proof tracks where the head axis is in each nod
     rms_norm(..., (D,), w)       keeps axis 2 (normalises dims after it only)
     transpose(1, 2)              moves it to axis 1
     * cos + rotate_half(.) * sin keeps it; cos/sin are 1 (or absent) at the head axis
+    pad(..., (0, p))             keeps it (pads dims after it only: MLA's v to q/k's head dim)
+    k_rot.expand(B, H, s, r)     a head-shared tensor (1 at the head axis) broadcast to the
+                                 heads joins the chain there (MLA's rotary key part)
     SDPA input [B, H, s, D]      axis 1: proven
 
 Before -> after (the chain of one role, e.g. HF Llama's q with rotate-half RoPE):
@@ -81,6 +84,7 @@ _ELEMENTWISE_METHODS = {
 }
 _DTYPE_ONLY_SECOND = {"type_as"}  # the second operand gives only a dtype (no broadcasting)
 _RMS_NORM = (torch.rms_norm, F.rms_norm)
+_PAD = (F.pad, torch._C._nn.pad)
 _VIEW_METHODS = {"view", "reshape"}
 
 
@@ -139,16 +143,35 @@ def _shape_arg_form(node: fx.Node, start: int):
     return "varargs", start
 
 
+def head_broadcast_axis(node, heads: int) -> Optional[int]:
+    """The axis a node broadcasts a head-shared tensor to ``heads`` along (an ``expand``
+    whose only change is 1 -> heads at one axis), or None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "expand"):
+        return None
+    in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
+    if in_shape is None or out_shape is None or len(in_shape) != len(out_shape):
+        return None
+    changed = [a for a, (i, o) in enumerate(zip(in_shape, out_shape)) if i != o]
+    if len(changed) == 1 and in_shape[changed[0]] == 1 and out_shape[changed[0]] == heads:
+        return changed[0]
+    return None
+
+
 def prove_chain(projection: fx.Node, output: fx.Node, heads: int, head_dim: int) -> Chain:
     """Track the head axis from ``projection`` to ``output``; raise NotSeparable on any node
-    the rules do not cover."""
+    the rules do not cover. ``projection``'s last dim holds ``heads`` equal blocks of rows
+    (``head_dim`` each, or more where the chain splits a head's rows later: MLA's k and v)."""
     nodes = chain_nodes(projection, output)
+    # head-shared tensors broadcast to the heads join the chain: each head count n gets n copies
+    nodes += [a for n in nodes for a in n.all_input_nodes
+              if a not in nodes and a is not projection and head_broadcast_axis(a, heads) is not None]
+    nodes = [n for n in output.graph.nodes if n in set(nodes)]
     in_chain = set(nodes) | {projection}
     shape = shape_of(projection)
     if shape is None:
         raise NotSeparable(projection, "its shape is unknown (no example value)")
-    if shape[-1] != heads * head_dim:
-        raise NotSeparable(projection, f"its last dim {shape[-1]} is not heads x head_dim = {heads} x {head_dim}")
+    if shape[-1] % heads or shape[-1] < heads * head_dim:
+        raise NotSeparable(projection, f"its last dim {shape[-1]} is not {heads} heads of at least {head_dim}")
     # state: ("fused", axis) -- heads outermost in a dim of size H * (rest); ("split", axis)
     # -- the head axis itself; ("tuple", axis) -- a split/chunk result whose items are split.
     state: dict[fx.Node, tuple] = {projection: ("fused", len(shape) - 1)}
@@ -182,9 +205,12 @@ def _order(graph: fx.Graph):
 
 
 def _step(node: fx.Node, ins: dict, heads: int, shape_args: dict) -> tuple:
+    out_shape = shape_of(node)
+    if len(ins) == 0 and (axis := head_broadcast_axis(node, heads)) is not None:
+        shape_args[node] = (_shape_arg_form(node, 1), axis)
+        return ("split", axis)
     if len(ins) == 0:
         raise NotSeparable(node, "reads no chain value")
-    out_shape = shape_of(node)
     target = node.target
     method = target if node.op == "call_method" else None
     first = node.args[0] if node.args else None
@@ -265,6 +291,13 @@ def _step(node: fx.Node, ins: dict, heads: int, shape_args: dict) -> tuple:
         return (kind, axis)
     if node.op == "call_function" and target is operator.getitem:
         return _getitem(node, ins, out_shape)
+    if node.op == "call_function" and target in _PAD:
+        kind, axis = ins[first]
+        padding = _arg(node, 1, "pad")
+        mode = _arg(node, 2, "mode", "constant")
+        if kind != "split" or mode != "constant" or axis >= len(out_shape) - len(padding) // 2:
+            raise NotSeparable(node, "pads the head axis or dims before it")
+        return (kind, axis)
     if node.op == "call_function" and target is torch.cat:
         tensors = node.args[0]
         ndim = len(out_shape)
@@ -313,11 +346,17 @@ def _view(node, ins, heads, shape_args, out_shape) -> tuple:
     in_shape = shape_of(first)
     if out_shape == in_shape:
         return (kind, axis)
-    if tuple(out_shape[:axis]) != tuple(in_shape[:axis]):
-        raise NotSeparable(node, f"reshapes dims before the head axis ({in_shape} -> {out_shape})")
     rest_in = math.prod(in_shape[axis:])
     if kind == "fused" and len(in_shape) - 1 != axis:
         raise NotSeparable(node, "reshapes a fused heads x head_dim dim that is not the last")
+    if kind == "fused":  # the leading dims may merge or split too: [B, 1, s, H*D] -> (B, s, H, D)
+        for at in range(len(out_shape)):
+            if (out_shape[at] == heads and math.prod(out_shape[at:]) == rest_in
+                    and math.prod(out_shape[:at]) == math.prod(in_shape[:axis])):
+                shape_args[node] = (_shape_arg_form(node, 1), at)
+                return ("split", at)
+    if tuple(out_shape[:axis]) != tuple(in_shape[:axis]):
+        raise NotSeparable(node, f"reshapes dims before the head axis ({in_shape} -> {out_shape})")
     if out_shape[axis] == heads and math.prod(out_shape[axis:]) == rest_in:
         form = _shape_arg_form(node, 1)
         shape_args[node] = (form, axis)

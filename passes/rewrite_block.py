@@ -49,7 +49,8 @@ def block_region(block: BlockMatch) -> BlockRegion:
     return BlockRegion(block.q_heads, block.kv_heads, block.head_dim, fns["q"], fns["k"], fns["v"],
                        bool(match.is_causal), scale, match.source_line,
                        (int(match.window_left), int(match.window_right)), float(match.softcap),
-                       -1 if match.sinks is None else block.extras.index(match.sinks))
+                       -1 if match.sinks is None else block.extras.index(match.sinks),
+                       0 if block.value_dim == block.head_dim else block.value_dim, block.projection_inputs)
 
 
 def rewrite_block(block: BlockMatch, **settings) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from block_support import BlockCase, make_region, make_tensors, per_position
+from block_support import BlockCase, make_region, make_tensors, needs_grad, sequence_dim
 from upipe_compile.block.ops import BlockSettings, attention_block_op, upipe_attention_block
 from upipe_compile.block.region import register_region
 
@@ -23,11 +23,12 @@ def fused_block_case(case: BlockCase, mode: str, ring: int = 1):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
-    shard = ((lambda t: t.chunk(world, dim=1)[rank].clone()) if mesh is None else
-             (lambda t: shard_sequence(t, mesh, dim=1).clone()))
+    shard = ((lambda t, dim=1: t.chunk(world, dim=dim)[rank].clone()) if mesh is None else
+             (lambda t, dim=1: shard_sequence(t, mesh, dim=dim).clone()))
     x, dy, weights, extras = make_tensors(case)
     x, dy = shard(x), shard(dy)
-    extras = [shard(e) if per_position(case, e) else e.requires_grad_() for e in extras]
+    dims = [sequence_dim(case, e) for e in extras]
+    extras = [(e if d is None else shard(e, d)).requires_grad_(needs_grad(case, e)) for e, d in zip(extras, dims)]
     weights = [None if w is None else w.requires_grad_() for w in weights]
     x.requires_grad_()
     region = make_region(case)
@@ -49,7 +50,9 @@ def fused_block_case(case: BlockCase, mode: str, ring: int = 1):
     y = block(x, *weights, *extras)
     y.backward(dy)
     y, dx = y.detach(), x.grad
+    extra_grads = [e.grad for e in extras if e.requires_grad]
     if mesh is not None:
         y, dx = (gather_sequence(t, mesh, dim=1).chunk(world, dim=1)[rank] for t in (y, dx))
-    return (y, dx, [None if w is None else w.grad for w in weights],
-            [e.grad for e in extras if e.requires_grad])
+        extra_grads = [g if d is None else gather_sequence(g, mesh, dim=d).chunk(world, dim=d)[rank]
+                       for g, d in zip(extra_grads, [d for e, d in zip(extras, dims) if e.requires_grad])]
+    return (y, dx, [None if w is None else w.grad for w in weights], extra_grads)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import block_jobs
-from block_support import BlockCase, eager_block_reference
+from block_support import BlockCase, eager_block_reference, make_tensors, needs_grad, sequence_dim
 from tests_support import TOLERANCE, relative_error
 
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
@@ -32,7 +32,7 @@ def block_cases(draw, worlds=(2, 4)):
         seq_local=draw(st.integers(1, 6)), head_dim=draw(st.sampled_from([4, 8])),
         heads_per_stage=draw(st.sampled_from(stage_choices)), is_causal=draw(st.booleans()),
         scale=draw(st.one_of(st.none(), st.floats(0.1, 1.5))), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-        kind=draw(st.sampled_from(["plain", "rope", "qwen3"])), biases=draw(st.booleans()),
+        kind=draw(st.sampled_from(["plain", "rope", "qwen3", "mla"])), biases=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)), prefetch=draw(st.sampled_from(["none", "forward", "both"])),
         recompute_output=draw(st.booleans()),
     )
@@ -76,7 +76,12 @@ def _check(shards, case):
         if name == "bk":  # near zero by design: softmax ignores what it adds to a query's every score
             scale = max(scale, weight_grads[1].double().norm())
         _close(f"d{name}", sum(shares), expected.double(), case, scale, eager(2, i))
+    extras = [e for e in make_tensors(case)[3] if needs_grad(case, e)]
     for i, expected in enumerate(extra_grads):
+        dim = sequence_dim(case, extras[i])
+        if dim is not None:  # the MLA latents: each rank's shard of the gradient
+            _close(f"d(extra {i})", torch.cat([s[3][i] for s in shards], dim=dim), expected, case, eager=eager(3, i))
+            continue
         shares = [s[3][i].double() for s in shards]
         _close(f"d(norm weight {i})", sum(shares), expected.double(), case, _share_scale(shares, expected),
                eager(3, i))
@@ -116,6 +121,12 @@ def _share_scale(shares, expected):
 @example(case=BlockCase(world=4, batch=2, q_heads=8, kv_heads=1, seq_local=3, head_dim=4, heads_per_stage=8,
                         is_causal=False, scale=0.5, dtype="float32", seed=3, prefetch="none", kind="qwen3",
                         biases=True), mode="eager")
+# MLA: k and v from one projection of the KV latent, a head-shared key part, v padded
+@example(case=BlockCase(world=2, batch=2, q_heads=4, kv_heads=4, seq_local=3, head_dim=8, heads_per_stage=2,
+                        is_causal=True, scale=None, dtype="float32", seed=9, prefetch="both", kind="mla"), mode="op")
+@example(case=BlockCase(world=4, batch=1, q_heads=8, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=4,
+                        is_causal=True, scale=None, dtype="bfloat16", seed=10, kind="mla", biases=True,
+                        recompute_output=True), mode="eager")
 def test_fused_block_matches_eager(rank_pools, case, mode):
     _check(rank_pools(case.world).run(block_jobs.fused_block_case, case, mode), case)
 

@@ -75,13 +75,14 @@ def unfused_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_
 
     region = region_by_id(region_id)
     q = region.q_fn(F.linear(x, wq, bq), region.q_heads, *extras)
-    k = region.k_fn(F.linear(x, wk, bk), region.kv_heads, *extras)
-    v = region.v_fn(F.linear(x, wv, bv), region.kv_heads, *extras)
+    k = region.k_fn(F.linear(region.projection_input("k", x, extras), wk, bk), region.kv_heads, *extras)
+    v = region.v_fn(F.linear(region.projection_input("v", x, extras), wv, bv), region.kv_heads, *extras)
     gqa = region.q_heads != region.kv_heads
     if cu_seqlens is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=region.is_causal, scale=region.scale, enable_gqa=gqa)
     else:
         o = document_sdpa(q, k, v, cu_seqlens, is_causal=region.is_causal, scale=region.scale, enable_gqa=gqa)
+    o = o[..., :region.output_dim]
     batch, _, seq, _ = o.shape
     return F.linear(o.transpose(1, 2).reshape(batch, seq, -1), wo, bo), o, None
 
@@ -147,15 +148,17 @@ def check_head_subsets(original: fx.GraphModule, inputs, seed=0):
         extras = [values[e] for e in block.extras]
         for role in ROLES:
             p = block.projections[role]
-            heads = region.q_heads if role == "q" else region.kv_heads
+            heads = region.heads(role)
             w, b = values[p.weight], None if p.bias is None else values[p.bias]
             if p.rows is not None:
                 w, b = w[slice(*p.rows)], None if b is None else b[slice(*p.rows)]
             n = max(1, heads // 2)
             idx = torch.randperm(heads, generator=gen)[:n].sort().values
-            rows = (idx[:, None] * region.head_dim + torch.arange(region.head_dim)).reshape(-1)
+            per_head = w.shape[0] // heads
+            rows = (idx[:, None] * per_head + torch.arange(per_head)).reshape(-1)
+            projected = F.linear(region.projection_input(role, x, extras), w[rows], None if b is None else b[rows])
             with torch.no_grad():
-                got = region.head_fn(role)(F.linear(x, w[rows], None if b is None else b[rows]), n, *extras)
+                got = region.head_fn(role)(projected, n, *extras)
             expected = values[block.chains[role].output][:, idx]
             # a row subset of the projection is another GEMM: equal up to rounding
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -259,6 +262,111 @@ def test_fuse_projections_off_keeps_the_plain_op(world):
     assert not calls(rewritten, BLOCK) and len(calls(rewritten, PLAIN)) == 1
 
 
+# --- MLA (DeepSeek-V3) ----------------------------------------------------------------------
+def deepseek_model(q_lora_rank, checkpointing: bool):
+    import transformers
+
+    from upipe_compile.integrations.transformers import register
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        moe_intermediate_size=32, n_shared_experts=1, use_cache=False, max_position_embeddings=64,
+        attn_implementation=register())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ac"])
+@pytest.mark.parametrize("q_lora_rank", [None, 16], ids=["q_proj", "q_lora"])
+def test_mla_block_is_fused(world, q_lora_rank, checkpointing):
+    """DeepSeek-V3's attention (keys built by slice copies into an empty buffer, k and v from
+    one kv_b_proj over the normalised KV latent, a head-shared rotary key part, v padded to
+    q/k's head dim by upipe's attention function) becomes one fused op that computes what the
+    graph computed; the op's region says how: k and v project an extra, 16 of 24 columns out."""
+    capture = Capture()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.compile(deepseek_model(q_lora_rank, checkpointing).model, backend=capture, fullgraph=True)(input_ids=ids)
+    original, rewritten, inputs = capture.one()
+    (op,) = calls(rewritten, BLOCK)
+    assert not calls(rewritten, PLAIN) and not calls(rewritten, torch.ops.upipe.document_sdpa.default)
+    assert_same_outputs(original, rewritten, inputs)
+    region = region_by_id(op.args[11])
+    assert (region.head_dim, region.value_dim, region.q_heads, region.kv_heads) == (24, 16, 4, 4)
+    kv_input = region.projection_inputs[1]
+    assert kv_input >= 0 and region.projection_inputs == (-1, kv_input, kv_input)
+    assert op.args[3] is op.args[5], "k and v read the same kv_b_proj weight"
+    if not checkpointing:
+        from upipe_compile.passes import concatenate_filled_buffers
+
+        assert concatenate_filled_buffers(original) == 1
+        check_head_subsets(original, inputs)
+
+
+def _dynamo_graph(fn, *args) -> fx.GraphModule:
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=keep, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def _filled(a, b):
+    buf = a.new_empty(2, 3, 5)
+    buf[..., :2].copy_(a)
+    buf[..., 2:].copy_(b)
+    return buf * 2
+
+
+def _read_before_filled(a, b):
+    buf = a.new_empty(2, 3, 5)
+    buf[..., :2].copy_(a)
+    early = buf[..., :2] + 1
+    buf[..., 2:].copy_(b)
+    return buf * 2, early
+
+
+def _partly_filled(a, b):
+    buf = a.new_empty(2, 3, 5)
+    buf[..., :2].copy_(a)
+    buf[..., 3:].copy_(b[..., 1:])
+    return buf * 2
+
+
+def _broadcast_copy(a, b):
+    buf = a.new_empty(2, 3, 5)
+    buf[..., :2].copy_(a[:1])
+    buf[..., 2:].copy_(b)
+    return buf * 2
+
+
+@pytest.mark.parametrize("fn, rewritten", [(_filled, 1), (_read_before_filled, 0), (_partly_filled, 0),
+                                           (_broadcast_copy, 0)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_buffer_filled_by_slice_copies_becomes_a_cat_only_when_exact(fn, rewritten):
+    from upipe_compile.passes import concatenate_filled_buffers
+
+    a, b = torch.randn(2, 3, 2), torch.randn(2, 3, 3)
+    gm = _dynamo_graph(fn, a, b)
+    assert concatenate_filled_buffers(gm) == rewritten
+    news = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "new_empty"]
+    assert len(news) == 1 - rewritten
+    if rewritten:
+        torch.testing.assert_close(gm(a, b)[0], fn(a, b), rtol=0, atol=0)
+
+
 # --- torchtitan blocks ----------------------------------------------------------------------
 def torchtitan_block(name: str, checkpointing: bool):
     from torchtitan.protocols.train_spec import get_train_spec
@@ -322,7 +430,8 @@ class TinyBlock(torch.nn.Module):
             d = self.heads * self.dim
             q, k, val = p.narrow(-1, 0, d), p.narrow(-1, d, d), p.narrow(-1, 2 * d, d)
         else:
-            q, k, val = self.q(x), self.k(other if v == "two_inputs" else x), self.v(x)
+            k_input = {"two_inputs": other, "fewer_keys": other[:, ::2]}.get(v, x)
+            q, k, val = self.q(x), self.k(k_input), self.v(k_input if v == "fewer_keys" else x)
         q, k, val = self.heads_of(q), self.heads_of(k), self.heads_of(val)
         if v == "per_head_scale":
             q = q * self.per_head
@@ -342,6 +451,25 @@ def compile_tiny(variant: str) -> Capture:
     return capture
 
 
+def test_k_may_project_another_input_of_the_same_tokens(world):
+    """k from a second per-token input (as MLA's k and v from the KV latent): the op takes it
+    as an extra and projects it for k."""
+    original, rewritten, inputs = assert_fused(compile_tiny("two_inputs"), layers=1)
+    region = region_by_id(calls(rewritten, BLOCK)[0].args[11])
+    assert region.projection_inputs[0] == region.projection_inputs[2] == -1 and region.projection_inputs[1] >= 0
+    check_head_subsets(original, inputs)
+
+
+def test_a_projection_of_other_tokens_is_not_fused():
+    """k and v over fewer tokens than x (cross-attention, which the backend refuses as a whole)
+    are never taken for a second input of the same tokens."""
+    torch.manual_seed(0)
+    gm = _dynamo_graph(TinyBlock("fewer_keys"), torch.randn(2, 16, 32), torch.randn(2, 16, 32))
+    (refused,) = [find_block(m) for m in find_attention(gm)]
+    assert isinstance(refused, NotFusable) and refused.node.name == "k", str(refused)
+    assert "whose tokens are not the block input x's" in str(refused), str(refused)
+
+
 @pytest.mark.parametrize("variant", ["chunk", "split", "narrow"])
 def test_fused_qkv_spellings_are_row_ranges(world, variant):
     original, rewritten, inputs = assert_fused(compile_tiny(variant), layers=1)
@@ -354,7 +482,6 @@ def test_fused_qkv_spellings_are_row_ranges(world, variant):
 
 @pytest.mark.parametrize("variant, node, why", [
     ("per_head_scale", "q_2", "per_head_ (computed outside the chain, shape [4, 1, 1]) is not 1 at the head axis"),
-    ("two_inputs", "o", "not projected from one common input x"),
     ("attention_reused", "o", "the attention output is used by 2 nodes"),
 ])
 def test_refusals_name_the_node(world, variant, node, why):

@@ -12,6 +12,9 @@ import hf_families_jobs as jobs
 from tests_support import assert_shards_match, relative_error
 
 FAMILIES = ["mistral", "qwen2", "gemma3", "gemma2", "gpt_oss", "deepseek_v3"]
+# MLA's block (q from the q latent, k and v from one kv_b_proj over the KV latent, a head-shared
+# rotary key part, v padded to q/k's head dim) runs as one fused op
+FUSED = {"deepseek_v3"}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -23,6 +26,8 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
     for *_, events in shards:
         assert events.get("plain sdpa outside upipe", 0) == 0, events
         assert any(name.startswith("upipe::attention") for name in events), events
+        if family in FUSED:
+            assert events.get("upipe::attention_block", 0) > 0 and "upipe::attention" not in events, events
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "deepseek_v3"])
@@ -48,7 +53,9 @@ PACKED_OVER_RING = (5, 1, 14, 12)  # 32 tokens: documents shorter than a chunk, 
 @pytest.mark.parametrize("family, world, ring, seq_local, lengths", [
     ("qwen2", 4, 2, 8, None), ("qwen3", 4, 2, 8, None), ("qwen3", 8, 4, 4, None),
     ("qwen3", 4, 2, 8, PACKED_OVER_RING), ("qwen3", 8, 4, 4, PACKED_OVER_RING), ("gemma2", 4, 2, 8, PACKED_OVER_RING),
-], ids=["qwen2-2x2", "qwen3-2x2", "qwen3-4x2", "qwen3-2x2-packed", "qwen3-4x2-packed", "gemma2-2x2-packed"])
+    ("deepseek_v3", 4, 2, 8, None), ("deepseek_v3", 4, 2, 8, PACKED_OVER_RING),
+], ids=["qwen2-2x2", "qwen3-2x2", "qwen3-4x2", "qwen3-2x2-packed", "qwen3-4x2-packed", "gemma2-2x2-packed",
+        "mla-2x2", "mla-2x2-packed"])
 def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools, family, world, ring, seq_local, lengths):
     """Qwen2 and Qwen3 (sliding-window and full layers) and Gemma2 (softcap too) over 2 x 2
     and 4 x 2 meshes, the layout's positions or packed documents' (restarting at each): the

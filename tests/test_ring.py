@@ -321,7 +321,9 @@ def test_variants_over_ring_by_all_to_all(rank_pools, case, ring, window, softca
                scale=None, dtype="float32", seed=3, kind="qwen3", biases=True, recompute_output=True), 2),
     (BlockCase(world=8, batch=2, q_heads=4, kv_heads=2, seq_local=2, head_dim=8, heads_per_stage=2, is_causal=False,
                scale=0.5, dtype="bfloat16", seed=4, kind="rope"), 4),
-], ids=["2x2-rope", "2x4-qwen3-recompute", "4x2-full-bf16"])
+    (BlockCase(world=4, batch=1, q_heads=4, kv_heads=4, seq_local=4, head_dim=8, heads_per_stage=2, is_causal=True,
+               scale=None, dtype="float32", seed=5, kind="mla"), 2),
+], ids=["2x2-rope", "2x4-qwen3-recompute", "4x2-full-bf16", "2x2-mla"])
 def test_fused_block_api_over_ring_by_all_to_all(rank_pools, case, ring, mode):
     """upipe_attention_block (the op, and its eager twin) with a (ring, all-to-all) cp_mesh:
     every rank's shard and every weight and norm gradient against the eager block on the full

@@ -13,7 +13,7 @@ from upipe_compile.errors import UnsupportedAttention
 import upipe_compile.mixers.ops  # noqa: F401  (registers upipe::head_mixer*, which the passes rewrite)
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
-    BlockMatch, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
+    BlockMatch, concatenate_filled_buffers, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
     mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, unsupported_reasons,
 )
 from upipe_compile.passes.find import source_line
@@ -39,6 +39,8 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     if world == 1 and ring_group is None:
         return gm
     heads_per_stage = options.stage_heads()
+    if options.fuse_projections:  # keys built by slice copies (DeepSeek-V3) as the cat they are
+        concatenate_filled_buffers(gm)
     matches = find_attention(gm)
     problems = [
         f"  {match.source_line}\n" + "".join(f"    - {reason}\n" for reason in reasons)

@@ -84,16 +84,24 @@ def _stage_attention(region: BlockRegion, ring_group_name: str) -> StageAttentio
     return StageAttention(region.is_causal, region.scale, region.window, region.softcap, ring_group_name)
 
 
-def _rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Weight rows of ``heads`` (in that order): head h owns rows [h*D, (h+1)*D)."""
-    return (heads[:, None] * head_dim + torch.arange(head_dim, device=heads.device)).reshape(-1)
+def _rows(heads: torch.Tensor, per_head: int) -> torch.Tensor:
+    """Weight rows (or output columns) of ``heads``, in that order: head h owns
+    ``[h * per_head, (h + 1) * per_head)``."""
+    return (heads[:, None] * per_head + torch.arange(per_head, device=heads.device)).reshape(-1)
 
 
-def _project(x, weight, bias, extras, head_fn, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+def _projection_of(x, weights: BlockWeights, region: BlockRegion, role: str):
+    """``(input, weight, bias, rows per head)`` of one role's projection."""
+    weight, bias = weights.projection(role)
+    return region.projection_input(role, x, weights.extras), weight, bias, weight.shape[0] // region.heads(role)
+
+
+def _project(x, weights: BlockWeights, region: BlockRegion, role: str, heads: torch.Tensor) -> torch.Tensor:
     """The heads ``heads`` of one role on the local sequence, ``[B, n, s, D]``."""
-    rows = _rows(heads, head_dim)
-    projected = F.linear(x, weight.index_select(0, rows), None if bias is None else bias.index_select(0, rows))
-    return head_fn(projected, len(heads), *extras)
+    input_, weight, bias, per_head = _projection_of(x, weights, region, role)
+    rows = _rows(heads, per_head)
+    projected = F.linear(input_, weight.index_select(0, rows), None if bias is None else bias.index_select(0, rows))
+    return region.head_fn(role)(projected, len(heads), *weights.extras)
 
 
 def _send_layout(heads_first: torch.Tensor, world: int) -> torch.Tensor:
@@ -108,8 +116,8 @@ def _heads_first(recv: torch.Tensor) -> torch.Tensor:
     return recv.reshape(world * m, *recv.shape[2:]).transpose(0, 1)
 
 
-def _output_columns(wo: torch.Tensor, heads: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return wo.index_select(1, _rows(heads, head_dim))
+def _output_columns(wo: torch.Tensor, heads: torch.Tensor, output_dim: int) -> torch.Tensor:
+    return wo.index_select(1, _rows(heads, output_dim))
 
 
 def _flat_heads(heads_first: torch.Tensor) -> torch.Tensor:
@@ -131,7 +139,7 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     if not is_fake(x):
         collectives.check_same_local_shape(tuple(x.shape), group)
     schedule = block_schedule(region, world, heads_per_stage)
-    batch, s_local, _ = x.shape
+    batch, s_local = x.shape[:2]
     dim, device = region.head_dim, x.device
     attention = _stage_attention(region, ring_group_name)
 
@@ -146,9 +154,9 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         if schedule.opens_kv_group(index):
             kv_heads = head_index(schedule.kv_groups[stage.kv_group], device)
             for role in ("k", "v"):
-                local = _project(x, *weights.projection(role), weights.extras, region.head_fn(role), kv_heads, dim)
+                local = _project(x, weights, region, role, kv_heads)
                 yield Incoming(_send_layout(local, world), group_name, buffers, role)
-        local = _project(x, weights.wq, weights.bq, weights.extras, region.q_fn, head_index(stage.q_heads, device), dim)
+        local = _project(x, weights, region, "q", head_index(stage.q_heads, device))
         yield Incoming(_send_layout(local, world), group_name, buffers, "q")
 
     inputs = InputPipeline(start, len(schedule.stages), prefetches(prefetch, backward=False))
@@ -168,8 +176,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
         if keep_output:
             collectives.scatter_heads_back(recv, q_heads, o, accumulate=False)
         # y += o_s @ Wo[:, heads]ᵀ, in place: no y-sized temporary per stage
-        _addmm_into(y.view(-1, y.shape[-1]), _flat_heads(_heads_first(recv)).flatten(0, 1),
-                    _output_columns(weights.wo, q_heads, dim).t())
+        _addmm_into(y.view(-1, y.shape[-1]), _flat_heads(_heads_first(recv)[..., :region.output_dim]).flatten(0, 1),
+                    _output_columns(weights.wo, q_heads, region.output_dim).t())
         del recv
     if weights.bo is not None:
         y.add_(weights.bo)
@@ -199,15 +207,19 @@ class _Recomputed:
     the way back from the local gradient to the projection's output, whose gradients for x
     and the weight rows are two matrix products written into place."""
 
-    def __init__(self, x, weight, bias, extras, extras_need_grad: list[bool], head_fn, heads: torch.Tensor,
-                 head_dim: int):
-        self.rows = _rows(heads, head_dim)
+    def __init__(self, x, weights: BlockWeights, region: BlockRegion, role: str, extras_need_grad: list[bool],
+                 heads: torch.Tensor):
+        input_, weight, bias, per_head = _projection_of(x, weights, region, role)
+        extras, head_fn = weights.extras, region.head_fn(role)
+        self.rows = _rows(heads, per_head)
         self.has_bias = bias is not None
-        self.x, self.w_rows = x, weight.index_select(0, self.rows)
-        projected = F.linear(x, self.w_rows, None if bias is None else bias.index_select(0, self.rows))
+        self.input_extra = region.projection_inputs["qkv".index(role)]
+        self.x, self.w_rows = input_, weight.index_select(0, self.rows)
+        projected = F.linear(input_, self.w_rows, None if bias is None else bias.index_select(0, self.rows))
         # An extra nobody needs the gradient of (the RoPE table) is closed over, not a primal:
-        # its vjp would form a product as large as the stage's heads in fp32 / complex.
-        self.differentiable = extras_need_grad
+        # its vjp would form a product as large as the stage's heads in fp32 / complex. So is a
+        # projection input (its gradient is the matrix product below).
+        self.differentiable = [need and i not in region.projection_inputs for i, need in enumerate(extras_need_grad)]
         n = len(heads)
 
         def per_head_ops(projected_, *diff_extras):
@@ -222,11 +234,14 @@ class _Recomputed:
     def add_gradients(self, grad_local, grads: "_Gradients", role: str) -> None:
         dprojected, *dextras = self._vjp(grad_local.to(self.dtype))
         self._vjp = None
-        flat = dprojected.flatten(0, 1)
+        flat = dprojected.reshape(-1, dprojected.shape[-1])
         del dprojected
         # dx += dP @ W_rows, in place: no x-sized temporary per stage
-        _addmm_into(grads.dx.view(-1, grads.dx.shape[-1]), flat, self.w_rows)
-        grads.dw[role].index_add_(0, self.rows, flat.t().mm(self.x.flatten(0, 1).to(flat.dtype)).to(grads.dw[role].dtype))
+        dx = grads.dx if self.input_extra < 0 else grads.dextras[self.input_extra]
+        if dx is not None:
+            _addmm_into(dx.view(-1, dx.shape[-1]), flat, self.w_rows)
+        x_rows = self.x.reshape(-1, self.x.shape[-1]).to(flat.dtype)
+        grads.dw[role].index_add_(0, self.rows, flat.t().mm(x_rows).to(grads.dw[role].dtype))
         if self.has_bias:
             grads.db[role].index_add_(0, self.rows, flat.sum(0, dtype=grads.db[role].dtype))
         diff = iter(dextras)
@@ -251,8 +266,8 @@ class _Gradients:
         self.db = {role: None if b is None else torch.zeros_like(b, dtype=_activation_sum_dtype(b.dtype, stages))
                    for role, b in (("q", weights.bq), ("k", weights.bk), ("v", weights.bv))}
         # extras shared by all heads (QK-norm weights) sum over every stage: in fp32
-        self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype)) if need else None
-                        for e, need in zip(weights.extras, extras_need_grad)]
+        self.dextras = [torch.zeros_like(e, dtype=_accumulation_dtype(e.dtype), memory_format=torch.contiguous_format)
+                        if need else None for e, need in zip(weights.extras, extras_need_grad)]
         self.dwo = torch.zeros_like(weights.wo)
 
     def add(self, role: str, recomputed: _Recomputed, grad_local) -> None:
@@ -314,8 +329,8 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     group = collectives.group_from_name(group_name)
     world, rank = group.size(), group.rank()
     schedule = block_schedule(region, world, heads_per_stage)
-    batch, s_local, _ = x.shape
-    dim, device = region.head_dim, x.device
+    batch, s_local = x.shape[:2]
+    dim, output_dim, device = region.head_dim, region.output_dim, x.device
     attention = _stage_attention(region, ring_group_name)
     # Extras enter vjp as primals; those taking no gradient (integer positions, the RoPE
     # table) are closed over.
@@ -326,11 +341,10 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
 
     def local_heads(role, heads):
         with torch.no_grad():
-            return _project(x, *weights.projection(role), weights.extras, region.head_fn(role), heads, dim)
+            return _project(x, weights, region, role, heads)
 
     def recompute(role, heads):
-        weight, bias = weights.projection(role)
-        return _Recomputed(x, weight, bias, weights.extras, extras_need_grad, region.head_fn(role), heads, dim)
+        return _Recomputed(x, weights, region, role, extras_need_grad, heads)
 
     def start(index):
         stage = schedule.stages[index]
@@ -342,9 +356,11 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         yield Incoming(_send_layout(local_heads("q", q_heads), world), group_name, buffers, "q")
         if o is not None:
             yield Incoming.of_heads(o, q_heads, world, group_name, buffers, "out")
-        dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, dim).t())  # [B, s, U * D]
-        yield Incoming(_send_layout(dout_local.view(batch, s_local, -1, dim).transpose(1, 2), world), group_name,
-                    buffers, "dout")
+        dout_local = F.linear(dy, _output_columns(weights.wo, q_heads, output_dim).t())  # [B, s, U * Dv]
+        dout_local = dout_local.view(batch, s_local, -1, output_dim)
+        if output_dim != dim:  # v's padded columns: no gradient
+            dout_local = F.pad(dout_local, (0, dim - output_dim))
+        yield Incoming(_send_layout(dout_local.transpose(1, 2), world), group_name, buffers, "dout")
 
     def home(grad):
         """A stage's tensor over the full sequence ``[B, n, S, D]`` back on the local sequence."""
@@ -353,14 +369,14 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
     def add_output_weight_grad(o_heads, q_heads):
         """dWo[:, heads] = dyᵀ o_heads, from the stage's local attention output ``[B, s, n * D]``."""
         dwo_cols = dy.flatten(0, 1).t().mm(o_heads.flatten(0, 1).to(dy.dtype))
-        grads.dwo.view(grads.dwo.shape[0], -1, dim).index_add_(
-            1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, dim).to(grads.dwo.dtype))
+        grads.dwo.view(grads.dwo.shape[0], -1, output_dim).index_add_(
+            1, q_heads, dwo_cols.view(dwo_cols.shape[0], -1, output_dim).to(grads.dwo.dtype))
 
     inputs = InputPipeline(start, len(schedule.stages), prefetches(prefetch, backward=True))
     for index, stage in enumerate(schedule.stages):
         q_heads = head_index(stage.q_heads, device)
         if o is not None:  # dWo for this stage's columns, from the local attention output it sends
-            add_output_weight_grad(_flat_heads(o.index_select(1, q_heads)), q_heads)
+            add_output_weight_grad(_flat_heads(o.index_select(1, q_heads)[..., :output_dim]), q_heads)
 
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
@@ -386,7 +402,7 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         if schedule.closes_kv_group(index) and inputs.landed != index + 1:
             buffers.pop("k", None), buffers.pop("v", None)
         if o is None:  # the recomputed output's way home gives this stage's dWo columns
-            add_output_weight_grad(_flat_heads(home(out_stage)), q_heads)
+            add_output_weight_grad(_flat_heads(home(out_stage)[..., :output_dim]), q_heads)
         del out_stage
         # each gradient goes home and through its recomputed heads before the next is touched
         dq_home = home(dq_stage)

@@ -6,17 +6,24 @@ compiler pass that proves a graph region head-separable) hands the fused op
 
 A region is, per role r in (q, k, v):
 
-    projected_r = F.linear(x, W_r[rows of the heads], b_r[rows] or None)   # [B, s, n * D]
-    r_heads     = region.head_fn(r)(projected_r, n, *extras)                # [B, n, s, D]
+    projected_r = F.linear(input_r, W_r[rows of the heads], b_r[rows] or None)  # [..., n * R_r]
+    r_heads     = region.head_fn(r)(projected_r, n, *extras)                   # [B, n, s, D]
 
 where ``n`` is how many heads are being computed (any n: the head count in the block's
-view/reshape arguments was replaced by ``n``), head ``h``'s rows of ``W_r`` are
-``[h * D, (h + 1) * D)``, and ``extras`` are the block's other tensor inputs the per-head ops
-read (RoPE cos/sin or freqs_cis, QK-norm weights), the same list for all three roles. Then
+view/reshape arguments was replaced by ``n``), ``input_r`` is the block input ``x`` or, where
+:attr:`BlockRegion.projection_inputs` says so, one of the extras (MLA's k and v project the
+normalised KV latent), head ``h``'s rows of ``W_r`` are ``[h * R_r, (h + 1) * R_r)`` with
+``R_r = rows(W_r) / heads of r`` (``D`` unless the head fn splits a head's rows: MLA's
+``kv_b_proj`` rows hold a head's k part and its v part), and ``extras`` are the block's other
+tensor inputs the per-head ops read (RoPE cos/sin or freqs_cis, QK-norm weights), the same
+list for all three roles. Then
 
     out_heads [B, n, s, D] (attention of those heads)
-    y += F.linear(out_heads.transpose(1, 2).reshape(B, s, n * D), W_o[:, cols of the heads])
+    y += F.linear(out_heads[..., :Dv].transpose(1, 2).reshape(B, s, n * Dv), W_o[:, cols of the heads])
     y += b_o (once)
+
+where ``Dv`` is :attr:`BlockRegion.value_dim` (``D`` unless v's head fn zero-pads a narrower
+value head to ``D``, as MLA's does).
 """
 
 from __future__ import annotations
@@ -52,9 +59,25 @@ class BlockRegion:
     sinks_extra: int = -1
     """Which of ``extras`` holds the per-query-head sink logits ``[Hq]`` (-1: no sinks); the
     head fns do not read it, the stage loops slice it with each stage's heads."""
+    value_dim: int = 0
+    """Columns of each head's output the output projection reads (0: all ``head_dim``)."""
+    projection_inputs: tuple[int, int, int] = (-1, -1, -1)
+    """What q, k and v project: -1 the block input ``x``, i ``extras[i]`` (q's is always x)."""
 
     def head_fn(self, role: str) -> HeadFn:
         return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]
+
+    def heads(self, role: str) -> int:
+        return self.q_heads if role == "q" else self.kv_heads
+
+    @property
+    def output_dim(self) -> int:
+        """Each head's output columns the output projection reads."""
+        return self.value_dim or self.head_dim
+
+    def projection_input(self, role: str, x, extras: list):
+        index = self.projection_inputs["qkv".index(role)]
+        return x if index < 0 else extras[index]
 
 
 # The op takes an int, not the region (custom ops take tensors and scalars only). The
