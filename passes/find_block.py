@@ -186,6 +186,7 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
     -> [contiguous] -> reshape/view (B, s, Hq * Dv) -> [contiguous] -> linear(Wo, bo?).
     Returns ``(out_nodes, o_proj node, Wo, bo, Dv)``."""
     value_dim = head_dim
+    batch, seq = shape_of(match.query)[0], shape_of(match.query)[2]
     node = match.node
     dead = []
     if match.returns_lse:  # document_sdpa returns (out, lse); users take item 0
@@ -222,8 +223,10 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
             if state != "bhsd" or dims != [1, 2]:
                 raise NotSeparable(user, "the attention output is transposed other than (1, 2)")
             state = "bshd"
+        elif state == "bshd" and method in ("squeeze", "unsqueeze") and user.args[1:] == (0,):
+            pass  # the batch dim of one row dropped or added back (varlen_attn's [tokens, heads, dim])
         elif method in ("view", "reshape") or (user.op == "call_function" and user.target is torch.reshape):
-            if state != "bshd" or out_shape != (in_shape[0], in_shape[1], q_heads * value_dim):
+            if state != "bshd" or out_shape != (batch, seq, q_heads * value_dim):
                 raise NotSeparable(user, f"the attention output is reshaped {in_shape} -> {out_shape}, not to "
                                          "[B, s, heads * head_dim] after transpose(1, 2)")
             state = "merged"

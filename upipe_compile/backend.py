@@ -17,6 +17,7 @@ from upipe_compile.passes import (
     mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, unsupported_reasons,
 )
 from upipe_compile.passes.find import source_line
+from upipe_compile.passes.varlen import varlen_as_document_sdpa
 from upipe_compile.passes.token_mixing import TokenFlow, marking_outputs
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     heads_per_stage = options.stage_heads()
     if options.fuse_projections:  # keys built by slice copies (DeepSeek-V3) as the cat they are
         concatenate_filled_buffers(gm)
+    problems = varlen_as_document_sdpa(gm)  # torch's varlen_attn: attention over packed documents too
     matches = find_attention(gm)
-    problems = [
+    problems += [
         f"  {match.source_line}\n" + "".join(f"    - {reason}\n" for reason in reasons)
         for match in matches
         if (reasons := unsupported_reasons(match, world, heads_per_stage))
