@@ -46,6 +46,9 @@ HAND_WRITTEN = "hand-written attention"
 TRANSFORMERS_FIX = "load the model with attn_implementation=upipe_compile.integrations.transformers.register()"
 FLEX_FIX = ("use scaled_dot_product_attention (or register() for transformers models); "
             "FlexAttention is not supported under upipe")
+TORCHTITAN_FLEX_FIX = ('build the model with attn_backend="varlen" (torchtitan 0.3: model_registry(flavor, '
+                       'attn_backend="varlen"); upipe runs its varlen_attn over the documents of the whole row) '
+                       'or "sdpa" where the model offers it; FlexAttention is not supported under upipe')
 HAND_WRITTEN_FIX = "call torch.nn.functional.scaled_dot_product_attention (upipe rewrites it)"
 OWN_ATTENTION_FIX = ("this transformers model computes attention in its own layer code, not through transformers' "
                      "attention interface, so register() cannot reach it: upipe cannot run this model with context "
@@ -236,7 +239,9 @@ def _product_of_activations(node: fx.Node, static: set[fx.Node]) -> bool:
 def _match(gm: fx.GraphModule, node: fx.Node, static: set[fx.Node]) -> UnsupportedMatch | None:
     if node.target is torch.ops.higher_order.flex_attention:
         line, transformers = _user_source_line(node)
-        return UnsupportedMatch(gm, node, FLEX_ATTENTION, line, TRANSFORMERS_FIX if transformers else FLEX_FIX)
+        torchtitan = f"{os.sep}torchtitan{os.sep}" in (node.meta.get("stack_trace") or "")
+        fix = TRANSFORMERS_FIX if transformers else TORCHTITAN_FLEX_FIX if torchtitan else FLEX_FIX
+        return UnsupportedMatch(gm, node, FLEX_ATTENTION, line, fix)
     scores = _scores_product(node, static)
     output = _output_product(node, static) if scores is not None else None
     if output is None:

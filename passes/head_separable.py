@@ -355,6 +355,12 @@ def _view(node, ins, heads, shape_args, out_shape) -> tuple:
                     and math.prod(out_shape[:at]) == math.prod(in_shape[:axis])):
                 shape_args[node] = (_shape_arg_form(node, 1), at)
                 return ("split", at)
+    if kind == "split":  # dims before the head axis merged or split, the head axis and after kept
+        for at in range(len(out_shape)):
+            if tuple(out_shape[at:]) == tuple(in_shape[axis:]) and math.prod(out_shape[:at]) == math.prod(in_shape[:axis]):
+                if at != axis or tuple(out_shape[:at]) != tuple(in_shape[:axis]):
+                    shape_args[node] = (_shape_arg_form(node, 1), at)
+                    return ("split", at)
     if tuple(out_shape[:axis]) != tuple(in_shape[:axis]):
         raise NotSeparable(node, f"reshapes dims before the head axis ({in_shape} -> {out_shape})")
     if out_shape[axis] == heads and math.prod(out_shape[axis:]) == rest_in:

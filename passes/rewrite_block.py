@@ -32,7 +32,7 @@ import torch.fx as fx
 from upipe_compile.block.ops import BlockSettings
 from upipe_compile.block.region import BlockRegion, register_region
 from upipe_compile.passes.find_block import ROLES, BlockMatch
-from upipe_compile.passes.head_separable import extract_head_fn
+from upipe_compile.passes.head_separable import example, extract_head_fn
 
 _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
@@ -50,7 +50,14 @@ def block_region(block: BlockMatch) -> BlockRegion:
                        bool(match.is_causal), scale, match.source_line,
                        (int(match.window_left), int(match.window_right)), float(match.softcap),
                        -1 if match.sinks is None else block.extras.index(match.sinks),
-                       0 if block.value_dim == block.head_dim else block.value_dim, block.projection_inputs)
+                       0 if block.value_dim == block.head_dim else block.value_dim, block.projection_inputs,
+                       _attention_dtype(block))
+
+
+def _attention_dtype(block: BlockMatch):
+    """q's dtype at attention, where it is not the block input's (None: the same)."""
+    dtype = example(block.attention.query).dtype
+    return None if dtype == example(block.x).dtype else dtype
 
 
 def rewrite_block(block: BlockMatch, **settings) -> int:

@@ -143,7 +143,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     dim, device = region.head_dim, x.device
     attention = _stage_attention(region, ring_group_name)
 
-    o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,))
+    o = x.new_empty((batch, region.q_heads, s_local, dim) if keep_output else (0,),
+                    dtype=region.attention_dtype or x.dtype)
     lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
     # y sums the stages' shares in fp32 past a few stages (_activation_sum_dtype)
     y = x.new_zeros((batch, s_local, weights.wo.shape[0]), dtype=_activation_sum_dtype(x.dtype, len(schedule.stages)))
@@ -189,6 +190,8 @@ def _addmm_into(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     operands bf16/fp16: on CUDA one bf16 tensor-core GEMM whose epilogue adds into the fp32
     total (``addmm.dtype_out``, beta = 1), as fast as the bf16 add it replaces; elsewhere
     fp32 copies of the operands (the size of a stage's heads, not of ``total``)."""
+    if a.dtype != b.dtype:  # attention output in a lower precision than the weights: as the model's cast
+        a, b = a.to(total.dtype), b.to(total.dtype)
     if total.dtype == a.dtype:
         total.addmm_(a, b)
     elif total.is_cuda and _ADDMM_OUT_DTYPE is not None:
@@ -360,6 +363,8 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         dout_local = dout_local.view(batch, s_local, -1, output_dim)
         if output_dim != dim:  # v's padded columns: no gradient
             dout_local = F.pad(dout_local, (0, dim - output_dim))
+        if region.attention_dtype is not None:  # as autograd casts the gradient back through o's cast
+            dout_local = dout_local.to(region.attention_dtype)
         yield Incoming(_send_layout(dout_local.transpose(1, 2), world), group_name, buffers, "dout")
 
     def home(grad):

@@ -110,7 +110,8 @@ def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens,
     schedule = block_schedule(region, world_size, heads_per_stage)
     batch, s_local, _ = x.shape
     y = x.new_empty((batch, s_local, wo.shape[0]))
-    o = x.new_empty((0,) if recompute_attention_output else (batch, region.q_heads, s_local, region.head_dim))
+    o = x.new_empty((0,) if recompute_attention_output else (batch, region.q_heads, s_local, region.head_dim),
+                    dtype=region.attention_dtype or x.dtype)
     lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
     return y, o, lse
 

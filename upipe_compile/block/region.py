@@ -63,6 +63,9 @@ class BlockRegion:
     """Columns of each head's output the output projection reads (0: all ``head_dim``)."""
     projection_inputs: tuple[int, int, int] = (-1, -1, -1)
     """What q, k and v project: -1 the block input ``x``, i ``extras[i]`` (q's is always x)."""
+    attention_dtype: Optional["torch.dtype"] = None
+    """The dtype the head fns hand attention where it is not x's (torchtitan 0.3's varlen
+    attention casts q, k, v to bf16): the kept output and the output gradient are in it."""
 
     def head_fn(self, role: str) -> HeadFn:
         return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]
