@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from upipe_compile.passes.find import AttentionMatch, source_line
-from upipe_compile.passes.head_separable import LINEAR_TARGETS, NotSeparable, example, prove_chain, shape_of
+from upipe_compile.passes.head_separable import LINEAR_TARGETS, NotSeparable, prove_chain, shape_of
 
 ROLES = ("q", "k", "v")
 
@@ -228,7 +228,7 @@ def _output_side(match: AttentionMatch, q_heads: int, head_dim: int):
         elif state == "bshd" and method in ("view", "reshape") and out_shape == (batch, seq, q_heads, value_dim):
             pass  # [tokens, heads, dim] back to [B, s, heads, dim]
         elif method in _CASTS:
-            pass  # a dtype cast (the op computes y in x's dtype: checked on the output projection)
+            pass  # a dtype cast: the op returns the output projection in x's dtype
         elif state == "bshd" and method == "flatten" and user.args[1:] == (2,) and \
                 out_shape == (batch, seq, q_heads * value_dim):
             state = "merged"
@@ -311,10 +311,6 @@ def _find_block(match: AttentionMatch) -> BlockMatch:
         if match.sinks not in extras:
             extras.append(match.sinks)
     out_nodes, out_linear, wo, bo, value_dim = _output_side(match, q_heads, head_dim)
-    x_value, y_value = example(x), example(out_linear)
-    if x_value is None or y_value is None or x_value.dtype != y_value.dtype:
-        raise NotSeparable(out_linear, "the output projection's dtype is not the block input's (the fused op "
-                                       "returns the block input's)")
     projection_inputs = tuple(-1 if role_inputs[role] is x else extras.index(role_inputs[role]) for role in ROLES)
     block = BlockMatch(match, x, projections, chains, extras, out_nodes, out_linear, wo, bo, q_heads, kv_heads,
                        head_dim, value_dim, projection_inputs)

@@ -4,6 +4,7 @@ the 0.3 tier (scripts/test_torchtitan03.sh). Module-level for spawned ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -17,12 +18,18 @@ LENGTHS = (7, 1, 30, 26)  # 64 tokens: a document of one token, documents crossi
 VOCAB = 2048
 
 
-def build(attn_backend: str = "varlen", window=None):
-    """The debug model (two layers), seeded: identical on every process."""
-    from torchtitan.models.llama3 import model_registry
+def build(attn_backend: str = "varlen", window=None, kv_heads=None):
+    """The debug model (two layers; ``kv_heads``: GQA, its fused wqkv laid out per KV group as
+    Llama3-8B's), seeded: identical on every process."""
+    from torchtitan.models.llama3 import _build_llama3_layers, compute_ffn_hidden_dim, model_registry
 
     config = model_registry("debugmodel", attn_backend=attn_backend).model
     layers = config.layers[:LAYERS]
+    if kv_heads is not None:
+        attention = layers[0].attention
+        layers = _build_llama3_layers(fuse_qkv=True, n_layers=LAYERS, dim=config.dim, n_heads=attention.n_heads,
+                                      n_kv_heads=kv_heads, hidden_dim=compute_ffn_hidden_dim(config.dim, multiple_of=256),
+                                      rope=attention.rope, attn_backend=attn_backend)
     if window is not None:  # every layer's varlen attention with a sliding window
         for layer in layers:
             layer.attention.inner_attention.window_size = window
@@ -61,22 +68,35 @@ def varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, wind
     return out.transpose(1, 2).squeeze(0)
 
 
-def reference(window=None):
+class _TorchWithExactAttention:
+    """torch as 0.3's attention module sees it, but for its bf16 cast: float32 instead."""
+
+    bfloat16 = torch.float32
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def reference(window=None, kv_heads=None, exact: bool = False):
     """CP = 1: the whole row through the eager model (varlen_attn on the CPU as above):
-    (logits, param grads)."""
+    (logits, param grads). ``exact``: without the attention's cast to bf16 (the model is fp32
+    throughout: what both bf16 runs are measured against)."""
     from unittest import mock
 
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-    model = build(window=window)
+    model = build(window=window, kv_heads=kv_heads)
     tokens, positions, dout = inputs()
-    with mock.patch("torchtitan.models.common.attention.varlen_attn", varlen_on_cpu):
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch("torchtitan.models.common.attention.varlen_attn", varlen_on_cpu))
+        if exact:
+            patches.enter_context(mock.patch("torchtitan.models.common.attention.torch", _TorchWithExactAttention()))
         logits = model(tokens, positions, create_varlen_metadata_for_document(positions))
     (logits * dout).sum().backward()
     return logits.detach(), _grads(model)
 
 
-def compiled_case(fuse: bool, window=None):
+def compiled_case(fuse: bool, window=None, kv_heads=None):
     """This rank's shard at CP = P through the model compiled with backend="upipe": the row's
     documents (VarlenMetadata of the whole row), this rank's tokens and positions: (logits
     shard, param grads, upipe op counts)."""
@@ -84,7 +104,7 @@ def compiled_case(fuse: bool, window=None):
 
     torch._dynamo.reset()
     assert dist.get_world_size() > 1
-    model = build(window=window)
+    model = build(window=window, kv_heads=kv_heads)
     tokens, positions, dout = inputs()
     masks = create_varlen_metadata_for_document(positions)
     tokens, local_positions, dout = (upipe_compile.shard_sequence(t, dim=1) for t in (tokens, positions, dout))
