@@ -30,10 +30,10 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
             assert events.get("upipe::attention_block", 0) > 0 and "upipe::attention" not in events, events
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "deepseek_v3"])
-def test_family_unfused_matches(rank_pools, family):
-    shards = rank_pools(2).run(jobs.compiled_family_case, family, 2, False)
-    logits, grads = jobs.eager_reference(family, 2)
+@pytest.mark.parametrize("family, world", [("gemma3", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("deepseek_v3", 4)])
+def test_family_unfused_matches(rank_pools, family, world):
+    shards = rank_pools(world).run(jobs.compiled_family_case, family, world, False)
+    logits, grads = jobs.eager_reference(family, world)
     assert relative_error(torch.cat([s[0] for s in shards], dim=1), logits) < 1e-5
     for name, grad in grads.items():
         assert relative_error(sum(s[1][name] for s in shards), grad) < 1e-5, name
