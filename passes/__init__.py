@@ -4,6 +4,7 @@ and find_block -> head_separable -> rewrite_block (the whole attention block).""
 from upipe_compile.passes.filled_buffers import concatenate_filled_buffers
 from upipe_compile.passes.find import AttentionMatch, find_attention
 from upipe_compile.passes.find_block import BlockMatch, NotFusable, find_block
+from upipe_compile.passes.grouped_projections import split_grouped_projections
 from upipe_compile.passes.find_unsupported import UnsupportedMatch, find_unsupported_attention
 from upipe_compile.passes.rewrite import rewrite_attention
 from upipe_compile.passes.rewrite_block import rewrite_block
@@ -15,4 +16,4 @@ __all__ = ["AttentionMatch", "BlockMatch", "NotFusable", "TokenMixing", "Unsuppo
            "find_attention",
            "find_block", "find_token_mixing", "find_unsupported_attention", "mark_sequence_dim",
            "find_mixers", "mixer_problems", "rewrite_attention", "rewrite_block", "rewrite_mixer",
-           "unsupported_reasons"]
+           "split_grouped_projections", "unsupported_reasons"]

@@ -451,6 +451,43 @@ def compile_tiny(variant: str) -> Capture:
     return capture
 
 
+class GroupedQKVBlock(torch.nn.Module):
+    """q, k, v from one projection laid out per KV group (torchtitan 0.3's FusedQKVLinear):
+    each group's 2 query heads, its key and its value, rows in that order."""
+
+    def __init__(self, groups=2, heads_per_group=2, dim=8, d_model=32):
+        super().__init__()
+        self.groups, self.hpk, self.dim = groups, heads_per_group, dim
+        self.wqkv = torch.nn.Linear(d_model, groups * (heads_per_group + 2) * dim)
+        self.o = torch.nn.Linear(groups * heads_per_group * dim, d_model)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.wqkv(x).view(b, s, -1, self.hpk + 2, self.dim)
+        xq, xk, xv = torch.split(qkv, [self.hpk, 1, 1], dim=-2)
+        q, k, v = (t.reshape(b, s, -1, self.dim).transpose(1, 2) for t in (xq, xk, xv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_projection_laid_out_per_kv_group_is_read_per_role_and_fused(world):
+    torch.manual_seed(0)
+    capture = Capture()
+    torch.compile(GroupedQKVBlock(), backend=capture, fullgraph=True)(torch.randn(2, 16, 32))
+    original, rewritten, inputs = capture.one()
+    (op,) = calls(rewritten, BLOCK)
+    assert not calls(rewritten, PLAIN)
+    # the op gets each role's rows of the fused weight: q (2 groups x 2 heads), k, v (2 groups)
+    rows = [a for a in op.args[1:7:2]]
+    assert [r.target for r in rows] == [torch.index_select] * 3
+    tables = [r.args[2].args[0] for r in rows]
+    group = lambda start: list(range(start, start + 8))  # noqa: E731  (one head's rows: D = 8)
+    assert tables == [group(0) + group(8) + group(32) + group(40),  # q: each group's two heads
+                      group(16) + group(48),  # k: each group's key
+                      group(24) + group(56)]  # v: each group's value
+    assert_same_outputs(original, rewritten, inputs)
+
+
 def test_k_may_project_another_input_of_the_same_tokens(world):
     """k from a second per-token input (as MLA's k and v from the KV latent): the op takes it
     as an extra and projects it for k."""

@@ -14,7 +14,7 @@ import upipe_compile.mixers.ops  # noqa: F401  (registers upipe::head_mixer*, wh
 from upipe_compile.options import UPipeOptions
 from upipe_compile.passes import (
     BlockMatch, concatenate_filled_buffers, find_attention, find_block, find_mixers, find_token_mixing, find_unsupported_attention,
-    mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, unsupported_reasons,
+    mixer_problems, rewrite_attention, rewrite_block, rewrite_mixer, split_grouped_projections, unsupported_reasons,
 )
 from upipe_compile.passes.find import source_line
 from upipe_compile.passes.varlen import varlen_as_document_sdpa
@@ -40,8 +40,9 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     if world == 1 and ring_group is None:
         return gm
     heads_per_stage = options.stage_heads()
-    if options.fuse_projections:  # keys built by slice copies (DeepSeek-V3) as the cat they are
-        concatenate_filled_buffers(gm)
+    if options.fuse_projections:
+        split_grouped_projections(gm)  # a q/k/v projection laid out per KV group (torchtitan 0.3's wqkv)
+        concatenate_filled_buffers(gm)  # keys built by slice copies (DeepSeek-V3) as the cat they are
     problems = varlen_as_document_sdpa(gm)  # torch's varlen_attn: attention over packed documents too
     matches = find_attention(gm)
     problems += [

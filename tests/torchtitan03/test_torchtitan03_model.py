@@ -38,14 +38,16 @@ def test_varlen_debug_model_matches_cp1(rank_pools, world, window, fuse):
         assert events.get(op, 0) > 0 and (fuse or "upipe::attention_block" not in events), events
 
 
-def test_gqa_wqkv_per_kv_group_keeps_the_plain_op_and_matches(rank_pools):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "plain"])
+def test_gqa_wqkv_per_kv_group_matches_cp1(rank_pools, fuse):
     """GQA (16 query heads, 4 KV heads): 0.3's fused wqkv holds each KV group's query heads, key
-    and value together, a layout the block fusion does not read; the block keeps the plain
-    op and still equals CP = 1."""
-    shards = rank_pools(2).run(jobs.compiled_case, True, None, 4)
+    and value together (Llama3-8B's layout); the pass reads each role's rows out of it, and
+    the block fuses (each stage projects its own heads' rows only)."""
+    shards = rank_pools(2).run(jobs.compiled_case, fuse, None, 4)
     assert_as_accurate_as_cp1(shards, None, 4)
     for *_, events in shards:
-        assert events.get("upipe::attention", 0) > 0 and "upipe::attention_block" not in events, events
+        op = "upipe::attention_block" if fuse else "upipe::attention"
+        assert events.get(op, 0) > 0 and (fuse or "upipe::attention_block" not in events), events
 
 
 def test_flex_attention_is_refused_with_the_fix(rank_pools):
