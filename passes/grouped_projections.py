@@ -68,6 +68,8 @@ def _roles(linear: fx.Node):
     moves, ends, stack = [], [], [users[0]]
     while stack:
         node = stack.pop()
+        if not _keeps_tokens(node, lead):
+            return None
         moves.append(node)
         out = shape_of(node) if not isinstance(example(node), (tuple, list)) else None
         if out is not None and len(out) == 4 and tuple(out[:2]) == lead:
@@ -81,6 +83,31 @@ def _roles(linear: fx.Node):
         return None
     order = {n: i for i, n in enumerate(linear.graph.nodes)}
     return sorted(moves, key=order.__getitem__), sorted(ends, key=order.__getitem__)
+
+
+_DIM_ARGUMENTS = {"transpose": (1, 2), "unsqueeze": (1,), "narrow": (1,), "split": (2,), "chunk": (2,),
+                  torch.narrow: (1,), torch.split: (2,), torch.chunk: (2,)}
+
+
+def _keeps_tokens(node: fx.Node, lead: tuple) -> bool:
+    """The move leaves the leading ``(B, s)`` dims alone (so running it on one token's row
+    numbers gives every token's)."""
+    value = example(node)
+    for item in (value if isinstance(value, (tuple, list)) else [value]):
+        if not isinstance(item, torch.Tensor) or tuple(item.shape[:2]) != lead:
+            return False
+    if node.target is operator.getitem and isinstance(example(node.args[0]), torch.Tensor):
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return index[:2] == (slice(None), slice(None))
+    if node.target in ("squeeze", "flatten"):
+        return len(node.args) > 1 and all(isinstance(d, int) and d % example(node.args[0]).dim() >= 2
+                                          for d in node.args[1:])
+    ndim = example(node.args[0]).dim() if isinstance(example(node.args[0]), torch.Tensor) else 0
+    for position in _DIM_ARGUMENTS.get(node.target, ()):
+        dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+        if not isinstance(dim, int) or dim % max(ndim, 1) < 2:
+            return False
+    return True
 
 
 def _row_numbers(linear: fx.Node, moves: list, ends: list):

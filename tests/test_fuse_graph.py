@@ -488,6 +488,34 @@ def test_a_projection_laid_out_per_kv_group_is_read_per_role_and_fused(world):
     assert_same_outputs(original, rewritten, inputs)
 
 
+class GroupsFirstQKV(GroupedQKVBlock):
+    """The same projection read with its groups moved before the sequence: not a per-token
+    reading of rows, so it is left as it is."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.wqkv(x).view(b, s, -1, self.hpk + 2, self.dim).transpose(1, 2)  # [b, G, s, r, D]
+        xq, xk, xv = torch.split(qkv, [self.hpk, 1, 1], dim=-2)
+        q, k, v = (t.transpose(1, 2).reshape(b, s, -1, self.dim).transpose(1, 2) for t in (xq, xk, xv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("block, rewritten", [(GroupedQKVBlock, 1), (GroupsFirstQKV, 0)], ids=["per-token", "groups-first"])
+def test_only_a_per_token_reading_of_grouped_rows_is_rewritten(block, rewritten):
+    from upipe_compile.passes import split_grouped_projections
+
+    torch.manual_seed(0)
+    module, x = block(), torch.randn(2, 16, 32)
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(module, backend=lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward, fullgraph=True)(x)
+    ((gm, inputs),) = graphs
+    assert split_grouped_projections(gm) == rewritten
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs)[0], module(x), rtol=1e-6, atol=1e-6)
+
+
 def test_k_may_project_another_input_of_the_same_tokens(world):
     """k from a second per-token input (as MLA's k and v from the KV latent): the op takes it
     as an extra and projects it for k."""
