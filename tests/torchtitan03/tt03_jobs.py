@@ -96,23 +96,36 @@ def reference(window=None, kv_heads=None, exact: bool = False):
     return logits.detach(), _grads(model)
 
 
-def compiled_case(fuse: bool, window=None, kv_heads=None):
+def compiled_case(fuse: bool, window=None, kv_heads=None, ring: int = 1):
     """This rank's shard at CP = P through the model compiled with backend="upipe": the row's
     documents (VarlenMetadata of the whole row), this rank's tokens and positions: (logits
-    shard, param grads, upipe op counts)."""
+    shard, param grads, upipe op counts). ``ring`` > 1: over a (ring, all-to-all) mesh, in
+    its zigzag layout; the logits come back gathered and cut as contiguous shards."""
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
+    from upipe_compile.sharding import gather_sequence, shard_sequence
+
     torch._dynamo.reset()
-    assert dist.get_world_size() > 1
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world > 1
+    mesh, options = None, {"inner_backend": "aot_eager", "fuse_projections": fuse}
+    if ring > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (ring, world // ring), mesh_dim_names=("cp_ring", "cp_a2a"))
+        options["cp_mesh"] = mesh
     model = build(window=window, kv_heads=kv_heads)
     tokens, positions, dout = inputs()
     masks = create_varlen_metadata_for_document(positions)
-    tokens, local_positions, dout = (upipe_compile.shard_sequence(t, dim=1) for t in (tokens, positions, dout))
-    compiled = torch.compile(model, backend="upipe", options={"inner_backend": "aot_eager", "fuse_projections": fuse})
+    tokens, local_positions, dout = (shard_sequence(t, mesh, dim=1) for t in (tokens, positions, dout))
+    compiled = torch.compile(model, backend="upipe", options=options)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         logits = compiled(tokens, local_positions, masks)
         (logits * dout).sum().backward()
-    return logits.detach(), _grads(model), dict(attention_events(prof))
+    logits = logits.detach()
+    if mesh is not None:
+        logits = gather_sequence(logits, mesh, dim=1).chunk(world, dim=1)[rank]
+    return logits, _grads(model), dict(attention_events(prof))
 
 
 def flex_refusal():
