@@ -19,21 +19,13 @@ import operator
 import torch
 import torch.fx as fx
 
+from upipe_compile.passes.find import rewrite_nodes
 from upipe_compile.passes.head_separable import example
 
 
 def concatenate_filled_buffers(gm: fx.GraphModule) -> int:
     """Rewrite every such buffer in ``gm`` and the graph modules nested in it; returns how many."""
-    rewritten = 0
-    for _, module in gm.named_modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        count = sum(_rewrite(module.graph, node) for node in list(module.graph.nodes) if _is_empty(node))
-        if count:
-            module.graph.lint()
-            module.recompile()
-        rewritten += count
-    return rewritten
+    return rewrite_nodes(gm, lambda module, node: _is_empty(node) and _rewrite(module.graph, node))
 
 
 def _is_empty(node: fx.Node) -> bool:

@@ -8,7 +8,7 @@ import inspect
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -91,6 +91,20 @@ def _graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     for _, module in gm.named_modules():
         if isinstance(module, fx.GraphModule):
             yield module
+
+
+def rewrite_nodes(gm: fx.GraphModule, rewrite: Callable[[fx.GraphModule, fx.Node], bool]) -> int:
+    """``rewrite(module, node)`` for every node of ``gm`` and of the graph modules nested in it
+    (each module's nodes as they were before any rewrite); a module it changed is linted and
+    recompiled. Returns how many calls changed a graph."""
+    count = 0
+    for module in _graph_modules(gm):
+        done = sum(bool(rewrite(module, node)) for node in list(module.graph.nodes))
+        if done:
+            module.graph.lint()
+            module.recompile()
+        count += done
+    return count
 
 
 def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:

@@ -27,6 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from upipe_compile.passes.find import rewrite_nodes
 from upipe_compile.passes.head_separable import LINEAR_TARGETS, example, shape_of
 
 _MOVES = {"view", "reshape", "contiguous", "split", "chunk", "narrow", "squeeze", "unsqueeze", "transpose",
@@ -36,17 +37,8 @@ _MOVE_FUNCTIONS = {torch.split, torch.chunk, torch.narrow, torch.reshape, operat
 
 def split_grouped_projections(gm: fx.GraphModule) -> int:
     """Rewrite every such projection in ``gm`` and its nested graph modules; returns how many."""
-    count = 0
-    for _, module in gm.named_modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        done = sum(_rewrite(module, node) for node in list(module.graph.nodes)
-                   if node.op == "call_function" and node.target in LINEAR_TARGETS)
-        if done:
-            module.graph.lint()
-            module.recompile()
-        count += done
-    return count
+    return rewrite_nodes(gm, lambda module, node: node.op == "call_function" and node.target in LINEAR_TARGETS
+                         and _rewrite(module, node))
 
 
 def _is_move(node: fx.Node) -> bool:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from upipe_compile.passes.find import DOCUMENT_SDPA, source_line
+from upipe_compile.passes.find import DOCUMENT_SDPA, rewrite_nodes, source_line
 from upipe_compile.passes.head_separable import shape_of
 
 _ARGUMENTS = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "scale",
@@ -55,21 +55,19 @@ def varlen_as_document_sdpa(gm: fx.GraphModule) -> list[str]:
     """Rewrite every ``varlen_attn`` call in ``gm`` and its nested graph modules; returns one
     refusal (source line and reasons, as the backend reports them) per call that cannot be."""
     refusals, targets = [], _varlen_targets()
-    for _, module in gm.named_modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        touched = False
-        for node in [n for n in module.graph.nodes if _is_varlen(n, targets)]:
-            arguments = dict(_DEFAULTS, **dict(zip(_ARGUMENTS, node.args)), **node.kwargs)
-            reasons = _problems(node, arguments)
-            if reasons:
-                refusals.append(f"  {source_line(node)}\n" + "".join(f"    - {r}\n" for r in reasons))
-                continue
-            _rewrite(module.graph, node, arguments)
-            touched = True
-        if touched:
-            module.graph.lint()
-            module.recompile()
+
+    def rewrite(module: fx.GraphModule, node: fx.Node) -> bool:
+        if not _is_varlen(node, targets):
+            return False
+        arguments = dict(_DEFAULTS, **dict(zip(_ARGUMENTS, node.args)), **node.kwargs)
+        reasons = _problems(node, arguments)
+        if reasons:
+            refusals.append(f"  {source_line(node)}\n" + "".join(f"    - {r}\n" for r in reasons))
+            return False
+        _rewrite(module.graph, node, arguments)
+        return True
+
+    rewrite_nodes(gm, rewrite)
     return refusals
 
 
