@@ -9,4 +9,4 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch is pinned here only (pyproject admits >= 2.11, e.g. the CUDA 2.11 on GPU nodes).
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,torchtitan,bench]"
+.venv/bin/python -m pip install -q -e ".[test,torchtitan022,bench]"

@@ -39,7 +39,7 @@ def stack_enabled(cfg) -> list[str]:
     return [key for key in STACK_KEYS if getattr(cfg, key)]
 
 
-def _count_problem(cfg, key: str) -> str | None:
+def count_problem(cfg, key: str) -> str | None:
     value = getattr(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return f"[upipe] {key} = {value!r} must be a whole number of tokens > 0 (or 0 = off)"
@@ -49,7 +49,7 @@ def _count_problem(cfg, key: str) -> str | None:
 def stack_problems(job_config) -> list[str]:
     """What the job's stack keys get wrong, before any model exists."""
     cfg = upipe_config(job_config)
-    problems = [p for p in (_count_problem(cfg, "mlp_tile_tokens"), _count_problem(cfg, "loss_chunk_tokens")) if p]
+    problems = [p for p in (count_problem(cfg, "mlp_tile_tokens"), count_problem(cfg, "loss_chunk_tokens")) if p]
     if not isinstance(cfg.offload_block_inputs, bool):
         problems.append(f"[upipe] offload_block_inputs = {cfg.offload_block_inputs!r} must be true or false")
     if cfg.offload_block_inputs and job_config.activation_checkpoint.mode != "full":
@@ -175,13 +175,14 @@ def _on_fake_process_group() -> bool:
     return dist.is_initialized() and dist.get_backend() == "fake"
 
 
-def install_offload(model: nn.Module, job_config, parallel_dims) -> BlockInputOffloader | None:
+def install_offload(model: nn.Module, job_config, parallel_dims, model_args=None) -> BlockInputOffloader | None:
     """Offload hooks on the final per-block modules; checks the node's RAM first (skipped on a
-    fake process group: a memory estimate reports host memory instead of refusing)."""
+    fake process group: a memory estimate reports host memory instead of refusing).
+    ``model_args``: what has the model's ``n_layers`` and ``dim`` (0.2.2: ``model.model_args``)."""
     if not upipe_config(job_config).offload_block_inputs:
         return None
     if not _on_fake_process_group():
-        check_offload_fits_host(job_config, parallel_dims, model.model_args)
+        check_offload_fits_host(job_config, parallel_dims, model_args or model.model_args)
     # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
     offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device())
     model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule

@@ -141,3 +141,147 @@ def flex_refusal():
     except Exception as e:  # noqa: BLE001 (the test reads the message)
         return f"{type(e).__name__}: {e}"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Training through the 0.3 config path (--module upipe_compile.integrations.torchtitan)
+
+CONFIG_MODULE = "upipe_compile.integrations.torchtitan"
+CPU_CONFIG = "llama3_debugmodel_upipe_cpu"
+
+
+def load_config(*overrides: str, config: str = CPU_CONFIG):
+    """A shipped 0.3 config through torchtitan's ConfigManager, command-line ``overrides``."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", CONFIG_MODULE, "--config", config, *overrides])
+
+
+def training_batch(seq: int, step: int):
+    """One packed row as 0.3's dataloader gives it, the same on every rank: tokens, positions
+    restarting at each document (random lengths, one of a single token) and labels, a few of
+    them IGNORE_INDEX."""
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    gen = torch.Generator().manual_seed(100 + step)
+    cuts = sorted(set(torch.randint(1, seq, (6,), generator=gen).tolist()) | {seq // 3, seq // 3 + 1})
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, seq])]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    tokens = torch.randint(0, VOCAB, (1, seq + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    labels[torch.rand(1, seq, generator=gen) < 0.1] = IGNORE_INDEX
+    return {"input": tokens[:, :-1].contiguous(), "positions": positions}, labels
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _clean(name: str) -> str:
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+
+
+def torch_with_fp32_attention():
+    """torch as 0.3's attention module sees it, but for the bf16 its varlen attention casts q,
+    k, v to: float32 (a module, which torch.compile reads like torch itself)."""
+    import types
+
+    module = types.ModuleType("torch")
+    module.__dict__.update(torch.__dict__)
+    module.bfloat16 = torch.float32
+    return module
+
+
+def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True):
+    """Train the CPU debug config for ``steps`` steps at CP = ``cp`` on every rank of the gloo
+    world, following 0.3's Trainer: ConfigManager, UPipeTrainer's take-over of the job,
+    ParallelDims and its meshes, meta build, the ModelSpec's parallelize_fn, init_weights,
+    the config's loss (ChunkedLossWrapper), optimizer and scheduler, UPipeTrainer's
+    post_dataloading_process, clip_grad_norm_, the loss summed over the "loss" mesh. What it
+    replaces: the dataloader (seeded packed rows), the device (CPU), and at CP = 1 the varlen
+    kernel (CUDA only) by its meaning (varlen_on_cpu). Two layers; every rank starts from one
+    seeded full model. ``fp32_attention``: without 0.3's cast of q, k, v to bf16 (the
+    model is fp32: every difference is then upipe's, not bf16 rounding's). Returns (losses, first-step gradients by name, upipe op counts of the
+    last step)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import ParallelDims, utils as dist_utils
+
+    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer, take_over
+
+    torchtitan_on_cpu()
+    torch._dynamo.reset()
+    config = load_config(f"--parallelism.context_parallel_degree={cp}", f"--training.steps={steps}", *overrides)
+    model_config = config.model_spec.model
+    model_config.layers = model_config.layers[:LAYERS]
+    if window is not None:
+        for layer in model_config.layers:
+            layer.attention.inner_attention.window_size = window
+    upipe_on = take_over(config)
+    model_config = config.model_spec.model
+    parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+    parallel_dims.build_mesh()
+    model_config.update_from_config(config=config)
+
+    torch.manual_seed(0)
+    reference = model_config.build()
+    reference.init_states(buffer_device=None)
+    full_state = {k: v.detach().clone() for k, v in reference.named_parameters()}  # (its state_dict splits wqkv)
+    del reference
+
+    with torch.device("meta"):
+        model = model_config.build()
+    model = config.model_spec.parallelize_fn(
+        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
+        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, param in model.named_parameters():
+            full = full_state[_clean(name)]
+            if isinstance(param, DTensor):
+                param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
+            else:
+                param.copy_(full)
+    model.train()
+    loss_fn = config.loss.build(compile_config=config.compile)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    optimizers = config.optimizer.build(model_parts=[model])
+    lr_schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=steps)
+    trainer = SimpleNamespace(config=config, parallel_dims=parallel_dims, model_parts=[model], ntokens_seen=0,
+                              upipe_on=upipe_on)
+
+    losses, first_grads, counts = [], None, None
+    with contextlib.ExitStack() as patches:
+        if cp == 1:
+            patches.enter_context(mock.patch("torchtitan.models.common.attention.varlen_attn", varlen_on_cpu))
+        if fp32_attention:
+            patches.enter_context(mock.patch("torchtitan.models.common.attention.torch", torch_with_fp32_attention()))
+        for step in range(1, steps + 1):
+            optimizers.zero_grad()
+            input_dict, labels = training_batch(config.training.seq_len, step)
+            global_valid_tokens = (labels != IGNORE_INDEX).sum()
+            inputs, labels, extra = UPipeTrainer.post_dataloading_process(trainer, input_dict, labels)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                pred = model(inputs, **extra)
+                loss, _ = loss_fn(pred, labels, global_valid_tokens, positions=extra["positions"])
+                del pred
+                loss.backward()
+            counts = dict(attention_events(prof))
+            if step == 1:
+                first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
+            optimizers.step()
+            lr_schedulers.step()
+            loss = loss.detach()
+            if parallel_dims.dp_cp_enabled:  # as the Trainer logs it: the ranks' sums over the "loss" mesh
+                loss = dist_utils.dist_sum(loss, parallel_dims.get_optional_mesh("loss"))
+            losses.append(float(loss))
+    return losses, first_grads, counts

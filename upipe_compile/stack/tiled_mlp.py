@@ -127,6 +127,11 @@ def _known_swiglu_forwards() -> tuple:
         known.append(Qwen3FeedForward.forward)
     except ImportError:
         pass
+    try:  # torchtitan 0.3: one FeedForward shared by its models
+        from torchtitan.models.common.feed_forward import FeedForward
+        known.append(FeedForward.forward)
+    except ImportError:
+        pass
     return tuple(known)
 
 
@@ -134,11 +139,12 @@ def swiglu_problem(module: nn.Module) -> str | None:
     """Why ``module`` cannot be tiled as a SwiGLU feed-forward, or None."""
     name = type(module).__name__
     if type(module).forward not in _known_swiglu_forwards():
-        return (f"{name} is not a known SwiGLU feed-forward (torchtitan's Llama3/Qwen3 FeedForward, "
+        return (f"{name} is not a known SwiGLU feed-forward (torchtitan's Llama3/Qwen3 FeedForward, 0.3's "
+                "common FeedForward, "
                 "forward = w2(silu(w1 x) * w3 x))")
     for attr in ("w1", "w2", "w3"):
         linear = getattr(module, attr, None)
-        if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        if not isinstance(linear, nn.Linear) or linear.bias is not None or type(linear).forward is not nn.Linear.forward:
             return f"{name}.{attr} is not a bias-free nn.Linear"
     if module.w1.weight.shape != module.w3.weight.shape or module.w2.in_features != module.w1.out_features:
         return f"{name}: w1 {tuple(module.w1.weight.shape)}, w2 {tuple(module.w2.weight.shape)}, " \

@@ -1,0 +1,122 @@
+"""torchtitan 0.3 job configs with UPipe context parallelism:
+
+    torchrun --nproc_per_node 8 -m torchtitan.train \\
+        --module upipe_compile.integrations.torchtitan --config llama3_8b_upipe_5m
+
+Each function returns an :class:`UPipeTrainer.Config`: torchtitan's own config for the model
+(its ``config_registry``), with
+
+- varlen attention (``varlen_attn`` over the documents of the whole sequence; upipe rewrites
+  it, Flex it refuses);
+- ``compile.backend = "upipe"``, the switch (``compile.components``: model and loss);
+- ``parallelism.context_parallel_degree`` = P, no load balancer (upipe lays the sequence out
+  itself), the partial-DTensor FSDP backend;
+- full activation checkpointing, and the ``upipe`` section.
+
+Command-line flags change any field: ``--training.seq_len 1048576 --upipe.heads_per_stage 16``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.config import CompileConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.models.common.config_utils import decoder_vocab_size
+
+from upipe_compile.integrations.torchtitan.config import UPipe
+from upipe_compile.integrations.torchtitan.parallelize_03 import SPMD_BACKEND
+from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer
+
+__all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
+           "llama3_debugmodel_upipe_cpu", "upipe_job"]
+
+LOSS_CHUNK_TOKENS = 4096
+"""Tokens per chunk of 0.3's ChunkedLossWrapper (lm_head + loss): 4096 x 128256 x 4 B = 1.96 GiB
+of fp32 logits per chunk for Llama3's vocabulary."""
+
+
+def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, upipe: UPipe,
+              loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, inner_components=("model", "loss")) -> UPipeTrainer.Config:
+    """torchtitan's config ``base`` as a UPipe job: ``model_spec`` (varlen attention),
+    P = ``context_parallel_degree``, one row of ``seq_len`` tokens per step, full AC,
+    ChunkedLossWrapper over chunks of about ``loss_chunk_tokens`` local tokens."""
+    config = UPipeTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, upipe=upipe)
+    for layer in model_spec.model.layers:  # torchtitan refuses a seq_len beyond the RoPE table's
+        rope = layer.attention.rope
+        if rope.max_seq_len < seq_len:
+            layer.attention.rope = dataclasses.replace(rope, max_seq_len=seq_len)
+    config.model_spec = model_spec
+    config.training.seq_len = seq_len
+    config.training.local_batch_size = 1  # one packed row of documents per step
+    config.training.disable_cuda_graphs = True  # varlen metadata changes with every batch
+    p = config.parallelism
+    p.context_parallel_degree = context_parallel_degree
+    p.context_parallel_load_balancer = None
+    p.spmd_backend = SPMD_BACKEND
+    config.compile = CompileConfig(enable=True, components=list(inner_components), backend="upipe")
+    config.activation_checkpoint = FullAC.Config()
+    local_tokens = seq_len // context_parallel_degree
+    config.loss = ChunkedLossWrapper.Config(
+        num_chunks=max(1, local_tokens // loss_chunk_tokens),
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)))
+    config.validator.enable = False  # its batches would be sharded for torchtitan's own CP
+    return config
+
+
+def _llama3(flavor: str):
+    from torchtitan.models.llama3 import model_registry
+
+    return model_registry(flavor, attn_backend="varlen")
+
+
+def llama3_8b_upipe() -> UPipeTrainer.Config:
+    """Llama3-8B, 256K tokens on one 8-GPU node: UPipe with fused attention blocks, U = P = 8."""
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=8, seq_len=262144,
+                     upipe=UPipe())
+
+
+def llama3_8b_upipe_5m() -> UPipeTrainer.Config:
+    """Llama3-8B, 5M tokens on one 8-GPU node: UPipe plus the long-context stack (block inputs
+    offloaded to host memory, SwiGLU over 16K-token tiles, 0.3's chunked loss)."""
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=8, seq_len=5242880,
+                     upipe=UPipe(offload_block_inputs=True, host_memory_reserve_gib=64, mlp_tile_tokens=16384))
+
+
+def llama3_8b_upipe_4_nodes() -> UPipeTrainer.Config:
+    """Llama3-8B, 24M tokens on four 8-GPU nodes (P = 32): the all-to-all within each node,
+    ring attention across the four (upipe.ring_degree = 4), with the long-context stack."""
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=32, seq_len=25165824,
+                     upipe=UPipe(ring_degree=4, offload_block_inputs=True, host_memory_reserve_gib=64,
+                                 mlp_tile_tokens=16384))
+
+
+def qwen3_32b_upipe() -> UPipeTrainer.Config:
+    """Qwen3-32B (64 query heads, QK-norm), 4M tokens on two 8-GPU nodes (P = 16), with the
+    long-context stack."""
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_32b
+
+    return upipe_job(qwen3_32b(), model_spec=model_registry("32B", attn_backend="varlen"),
+                     context_parallel_degree=16, seq_len=4194304,
+                     upipe=UPipe(offload_block_inputs=True, host_memory_reserve_gib=64, mlp_tile_tokens=16384))
+
+
+def llama3_debugmodel_upipe_cpu() -> UPipeTrainer.Config:
+    """The debug model (6 layers, 16 heads, dim 256) on CPU gloo ranks: P = 2, 512 tokens,
+    blocks compiled with aot_eager (no C++ toolchain needed), fp32 throughout."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = upipe_job(llama3_debugmodel(), model_spec=_llama3("debugmodel"), context_parallel_degree=2,
+                       seq_len=512, upipe=UPipe(inner_backend="aot_eager"), loss_chunk_tokens=64,
+                       inner_components=("model",))
+    config.training.mixed_precision_param = "float32"
+    config.training.steps = 4
+    return config
