@@ -114,7 +114,10 @@ def _node(graph: fx.Graph, kind: str, target, args: tuple) -> fx.Node:
     """A new node with its example value (the passes after this one read shapes from it)."""
     node = graph.call_method(target, args) if kind == "method" else graph.call_function(target, args)
     values = tuple(a.meta.get("example_value", a.meta.get("val")) if isinstance(a, fx.Node) else a for a in args)
-    node.meta["example_value"] = getattr(values[0], target)(*values[1:]) if kind == "method" else target(*values)
+    # Without autograd: the backend may run inside an eager activation checkpoint, whose hooks
+    # would count these compile-time tensors as saved by the forward.
+    with torch.no_grad():
+        node.meta["example_value"] = getattr(values[0], target)(*values[1:]) if kind == "method" else target(*values)
     return node
 
 

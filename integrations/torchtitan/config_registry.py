@@ -43,16 +43,13 @@ def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, u
     P = ``context_parallel_degree``, one row of ``seq_len`` tokens per step, full AC,
     ChunkedLossWrapper over chunks of about ``loss_chunk_tokens`` local tokens."""
     config = UPipeTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, upipe=upipe)
-    for layer in model_spec.model.layers:  # torchtitan refuses a seq_len beyond the RoPE table's
-        rope = layer.attention.rope
-        if rope.max_seq_len < seq_len:
-            layer.attention.rope = dataclasses.replace(rope, max_seq_len=seq_len)
     config.model_spec = model_spec
     config.training.seq_len = seq_len
     config.training.local_batch_size = 1  # one packed row of documents per step
     config.training.disable_cuda_graphs = True  # varlen metadata changes with every batch
     p = config.parallelism
     p.context_parallel_degree = context_parallel_degree
+    p.data_parallel_shard_degree = 1  # the job's GPUs are its CP ranks (FSDP shards over them too)
     p.context_parallel_load_balancer = None
     p.spmd_backend = SPMD_BACKEND
     config.compile = CompileConfig(enable=True, components=list(inner_components), backend="upipe")

@@ -10,6 +10,9 @@ With it, the Trainer
 
 - checks the whole job before anything is built (parallelize_03.config_problems), naming the
   field to change;
+- lets the RoPE tables reach ``training.seq_len`` (0.3 refuses a longer sequence than the
+  model's table, 131072 for Llama3) and lifts 0.3's "varlen attention is not supported with
+  CP" (a limit of torchtitan's own CP; here upipe does the CP);
 - parallelizes the model with upipe's function in place of the model's own
   (parallelize_03.parallelize_upipe: no ``apply_cp_to_forward``, blocks compiled with
   backend "upipe" over the CP mesh);
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,8 @@ from upipe_compile.integrations.torchtitan.parallelize import _inner, upipe_enab
 from upipe_compile.integrations.torchtitan.parallelize_03 import attention_configs, check_config, parallelize_upipe
 from upipe_compile.sharding import shard_sequence
 
+log = logging.getLogger(__name__)
+
 
 def take_over(config) -> bool:
     """What the Trainer does with a job before building anything: with backend "upipe", check
@@ -47,10 +53,24 @@ def take_over(config) -> bool:
     if not upipe_enabled(config):
         return False
     check_config(config)
+    _rope_tables_reach(config.model_spec.model, config.training.seq_len)
     spec = config.model_spec
     config.model_spec = dataclasses.replace(spec, model=_context_parallel_by_upipe(spec.model), parallelize_fn=functools.partial(
         parallelize_upipe, job=config, stock=spec.parallelize_fn))
     return True
+
+
+def _rope_tables_reach(model_config, seq_len: int) -> None:
+    """A long-context job's RoPE tables cover its whole sequence: 0.3 refuses a seq_len beyond
+    a layer's ``rope.max_seq_len`` (131072 for Llama3), the range of the tables it builds.
+    The positions themselves come from the data (each document's own, from 0)."""
+    for layer in model_config.layers:
+        attention = getattr(layer, "attention", None)
+        rope = getattr(attention, "rope", None)
+        if rope is not None and rope.max_seq_len < seq_len:
+            log.info("upipe: %s RoPE table extended from %d to %d positions", type(rope).__qualname__,
+                     rope.max_seq_len, seq_len)
+            attention.rope = dataclasses.replace(rope, max_seq_len=seq_len)
 
 
 def _context_parallel_by_upipe(model_config):

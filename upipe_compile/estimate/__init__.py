@@ -21,7 +21,10 @@ from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import GIB, budget_gib
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
-from upipe_compile.estimate.job import JobError, build_job, load_job_config, private_sharding_fake_mode, world_size
+from upipe_compile.estimate.job import (
+    JobError, build_job, build_job_03, load_job_config, private_sharding_fake_mode, world_size,
+)
+from upipe_compile.integrations.torchtitan.release import python_configs
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step
 
@@ -97,7 +100,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     with fake_process_group(world), private_sharding_fake_mode(), kernel_workspace, plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        job = build_job(job_config, fake_mode)
+        job = (build_job_03 if python_configs() else build_job)(job_config, fake_mode)
         memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
     cfg = upipe_config(job_config)
@@ -132,6 +135,10 @@ def _op_selective_ac(job_config) -> bool:
     from upipe_compile.integrations.torchtitan.config import upipe_config
 
     ac = job_config.activation_checkpoint
+    if python_configs():  # 0.3: the AC config's class is its mode
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        return isinstance(ac, SelectiveAC.Config) or (isinstance(ac, FullAC.Config) and upipe_config(job_config).keep_attention)
     keep = ac.mode == "full" and upipe_config(job_config).keep_attention
     return keep or (ac.mode == "selective" and ac.selective_ac_option == "op")
 

@@ -26,7 +26,10 @@ def parse_args(argv):
                     "job, estimated on fake tensors. Unknown arguments are torchtitan overrides "
                     "(--section.key value).",
     )
-    parser.add_argument("--config", required=True, help="the job TOML")
+    parser.add_argument("--config", required=True,
+                        help="the job TOML (torchtitan 0.2.2), or with --module the config function (0.3)")
+    parser.add_argument("--module", help="torchtitan 0.3: the module holding the config function (its "
+                                         "config_registry), e.g. upipe_compile.integrations.torchtitan")
     parser.add_argument("--max-context", action="store_true",
                         help="search the largest seq_len (a multiple of 1024 x CP degree) that fits both the GPU "
                              "and the host budget, and say which bound stopped it")
@@ -94,7 +97,12 @@ def format_report(result: Estimate) -> str:
 
 def main(argv=None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    job_config = load_job_config(args.config, overrides)
+    if args.module:
+        from upipe_compile.estimate.job import load_config_03
+
+        job_config = load_config_03(args.module, args.config, overrides)
+    else:
+        job_config = load_job_config(args.config, overrides)
     try:
         if args.max_context:
             from upipe_compile.estimate.search import max_context

@@ -93,13 +93,15 @@ def private_sharding_fake_mode():
 @contextmanager
 def _values_not_initialised():
     """Fake tensors have no values, and trunc_normal_ branches on them (a data-dependent
-    ``mask.any()``): initialisers become no-ops, which allocates the same (nothing)."""
-    original = torch.nn.init.trunc_normal_
+    ``mask.any()``): initialisers become no-ops, which allocates the same (nothing). Its
+    helper too: torchtitan 0.3 holds ``trunc_normal_`` itself in partials made at import."""
+    original, helper = torch.nn.init.trunc_normal_, torch.nn.init._no_grad_trunc_normal_
     torch.nn.init.trunc_normal_ = lambda tensor, *args, **kwargs: tensor
+    torch.nn.init._no_grad_trunc_normal_ = lambda tensor, *args, **kwargs: tensor
     try:
         yield
     finally:
-        torch.nn.init.trunc_normal_ = original
+        torch.nn.init.trunc_normal_, torch.nn.init._no_grad_trunc_normal_ = original, helper
 
 
 @dataclass
@@ -155,3 +157,65 @@ def build_job(job_config, fake_mode) -> Job:
     model.train()
     optimizers = train_spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
     return Job(job_config, parallel_dims, model_args, model, optimizers, loss_fn)
+
+
+# --- torchtitan 0.3: Python job configs -------------------------------------------------------
+
+def load_config_03(module: str, config_name: str, overrides: list[str]):
+    """torchtitan 0.3's ConfigManager on ``--module``/``--config`` and command-line overrides."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", module, "--config", config_name, *overrides])
+
+
+def model_dims_03(model_config):
+    """What the estimate reads of a 0.3 model config, under 0.2.2's ``model_args`` names."""
+    from types import SimpleNamespace
+
+    attention = model_config.layers[0].attention
+    return SimpleNamespace(
+        n_layers=len(model_config.layers), dim=model_config.dim, vocab_size=model_config.vocab_size,
+        n_heads=attention.n_heads, n_kv_heads=getattr(attention, "n_kv_heads", None) or attention.n_heads,
+        head_dim=getattr(attention, "head_dim", None) or model_config.dim // attention.n_heads,
+    )
+
+
+def build_job_03(config, fake_mode) -> Job:
+    """:func:`build_job` for a torchtitan 0.3 job (a :class:`UPipeTrainer.Config`): the
+    Trainer's take-over of the job, ParallelDims, the meta build, the ModelSpec's
+    parallelize, the config's loss (ChunkedLossWrapper on the model's lm_head) and optimizer."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.distributed import ParallelDims
+
+    from upipe_compile.integrations.torchtitan.trainer_03 import take_over
+
+    torchtitan_on_cpu()
+    if not take_over(config):
+        raise JobError('the estimate measures upipe jobs: compile.enable = True and compile.backend = "upipe"')
+    if not config.upipe.fuse_projections:
+        raise JobError("upipe.fuse_projections = False: the estimate measures 0.3's varlen attention through "
+                       "fused blocks only")
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size(config))
+    if not parallel_dims.fsdp_enabled:
+        raise JobError("the estimate measures FSDP jobs (its tracker follows FSDP's buffers): "
+                       "parallelism.data_parallel_shard_degree x context_parallel_degree must be > 1")
+    parallel_dims.build_mesh()  # outside fake mode: the meshes hold real rank lists
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    with measuring():
+        model = config.model_spec.parallelize_fn(
+            model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
+            compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder)
+        loss_fn = config.loss.build(compile_config=None)
+    if isinstance(loss_fn, ChunkedLossWrapper):  # as the Trainer does
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+    with fake_mode:
+        model.to_empty(device="cpu")
+        with torch.no_grad(), _values_not_initialised():
+            model.init_weights(buffer_device=None)  # creates the buffers (the RoPE tables)
+    model.train()
+    optimizers = config.optimizer.build(model_parts=[model])
+    return Job(config, parallel_dims, model_dims_03(model_config), model, optimizers, loss_fn)

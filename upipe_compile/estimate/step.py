@@ -81,6 +81,19 @@ class PhaseTracker(FSDPMemTracker):
         self._recompute_hooks = []
         return super().__exit__(*args)
 
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def pre_forward(*args, **kwargs):
+            # torchtitan 0.3's ChunkedLossWrapper calls lm_head (an FSDP module) once per chunk,
+            # which FSDPMemTracker takes for a second iteration and refuses: each call starts
+            # that module's statistics afresh.
+            if self.outside_model.startswith("loss") and not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)
+            return inner(*args, **kwargs)
+
+        return pre_forward
+
     def _set_recomputing(self, value: bool) -> None:
         self._recomputing = value
 
@@ -100,7 +113,7 @@ class PhaseTracker(FSDPMemTracker):
         layers = [int(m.group(1)) for name in parents if (m := _LAYER.search(name))]
         if layers:
             return (direction, max(layers), _part(parents))
-        if len(parents) > 1:  # a model module outside the blocks: embedding, final norm, output
+        if len(parents) > 1 and not self.outside_model.startswith("loss"):  # (0.3's loss runs lm_head itself)  # a model module outside the blocks: embedding, final norm, output
             return (direction, "outside blocks")
         return (self.outside_model + (" backward" if self._mod_tracker.is_bw else ""),)
 
@@ -191,6 +204,10 @@ def _create_optimizer_state(job: Job) -> None:
 
 def _train_step(job: Job, tracker: PhaseTracker):
     """torchtitan 0.2.2's Trainer.train_step for one microbatch, without PP."""
+    from upipe_compile.integrations.torchtitan.release import python_configs
+
+    if python_configs():
+        return _train_step_03(job, tracker)
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.train import prepare_context_parallel_input  # the Trainer's (upipe's layouts: cp_layout.py)
@@ -230,6 +247,55 @@ def _train_step(job: Job, tracker: PhaseTracker):
     dist_utils.clip_grad_norm_(list(job.model.parameters()), config.training.max_norm, foreach=True)
     label("optimizer step")
     job.optimizers.step()
+    return StepMemory(
+        peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
+        host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
+        after_forward=after_forward,
+    )
+
+
+def _train_step_03(job: Job, tracker: PhaseTracker):
+    """torchtitan 0.3's Trainer.train_step for one microbatch, without PP, with UPipeTrainer's
+    input sharding: one row of one document (positions 0..S-1). The documents' metadata is
+    built outside fake mode (its cumulative lengths are data); tokens, positions and labels
+    are then made fake device tensors, the full row's as the Trainer holds them."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torchtitan.components.loss import IGNORE_INDEX
+    from torchtitan.distributed import utils as dist_utils
+
+    from upipe_compile.integrations.torchtitan.trainer_03 import shard_batch
+
+    config, dims = job.job_config, job.parallel_dims
+
+    def label(name):
+        tracker.outside_model = name
+
+    job.optimizers.zero_grad()
+    batch, seq = config.training.local_batch_size, config.training.seq_len
+    with unset_fake_temporarily():
+        full = {"input": torch.randint(0, job.model_args.vocab_size, (batch, seq)),
+                "positions": torch.arange(seq).expand(batch, seq)}
+        labels = torch.randint(0, job.model_args.vocab_size, (batch, seq))
+        inputs, local_labels, extra = shard_batch(config, dims, job.model, dict(full), labels)
+    on_device = {key: value.clone() for key, value in full.items()}  # the Trainer's batch on the GPU
+    inputs, local_labels = inputs.clone(), local_labels.clone()
+    extra["positions"] = extra["positions"].clone()
+    global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
+    saved = _SavedOnDevice(tracker, job.model)
+    label("forward")
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        pred = job.model(inputs, **extra)
+    logits = 0 if getattr(job.model, "_skip_lm_head", False) else pred.numel() * pred.element_size()
+    after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
+    label("loss")
+    loss, _ = job.loss_fn(pred, local_labels, global_valid_tokens, positions=extra["positions"])
+    del pred
+    loss.backward()
+    label("grad clip")
+    dist_utils.clip_grad_norm_(list(job.model.parameters()), config.training.max_norm, foreach=True)
+    label("optimizer step")
+    job.optimizers.step()
+    del on_device
     return StepMemory(
         peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
         host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,

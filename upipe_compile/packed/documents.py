@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from upipe_compile.attention.collectives import (
     all_gather, check_same_local_shape, every_rank_agrees, group_from_name, values_of_every_rank,
@@ -201,6 +202,11 @@ def documents_of(boundaries_or_positions: Optional[torch.Tensor], local_seq: int
     group = group_from_name(group_name)
     ring_group = group_from_name(ring_group_name) if ring_group_name else None
     seq = local_seq * group.size() * (1 if ring_group is None else ring_group.size())
+    if dist.get_backend(group) == "fake" and not is_fake(boundaries_or_positions):
+        # A memory estimate on fake tensors, given real boundaries (their values are data):
+        # read them as real tensors; the fake group's ranks all hold these.
+        with unset_fake_temporarily():
+            return documents_for(boundaries_or_positions, seq, group, device, ring_group)
     return documents_for(boundaries_or_positions, seq, group, device, ring_group)
 
 
