@@ -39,6 +39,9 @@ from upipe_compile.stack.keep_attention import KEPT_OPS, keep_attention
 
 log = logging.getLogger(__name__)
 
+MODELS = ("llama3", "qwen3")
+"""The 0.3 models whose own parallelize upipe's replaces (dense flavors)."""
+
 SPMD_BACKEND = "partial_dtensor"
 """0.3's DTensor-FSDP path, the one whose parallelize applies CP as a separate step (the one
 upipe replaces); "spmd_types" and "full_dtensor" annotate every tensor with its CP sharding."""
@@ -118,6 +121,11 @@ def _model_problems(config, a2a: int) -> list[str]:
     spec = config.model_spec
     if spec is None:
         return ["model_spec is not set: upipe parallelizes the model the config names"]
+    if spec.name not in MODELS:
+        hybrid = (" Its linear-attention layers (Gated DeltaNet, fla's kernels) mix tokens along the sequence "
+                  "and have no context-parallel form here: they would run on each rank's shard alone."
+                  if spec.name == "qwen3_5" else "")
+        return [f"model_spec.name = {spec.name!r}: upipe's 0.3 Trainer runs {' and '.join(MODELS)} (dense).{hybrid}"]
     problems = []
     if spec.parallelize_fn is not stock_parallelize(spec.name):
         problems.append(f"model_spec.parallelize_fn is {getattr(spec.parallelize_fn, '__qualname__', spec.parallelize_fn)}, "

@@ -124,8 +124,9 @@ def test_the_shipped_configs_pass_the_check():
     (("--upipe.heads_per_stage=3",), None, "upipe.heads_per_stage"),
     ((), lambda c: _use_flex(c), 'attn_backend="varlen"'),
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
+    ((), lambda c: _qwen35(c), "Gated DeltaNet"),
 ], ids=["load-balancer", "spmd-types", "tp", "validator", "loss-chunks", "keep-without-full-ac",
-        "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize"])
+        "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 
@@ -140,6 +141,12 @@ def _use_flex(config):
     from torchtitan.models.llama3 import model_registry
 
     config.model_spec = model_registry("debugmodel")  # 0.3's default: Flex
+
+
+def _qwen35(config):
+    """Qwen3.5's spec by name (its model imports fla's GPU kernels, absent here): the check
+    reads the name before anything of the model."""
+    config.model_spec = dataclasses.replace(config.model_spec, name="qwen3_5")
 
 
 def _custom_parallelize(config):

@@ -1,0 +1,65 @@
+"""The whole-step estimate on torchtitan 0.3 jobs (``--module``/``--config``): every shipped
+0.3 config fits an 80 GB H100 and a 2 TB node's host budget at its own seq_len, as the 0.2.2
+TOMLs do (each estimate in its own process: it needs its own fake default group); the
+max-context rows shipped for 0.3 fit the host budget too. Runs in the torchtitan 0.3 tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODULE = "upipe_compile.integrations.torchtitan"
+SHIPPED = ("llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe")
+
+
+def estimate(config: str, *overrides: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config", config, *overrides, "--json"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_shipped_config_fits_by_the_estimate(config):
+    result = estimate(config)
+    assert result["fits"] and result["fits_device"] and result["fits_host"], result
+    assert 0 < result["peak_device_gib"] <= result["budget_gib"] < 79.1, result
+    assert result["host_gib_per_node"] <= result["host_budget_gib_per_node"] == HOST_BUDGET_GIB, result
+    assert result["attention_calls"].get("fused block", 0) > 0, result
+
+
+def test_the_debug_config_on_cpu_and_a_refusal():
+    """The CPU debug config is estimated too; a job the Trainer would refuse is refused by
+    the estimate, naming the field."""
+    result = estimate("llama3_debugmodel_upipe_cpu")
+    assert result["world_size"] == 2 and result["fits"], result
+    refused = subprocess.run(
+        [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config", "llama3_debugmodel_upipe_cpu",
+         "--parallelism.context_parallel_load_balancer", "headtail"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert refused.returncode != 0 and "parallelism.context_parallel_load_balancer" in refused.stderr, \
+        refused.stderr[-2000:]
+
+
+def test_max_context_rows_fit_the_host_budget():
+    with open(os.path.join(ROOT, "benchmarks", "results", "max_context_03.md")) as f:
+        lines = [line for line in f if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip().strip("|").split("|")]
+    rows = [dict(zip(header, (cell.strip() for cell in line.strip().strip("|").split("|")))) for line in lines[2:]]
+    assert rows
+    runs = os.path.join(ROOT, "benchmarks", "results", "max_context_03")
+    for name in os.listdir(runs):
+        with open(os.path.join(runs, name)) as f:
+            result = json.load(f)
+        assert result["fits"] and result["host_gib_per_node"] <= HOST_BUDGET_GIB, (name, result)
+        assert f"{result['max_context']:,}" in {row["0.3 max seq_len"] for row in rows}, name
