@@ -48,7 +48,9 @@ FLEX_FIX = ("use scaled_dot_product_attention (or register() for transformers mo
             "FlexAttention is not supported under upipe")
 TORCHTITAN_FLEX_FIX = ('build the model with attn_backend="varlen" (torchtitan 0.3: model_registry(flavor, '
                        'attn_backend="varlen"); upipe runs its varlen_attn over the documents of the whole row) '
-                       'or "sdpa" where the model offers it; FlexAttention is not supported under upipe')
+                       'or "sdpa" where the model offers it, and for a whole 0.3 job use upipe\'s Trainer '
+                       '(--module upipe_compile.integrations.torchtitan: torchtitan\'s own context parallelism '
+                       'refuses varlen); FlexAttention is not supported under upipe')
 HAND_WRITTEN_FIX = "call torch.nn.functional.scaled_dot_product_attention (upipe rewrites it)"
 OWN_ATTENTION_FIX = ("this transformers model computes attention in its own layer code, not through transformers' "
                      "attention interface, so register() cannot reach it: upipe cannot run this model with context "

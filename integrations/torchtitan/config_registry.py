@@ -33,15 +33,16 @@ __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "
            "llama3_debugmodel_upipe_cpu", "upipe_job"]
 
 LOSS_CHUNK_TOKENS = 4096
-"""Tokens per chunk of 0.3's ChunkedLossWrapper (lm_head + loss): 4096 x 128256 x 4 B = 1.96 GiB
-of fp32 logits per chunk for Llama3's vocabulary."""
+"""Local tokens per chunk (at most) of 0.3's ChunkedLossWrapper (lm_head + loss): 4096 x 128256
+x 4 B = 1.96 GiB of fp32 logits per chunk for Llama3's vocabulary."""
 
 
 def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, upipe: UPipe,
               loss_chunk_tokens: int = LOSS_CHUNK_TOKENS, inner_components=("model", "loss")) -> UPipeTrainer.Config:
     """torchtitan's config ``base`` as a UPipe job: ``model_spec`` (varlen attention),
     P = ``context_parallel_degree``, one row of ``seq_len`` tokens per step, full AC,
-    ChunkedLossWrapper over chunks of about ``loss_chunk_tokens`` local tokens."""
+    0.3's ChunkedLossWrapper over chunks of at most ``loss_chunk_tokens`` local tokens
+    (``upipe.loss_chunk_tokens``)."""
     config = UPipeTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, upipe=upipe)
     config.model_spec = model_spec
     config.training.seq_len = seq_len
@@ -54,10 +55,9 @@ def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, u
     p.spmd_backend = SPMD_BACKEND
     config.compile = CompileConfig(enable=True, components=list(inner_components), backend="upipe")
     config.activation_checkpoint = FullAC.Config()
-    local_tokens = seq_len // context_parallel_degree
-    config.loss = ChunkedLossWrapper.Config(
-        num_chunks=max(1, local_tokens // loss_chunk_tokens),
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)))
+    # 0.3's chunked loss; UPipeTrainer sets its chunk count from upipe.loss_chunk_tokens
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)))
+    upipe.loss_chunk_tokens = loss_chunk_tokens
     config.validator.enable = False  # its batches would be sharded for torchtitan's own CP
     return config
 

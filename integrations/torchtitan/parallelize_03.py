@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.activation_checkpoint import FullAC, MemoryBudgetAC, SelectiveAC
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
@@ -49,8 +50,6 @@ upipe replaces); "spmd_types" and "full_dtensor" annotate every tensor with its 
 FLEX_FIX = ('use varlen attention: model_registry(flavor, attn_backend="varlen") (upipe rewrites '
             "varlen_attn over the documents of the whole sequence; Flex masks it cannot read)")
 
-LOSS_CHUNKS_ON_03 = ("torchtitan 0.3's own ChunkedLossWrapper does this job (lm_head and loss chunk by chunk "
-                     "of the local sequence): loss=ChunkedLossWrapper.Config(num_chunks=...), as upipe's configs do")
 
 
 def attention_configs(config):
@@ -93,9 +92,12 @@ def config_problems(config) -> list[str]:
         world=a2a, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,
         inner_backend=cfg.inner_backend, fuse_projections=cfg.fuse_projections,
         recompute_attention_output=cfg.recompute_attention_output)]
-    if cfg.loss_chunk_tokens:
-        problems.append(f"upipe.loss_chunk_tokens = {cfg.loss_chunk_tokens!r}: {LOSS_CHUNKS_ON_03}")
-    problems += [p_ for p_ in (stack.count_problem(cfg, "mlp_tile_tokens"),) if p_]
+    problems += [p_ for p_ in (stack.count_problem(cfg, "mlp_tile_tokens"), stack.count_problem(cfg, "loss_chunk_tokens"))
+                 if p_]
+    if cfg.loss_chunk_tokens and not isinstance(config.loss, ChunkedLossWrapper.Config):
+        problems.append(f"upipe.loss_chunk_tokens = {cfg.loss_chunk_tokens!r} sizes the chunks of torchtitan 0.3's own "
+                        f"chunked loss, but loss is {type(config.loss).__qualname__}: set "
+                        "loss=ChunkedLossWrapper.Config(loss_fn=...)")
     ac = config.activation_checkpoint
     if isinstance(ac, MemoryBudgetAC.Config):
         problems.append("activation_checkpoint = MemoryBudgetAC.Config: not supported with upipe (its budget is "

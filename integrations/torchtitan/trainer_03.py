@@ -10,6 +10,8 @@ With it, the Trainer
 
 - checks the whole job before anything is built (parallelize_03.config_problems), naming the
   field to change;
+- sizes 0.3's ChunkedLossWrapper from ``upipe.loss_chunk_tokens`` (chunks of at most that
+  many local tokens, whatever ``training.seq_len`` is);
 - lets the RoPE tables reach ``training.seq_len`` (0.3 refuses a longer sequence than the
   model's table, 131072 for Llama3) and lifts 0.3's "varlen attention is not supported with
   CP" (a limit of torchtitan's own CP; here upipe does the CP);
@@ -54,10 +56,24 @@ def take_over(config) -> bool:
         return False
     check_config(config)
     _rope_tables_reach(config.model_spec.model, config.training.seq_len)
+    _size_loss_chunks(config)
     spec = config.model_spec
     config.model_spec = dataclasses.replace(spec, model=_context_parallel_by_upipe(spec.model), parallelize_fn=functools.partial(
         parallelize_upipe, job=config, stock=spec.parallelize_fn))
     return True
+
+
+def _size_loss_chunks(config) -> None:
+    """``upipe.loss_chunk_tokens`` > 0 sizes 0.3's ChunkedLossWrapper (lm_head and loss chunk
+    by chunk of the local sequence; it needs a count that divides the local tokens): the
+    fewest chunks of at most that many tokens each."""
+    chunk = config.upipe.loss_chunk_tokens
+    if not chunk:
+        return
+    local = config.training.seq_len // config.parallelism.context_parallel_degree
+    count = next(n for n in range(-(-local // chunk), local + 1) if local % n == 0)
+    config.loss.num_chunks = count
+    log.info("upipe: the loss over %d chunks of %d local tokens", count, local // count)
 
 
 def _rope_tables_reach(model_config, seq_len: int) -> None:

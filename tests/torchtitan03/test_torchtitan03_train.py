@@ -114,7 +114,8 @@ def test_the_shipped_configs_pass_the_check():
     (("--parallelism.spmd_backend=spmd_types",), None, "parallelism.spmd_backend"),
     (("--parallelism.tensor_parallel_degree=2",), None, "parallelism.tensor_parallel_degree"),
     (("--validator.enable",), None, "validator.enable"),
-    (("--upipe.loss_chunk_tokens=64",), None, "ChunkedLossWrapper"),
+    ((), lambda c: setattr(c, "loss", _plain_loss()), "loss=ChunkedLossWrapper.Config"),
+    (("--upipe.loss_chunk_tokens=-1",), None, "loss_chunk_tokens = -1"),
     (("--upipe.keep_attention",), lambda c: setattr(c, "activation_checkpoint", _selective()), "upipe.keep_attention"),
     (("--upipe.offload_block_inputs",), lambda c: setattr(c, "activation_checkpoint", _selective()),
      "upipe.offload_block_inputs"),
@@ -125,10 +126,16 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _use_flex(c), 'attn_backend="varlen"'),
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
-], ids=["load-balancer", "spmd-types", "tp", "validator", "loss-chunks", "keep-without-full-ac",
+], ids=["load-balancer", "spmd-types", "tp", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
         "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
+
+
+def _plain_loss():
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    return CrossEntropyLoss.Config()
 
 
 def _selective():
@@ -151,6 +158,18 @@ def _qwen35(config):
 
 def _custom_parallelize(config):
     config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=lambda model, **kw: model)
+
+
+@pytest.mark.parametrize("seq_len, cp, chunks", [(512, 2, 4), (2048 * 3, 4, 24), (1400, 2, 14)])
+def test_the_loss_chunks_divide_the_local_tokens(seq_len, cp, chunks):
+    """0.3's ChunkedLossWrapper needs a chunk count that divides the local tokens: the fewest
+    chunks of at most upipe.loss_chunk_tokens (64 in the debug config) each."""
+    from upipe_compile.integrations.torchtitan.trainer_03 import take_over
+
+    config = jobs.load_config(f"--training.seq_len={seq_len}", f"--parallelism.context_parallel_degree={cp}")
+    assert take_over(config)
+    local = seq_len // cp
+    assert config.loss.num_chunks == chunks and local % chunks == 0 and local // chunks <= 64
 
 
 def test_the_trainer_refuses_before_building_and_leaves_other_backends_alone():
