@@ -30,7 +30,7 @@ from upipe_compile.integrations.torchtitan.parallelize_03 import SPMD_BACKEND
 from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer
 
 __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
-           "llama3_debugmodel_upipe_cpu", "upipe_job"]
+           "llama3_debugmodel_upipe_cpu", "qwen3_debugmodel_upipe_cpu", "upipe_job"]
 
 LOSS_CHUNK_TOKENS = 4096
 """Local tokens per chunk (at most) of 0.3's ChunkedLossWrapper (lm_head + loss): 4096 x 128256
@@ -114,6 +114,20 @@ def llama3_debugmodel_upipe_cpu() -> UPipeTrainer.Config:
     config = upipe_job(llama3_debugmodel(), model_spec=_llama3("debugmodel"), context_parallel_degree=2,
                        seq_len=512, upipe=UPipe(inner_backend="aot_eager"), loss_chunk_tokens=64,
                        inner_components=("model",))
+    config.training.mixed_precision_param = "float32"
+    config.training.steps = 4
+    return config
+
+
+def qwen3_debugmodel_upipe_cpu() -> UPipeTrainer.Config:
+    """Qwen3's debug model (QK-norm, 16 query / 8 KV heads of 128, tied embeddings) on CPU
+    gloo ranks, as the Llama3 one above."""
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    config = upipe_job(qwen3_debugmodel(), model_spec=model_registry("debugmodel", attn_backend="varlen"),
+                       context_parallel_degree=2, seq_len=512, upipe=UPipe(inner_backend="aot_eager"),
+                       loss_chunk_tokens=64, inner_components=("model",))
     config.training.mixed_precision_param = "float32"
     config.training.steps = 4
     return config

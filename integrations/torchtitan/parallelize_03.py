@@ -229,10 +229,10 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     if not upipe_enabled(job):
         return stock(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                      compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
-    model_problems = stack.model_problems(model, job)  # the tiled MLP's: a SwiGLU feed-forward
-    if model_problems:
-        raise UnsupportedAttention("\n".join(model_problems))
-    stack.apply_module_swaps(model, job)
+    problems = stack.mlp_tile_problems(model, job.upipe)  # (the loss chunks are 0.3's own ChunkedLossWrapper's)
+    if problems:
+        raise UnsupportedAttention("\n".join(problems))
+    stack.tile_mlps(model, job.upipe)
     share_rope_tables(model)
     _apply_ac(model, ac_config, job.upipe, dump_folder)
     compile_blocks(model, job, parallel_dims)

@@ -83,17 +83,29 @@ def _keep_attention_problems(cfg, job_config) -> list[str]:
     return problems
 
 
-def model_problems(model: nn.Module, job_config) -> list[str]:
-    """What the stack keys cannot apply to on this model."""
-    cfg = upipe_config(job_config)
-    problems = []
+def mlp_tile_problems(model: nn.Module, cfg) -> list[str]:
+    """What ``mlp_tile_tokens`` cannot tile on this model (torchtitan 0.2.2 and 0.3)."""
     if cfg.mlp_tile_tokens:
         for name, block in model.layers.named_children():
             feed_forward = getattr(block, "feed_forward", None)
             problem = "it has no feed_forward (a MoE layer?)" if feed_forward is None else swiglu_problem(feed_forward)
             if problem:
-                problems.append(f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile layers.{name}: {problem}")
-                break
+                return [f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile layers.{name}: {problem}"]
+    return []
+
+
+def tile_mlps(model: nn.Module, cfg) -> None:
+    """Each block's SwiGLU over tiles of ``mlp_tile_tokens`` (raw model: before AC/compile/FSDP)."""
+    if cfg.mlp_tile_tokens:
+        for block in model.layers.values():
+            block.feed_forward = SequenceTiledSwiGLU(block.feed_forward, cfg.mlp_tile_tokens)
+        log.info("upipe: SwiGLU of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
+
+
+def model_problems(model: nn.Module, job_config) -> list[str]:
+    """What the stack keys cannot apply to on this model."""
+    cfg = upipe_config(job_config)
+    problems = mlp_tile_problems(model, cfg)
     if cfg.loss_chunk_tokens:
         output = getattr(model, "output", None)
         if not isinstance(output, nn.Linear) or output.bias is not None:
@@ -107,10 +119,7 @@ def model_problems(model: nn.Module, job_config) -> list[str]:
 def apply_module_swaps(model: nn.Module, job_config) -> None:
     """Tiled MLP and lazy output projection, on the raw model (before AC/compile/FSDP)."""
     cfg = upipe_config(job_config)
-    if cfg.mlp_tile_tokens:
-        for block in model.layers.values():
-            block.feed_forward = SequenceTiledSwiGLU(block.feed_forward, cfg.mlp_tile_tokens)
-        log.info("upipe: SwiGLU of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
+    tile_mlps(model, cfg)
     if cfg.loss_chunk_tokens:
         model.output = LazyOutputProjection(model.output)
         log.info("upipe: output projection deferred to the loss, %d tokens per chunk", cfg.loss_chunk_tokens)

@@ -20,11 +20,11 @@ STEPS = 4
 _REFERENCES: dict = {}
 
 
-def reference(rank_pools, window=None, fp32_attention=True):
+def reference(rank_pools, window=None, fp32_attention=True, config=jobs.CPU_CONFIG):
     """CP = 1 on the whole row (one process), cached."""
-    key = (window, fp32_attention)
+    key = (window, fp32_attention, config)
     if key not in _REFERENCES:
-        (_REFERENCES[key],) = rank_pools(1).run(jobs.train, 1, STEPS, (), window, fp32_attention)
+        (_REFERENCES[key],) = rank_pools(1).run(jobs.train, 1, STEPS, (), window, fp32_attention, config)
     return _REFERENCES[key]
 
 
@@ -54,6 +54,16 @@ def test_config_path_equals_cp1(rank_pools, world, overrides, window):
     for *_, events in results:
         assert events.get("plain sdpa outside upipe", 0) == 0, events
         assert events.get("upipe::attention_block" if fused else "upipe::attention", 0) > 0, events
+
+
+@pytest.mark.parametrize("world, overrides", [(2, ()), (4, ("--upipe.ring_degree=2",))], ids=["cp2", "ring2x2"])
+def test_qwen3_config_path_equals_cp1(rank_pools, world, overrides):
+    """Qwen3 (QK-norm, GQA 16/8 with head_dim 128, its rotate-half RoPE, tied embeddings)."""
+    config = "qwen3_debugmodel_upipe_cpu"
+    results = rank_pools(world).run(jobs.train, world, STEPS, overrides, None, True, config)
+    assert_equals_cp1(results, reference(rank_pools, config=config))
+    for *_, events in results:
+        assert events.get("upipe::attention_block", 0) > 0, events
 
 
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):
@@ -102,8 +112,7 @@ def test_the_shipped_configs_pass_the_check():
     from upipe_compile.integrations.torchtitan import config_registry
     from upipe_compile.integrations.torchtitan.parallelize_03 import config_problems
 
-    for name in ("llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
-                 "llama3_debugmodel_upipe_cpu"):
+    for name in config_registry.__all__[:-1]:
         config = getattr(config_registry, name)()
         assert config_problems(config) == [], name
         assert config.compile.backend == "upipe" and config.parallelism.context_parallel_load_balancer is None

@@ -194,7 +194,8 @@ def torch_with_fp32_attention():
     return module
 
 
-def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True):
+def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
+          config_name: str = CPU_CONFIG):
     """Train the CPU debug config for ``steps`` steps at CP = ``cp`` on every rank of the gloo
     world, following 0.3's Trainer: ConfigManager, UPipeTrainer's take-over of the job,
     ParallelDims and its meshes, meta build, the ModelSpec's parallelize_fn, init_weights,
@@ -217,7 +218,8 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
 
     torchtitan_on_cpu()
     torch._dynamo.reset()
-    config = load_config(f"--parallelism.context_parallel_degree={cp}", f"--training.steps={steps}", *overrides)
+    config = load_config(f"--parallelism.context_parallel_degree={cp}", f"--training.steps={steps}", *overrides,
+                         config=config_name)
     model_config = config.model_spec.model
     model_config.layers = model_config.layers[:LAYERS]
     if window is not None:
