@@ -318,6 +318,18 @@ class _SequenceTracker(TorchDispatchMode):
             dim, span = moved
             self.mark(out, Shard(dim), span)
 
+    def _same_shard_elementwise(self, args, out) -> bool:
+        """An elementwise op over tensors of ``out``'s shape: each output element reads its
+        inputs' same element, so ``out`` is sharded as they are (when they all agree)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        placements = {self.get(t) for t in tensors} - {None}
+        if not isinstance(out, torch.Tensor) or any(tuple(t.shape) != tuple(out.shape) for t in tensors) \
+                or len(placements) != 1 or not isinstance(next(iter(placements)), Shard):
+            return False
+        sharded = next(t for t in tensors if self.get(t) is not None)
+        self.mark(out, self.get(sharded), self.span.get(sharded))
+        return True
+
     def _propagate(self, func, args, kwargs, out) -> None:
         if func.namespace == "upipe":
             if func.overloadpacket is torch.ops.upipe.head_mixer:
@@ -339,6 +351,8 @@ class _SequenceTracker(TorchDispatchMode):
             if not _pads_dim(args[1], args[0].dim(), dim):
                 self.mark(out, Shard(dim), self.span.get(args[0]))
                 return
+        if func in _ELEMENTWISE_WITHOUT_RULE and self._same_shard_elementwise(args, out):
+            return
         to_dtensor = self._wrapper()
         self.partial_origin_by_spec = {}
         self.spec_tensor = {}
@@ -527,6 +541,9 @@ def _is_grouped_mm(func) -> bool:
 
 
 _CONVOLUTIONS = {_aten.convolution.default, _aten.convolution_backward.default}
+_ELEMENTWISE_WITHOUT_RULE = {_aten.polar.default, _aten.complex.default}
+"""Elementwise ops DTensor has no sharding rule for (torch 2.13): complex numbers from two
+real tensors of one shape (a RoPE table's rows from their angles)."""
 _VIEW_ALIASES = {
     _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
     _aten.view.dtype, _aten.lift_fresh.default, _aten.detach.default,

@@ -224,6 +224,23 @@ def test_per_token_ops_in_a_checkpoint_are_accepted(world):
     compile_and_run(PerTokenOnly(), x, group=world).sum().backward()
 
 
+class RoPEFromPositions(nn.Module):
+    """RoPE rows computed from each token's position (polar form of position x frequency:
+    elementwise, DTensor has no rule for it), applied to complex pairs of the features."""
+
+    def forward(self, x, positions):
+        angles = torch.outer(positions.reshape(-1), torch.linspace(0.1, 1.0, D // 2)).float()
+        rows = torch.polar(torch.ones_like(angles), angles).view(*positions.shape, D // 2)
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], D // 2, 2))
+        return torch.view_as_real(pairs * rows).flatten(-2) + x
+
+
+def test_rope_rows_from_positions_are_accepted(world):
+    positions = shard(torch.arange(S).expand(2, -1), world)  # as torchtitan 0.3's are sharded
+    out = compile_and_run(RoPEFromPositions(), shard(torch.randn(2, S, D), world), positions, group=world)
+    assert out.shape == (2, S // WORLD, D)
+
+
 def test_mixer_inside_a_checkpoint_is_refused(world):
     class Checkpointed(nn.Module):
         def __init__(self):

@@ -32,6 +32,7 @@ from torchtitan.models.common.attention import BaseAttention, FlexAttention, Var
 
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack
+from upipe_compile.integrations.torchtitan.rope_positions import compute_rope_rows
 from upipe_compile.integrations.torchtitan.parallelize import (
     _sum_reductions_on_gloo, compile_blocks, upipe_enabled,
 )
@@ -233,7 +234,8 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     if problems:
         raise UnsupportedAttention("\n".join(problems))
     stack.tile_mlps(model, job.upipe)
-    share_rope_tables(model)
+    compute_rope_rows(model)  # each rank computes its own tokens' RoPE rows: no table
+    share_rope_tables(model)  # (a RoPE it does not know keeps its table, one for all layers)
     _apply_ac(model, ac_config, job.upipe, dump_folder)
     compile_blocks(model, job, parallel_dims)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -58,8 +58,9 @@ def take_over(config) -> bool:
     _rope_tables_reach(config.model_spec.model, config.training.seq_len)
     _size_loss_chunks(config)
     spec = config.model_spec
-    config.model_spec = dataclasses.replace(spec, model=_context_parallel_by_upipe(spec.model), parallelize_fn=functools.partial(
-        parallelize_upipe, job=config, stock=spec.parallelize_fn))
+    parallelize = functools.partial(parallelize_upipe, job=config, stock=spec.parallelize_fn)
+    config.model_spec = dataclasses.replace(spec, model=_context_parallel_by_upipe(spec.model),
+                                            parallelize_fn=parallelize)
     return True
 
 
