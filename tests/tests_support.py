@@ -254,3 +254,29 @@ class TinyVariantAttention(TinyAttention):
                                 window=self.window, softcap=self.softcap, sinks=self.sinks).to(q.dtype)
         return document_sdpa(q, k, v, is_causal=c.is_causal, scale=c.scale, enable_gqa=True, window=self.window,
                              softcap=self.softcap, sinks=self.sinks)
+
+
+def wrapped_name(name: str) -> str:
+    """A parameter's name without the wrappers compile and activation checkpointing add."""
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (e.g. an FSDP-sharded gradient); a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def load_full_weights(model: torch.nn.Module, full_state: dict) -> None:
+    """Every parameter of a parallelized ``model`` (FSDP DTensors or plain) set to its shard
+    of the full model's ``full_state`` (by unwrapped name)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = full_state[wrapped_name(name)]
+            if isinstance(param, DTensor):
+                param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
+            else:
+                param.copy_(full)

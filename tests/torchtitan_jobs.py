@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests_support import attention_events
+from tests_support import attention_events, full_tensor, load_full_weights, wrapped_name
 from upipe_compile.estimate.job import load_job_config, torchtitan_on_cpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,14 +60,6 @@ def global_batch(job_config, step: int, vocab: int, documents: bool = False):
     return tokens[:, :-1].contiguous(), labels
 
 
-def _clean(name: str) -> str:
-    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def train_debug_model(cp: int, steps: int, n_layers: int | None = None, overrides: tuple[str, ...] = (),
@@ -80,7 +72,6 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     in each step). ``documents``: the varlen flavor on one packed row of EOS-separated
     documents, its boundaries made by the model's get_attention_masks on the full batch (as
     the Trainer does) and passed whole to every rank (cp_layout.shard_batch)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
     from torchtitan.protocols.train_spec import get_train_spec
@@ -125,12 +116,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-        for name, param in model.named_parameters():
-            full = full_state[_clean(name)]
-            if isinstance(param, DTensor):
-                param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
-            else:
-                param.copy_(full)
+    load_full_weights(model, full_state)
     model.train()
 
     optimizers = train_spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
@@ -180,7 +166,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         if offloader is not None:
             offloaded.append((offloader.offloaded_last_step, offloader.offloaded_bytes_last_step))
         if step == 1:
-            first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            first_grads = {wrapped_name(n): full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
             first_positions = extra_kwargs.get("positions")
             first_rope = getattr(model, rope_name).detach().clone()
         dist_utils.clip_grad_norm_(list(model.parameters()), job_config.training.max_norm, foreach=True)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import upipe_compile
-from tests_support import attention_events
+from tests_support import attention_events, full_tensor, load_full_weights, wrapped_name
 
 LAYERS = 2
 LENGTHS = (7, 1, 30, 26)  # 64 tokens: a document of one token, documents crossing the shards of 2 and 4 ranks
@@ -173,14 +173,6 @@ def training_batch(seq: int, step: int):
     return {"input": tokens[:, :-1].contiguous(), "positions": positions}, labels
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _clean(name: str) -> str:
-    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
 
 
 def torch_with_fp32_attention():
@@ -209,7 +201,6 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     from types import SimpleNamespace
     from unittest import mock
 
-    from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
@@ -245,12 +236,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-        for name, param in model.named_parameters():
-            full = full_state[_clean(name)]
-            if isinstance(param, DTensor):
-                param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
-            else:
-                param.copy_(full)
+    load_full_weights(model, full_state)
     model.train()
     loss_fn = config.loss.build(compile_config=config.compile)
     loss_fn.set_lm_head(model.lm_head)
@@ -278,7 +264,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
                 loss.backward()
             counts = dict(attention_events(prof))
             if step == 1:
-                first_grads = {_clean(n): _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+                first_grads = {wrapped_name(n): full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
             dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
             optimizers.step()
             lr_schedulers.step()

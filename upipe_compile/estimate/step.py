@@ -192,6 +192,24 @@ def run_step(job: Job, fake_mode, fused_kernels: bool = True) -> StepMemory:
     return measured
 
 
+def _clip_and_step(job: Job, label) -> None:
+    """The step's end, as the Trainer runs it: gradient clipping, then the optimizer."""
+    from torchtitan.distributed import utils as dist_utils
+
+    label("grad clip")
+    dist_utils.clip_grad_norm_(list(job.model.parameters()), job.job_config.training.max_norm, foreach=True)
+    label("optimizer step")
+    job.optimizers.step()
+
+
+def _measured(tracker: PhaseTracker, saved: _SavedOnDevice, logits: int, after_forward: int) -> StepMemory:
+    return StepMemory(
+        peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
+        host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
+        after_forward=after_forward,
+    )
+
+
 def _create_optimizer_state(job: Job) -> None:
     """What a first step leaves behind for memory: the optimizer state (Adam's moments), made
     by one optimizer step on zero gradients. (A whole untracked first step would do the same
@@ -243,15 +261,8 @@ def _train_step(job: Job, tracker: PhaseTracker):
         loss = job.loss_fn(pred, labels) / global_valid_tokens
         del pred
         loss.backward()
-    label("grad clip")
-    dist_utils.clip_grad_norm_(list(job.model.parameters()), config.training.max_norm, foreach=True)
-    label("optimizer step")
-    job.optimizers.step()
-    return StepMemory(
-        peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
-        host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
-        after_forward=after_forward,
-    )
+    _clip_and_step(job, label)
+    return _measured(tracker, saved, logits, after_forward)
 
 
 def _train_step_03(job: Job, tracker: PhaseTracker):
@@ -261,7 +272,6 @@ def _train_step_03(job: Job, tracker: PhaseTracker):
     are then made fake device tensors, the full row's as the Trainer holds them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torchtitan.components.loss import IGNORE_INDEX
-    from torchtitan.distributed import utils as dist_utils
 
     from upipe_compile.integrations.torchtitan.trainer_03 import shard_batch
 
@@ -291,13 +301,6 @@ def _train_step_03(job: Job, tracker: PhaseTracker):
     loss, _ = job.loss_fn(pred, local_labels, global_valid_tokens, positions=extra["positions"])
     del pred
     loss.backward()
-    label("grad clip")
-    dist_utils.clip_grad_norm_(list(job.model.parameters()), config.training.max_norm, foreach=True)
-    label("optimizer step")
-    job.optimizers.step()
+    _clip_and_step(job, label)
     del on_device
-    return StepMemory(
-        peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
-        host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
-        after_forward=after_forward,
-    )
+    return _measured(tracker, saved, logits, after_forward)
