@@ -134,6 +134,9 @@ def _model_problems(config, a2a: int) -> list[str]:
         problems.append(f"model_spec.parallelize_fn is {getattr(spec.parallelize_fn, '__qualname__', spec.parallelize_fn)}, "
                         f"not torchtitan's parallelize for {spec.name!r}: upipe replaces that one (without its "
                         "apply_cp_to_forward) and cannot tell what another does")
+    if any(getattr(layer, "moe", None) is not None for layer in spec.model.layers):
+        problems.append(f"model_spec.flavor = {spec.flavor!r} has MoE layers: not supported with upipe's 0.3 Trainer "
+                        "(not implemented); use a dense flavor")
     uses_varlen = False
     for fqn, attention in attention_configs(config):
         inner = getattr(attention, "inner_attention", None)

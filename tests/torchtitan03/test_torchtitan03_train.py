@@ -135,8 +135,9 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _use_flex(c), 'attn_backend="varlen"'),
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
+    ((), lambda c: _qwen3_moe(c), "MoE layers"),
 ], ids=["load-balancer", "spmd-types", "tp", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
-        "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5"])
+        "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5", "moe"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 
@@ -163,6 +164,12 @@ def _qwen35(config):
     """Qwen3.5's spec by name (its model imports fla's GPU kernels, absent here): the check
     reads the name before anything of the model."""
     config.model_spec = dataclasses.replace(config.model_spec, name="qwen3_5")
+
+
+def _qwen3_moe(config):
+    from torchtitan.models.qwen3 import model_registry
+
+    config.model_spec = model_registry("debugmodel_moe", attn_backend="varlen")
 
 
 def _custom_parallelize(config):
