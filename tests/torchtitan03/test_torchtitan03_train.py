@@ -198,3 +198,24 @@ def test_the_trainer_refuses_before_building_and_leaves_other_backends_alone():
     stock = jobs.load_config("--compile.backend=inductor")
     spec = stock.model_spec
     assert take_over(stock) is False and stock.model_spec is spec
+
+
+def test_the_loss_is_rebuilt_with_the_inner_backend():
+    """With "loss" in compile.components the Trainer's loss (compiled with compile.backend,
+    "upipe") is rebuilt compiled with upipe.inner_backend, its lm_head kept: the same values."""
+    import torch
+
+    from upipe_compile.integrations.torchtitan.trainer_03 import upipe_loss
+
+    config = jobs.load_config("--compile.components", "model,loss", "--upipe.loss_chunk_tokens=16")
+    assert config.upipe.inner_backend == "aot_eager"
+    config.loss.num_chunks = 4
+    stock = config.loss.build(compile_config=None)
+    lm_head = torch.nn.Linear(8, 32, bias=False)
+    stock.set_lm_head(lm_head)
+    rebuilt = upipe_loss(config, stock)
+    assert rebuilt is not stock and rebuilt.lm_head is lm_head and rebuilt.num_chunks == 4
+    hidden, labels = torch.randn(1, 64, 8), torch.randint(0, 32, (1, 64))
+    ours, _ = rebuilt(hidden, labels, torch.tensor(64.0))
+    theirs, _ = stock(hidden, labels, torch.tensor(64.0))
+    assert torch.allclose(ours, theirs, rtol=1e-6), (ours, theirs)
