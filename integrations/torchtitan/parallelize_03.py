@@ -126,7 +126,9 @@ def _model_problems(config, a2a: int) -> list[str]:
         return ["model_spec is not set: upipe parallelizes the model the config names"]
     if spec.name not in MODELS:
         hybrid = (" Its linear-attention layers (Gated DeltaNet, fla's kernels) mix tokens along the sequence "
-                  "and have no context-parallel form here: they would run on each rank's shard alone."
+                  "and have no context-parallel form here: they would run on each rank's shard alone. Qwen3.5 "
+                  "runs exactly through upipe's transformers integration (upipe_compile.integrations."
+                  "transformers.register()), its mixers as stage loops."
                   if spec.name == "qwen3_5" else "")
         return [f"model_spec.name = {spec.name!r}: upipe's 0.3 Trainer runs {' and '.join(MODELS)} (dense).{hybrid}"]
     problems = []
