@@ -56,7 +56,8 @@ def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, u
     config.compile = CompileConfig(enable=True, components=list(inner_components), backend="upipe")
     config.activation_checkpoint = FullAC.Config()
     # 0.3's chunked loss; UPipeTrainer sets its chunk count from upipe.loss_chunk_tokens
-    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)))
+    cross_entropy = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec))
+    config.loss = ChunkedLossWrapper.Config(loss_fn=cross_entropy)
     upipe.loss_chunk_tokens = loss_chunk_tokens
     config.validator.enable = False  # its batches would be sharded for torchtitan's own CP
     return config

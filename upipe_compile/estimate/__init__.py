@@ -138,7 +138,8 @@ def _op_selective_ac(job_config) -> bool:
     if python_configs():  # 0.3: the AC config's class is its mode
         from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-        return isinstance(ac, SelectiveAC.Config) or (isinstance(ac, FullAC.Config) and upipe_config(job_config).keep_attention)
+        keep = isinstance(ac, FullAC.Config) and upipe_config(job_config).keep_attention
+        return keep or isinstance(ac, SelectiveAC.Config)
     keep = ac.mode == "full" and upipe_config(job_config).keep_attention
     return keep or (ac.mode == "selective" and ac.selective_ac_option == "op")
 
