@@ -19,7 +19,6 @@ The inputs are sharded by the Trainer (trainer_03.py).
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import torch.nn as nn
@@ -39,7 +38,6 @@ from upipe_compile.integrations.torchtitan.parallelize import (
 from upipe_compile.options import option_problems
 from upipe_compile.stack.keep_attention import KEPT_OPS, keep_attention
 
-log = logging.getLogger(__name__)
 
 MODELS = ("llama3", "qwen3")
 """The 0.3 models whose own parallelize upipe's replaces (dense flavors)."""
@@ -205,28 +203,6 @@ class SelectiveACKeepingUPipe(SelectiveAC):
         return set(super().get_save_ops()) | KEPT_OPS
 
 
-def share_rope_tables(model: nn.Module) -> int:
-    """0.3 gives every attention layer a RoPE module of its own, each holding the whole table
-    (training.seq_len x head_dim / 2 complex64: 2.5 GiB per layer for Llama3-8B at 5M tokens,
-    80 GiB per rank over its 32 layers). Layers whose RoPE configs are equal share one module
-    (the table is a non-persistent buffer: checkpoints do not change). Returns how many
-    layers now use another's table."""
-    shared, tables = 0, []
-    for block in model.layers.values():
-        rope = getattr(getattr(block, "attention", None), "rope", None)
-        if rope is None:
-            continue
-        same = next((kept for kept in tables if type(kept) is type(rope) and kept.config == rope.config), None)
-        if same is None:
-            tables.append(rope)
-        else:
-            block.attention.rope = same
-            shared += 1
-    if shared:
-        log.info("upipe: %d attention layers share another layer's RoPE table", shared)
-    return shared
-
-
 def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
                       dump_folder: str, job, stock):
     """0.3's ParallelizeFunction with UPipe context parallelism (``job``: the Trainer's config,
@@ -240,7 +216,6 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
         raise UnsupportedAttention("\n".join(problems))
     stack.tile_mlps(model, job.upipe)
     compute_rope_rows(model)  # each rank computes its own tokens' RoPE rows: no table
-    share_rope_tables(model)  # (a RoPE it does not know keeps its table, one for all layers)
     _apply_ac(model, ac_config, job.upipe, dump_folder)
     compile_blocks(model, job, parallel_dims)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -12,9 +12,10 @@ With it, the Trainer
   field to change;
 - sizes 0.3's ChunkedLossWrapper from ``upipe.loss_chunk_tokens`` (chunks of at most that
   many local tokens, whatever ``training.seq_len`` is);
-- lets the RoPE tables reach ``training.seq_len`` (0.3 refuses a longer sequence than the
-  model's table, 131072 for Llama3) and lifts 0.3's "varlen attention is not supported with
-  CP" (a limit of torchtitan's own CP; here upipe does the CP);
+- lets RoPE reach ``training.seq_len`` (0.3 refuses a longer sequence than the model's
+  RoPE range, 131072 for Llama3; upipe computes the rows of the positions used, no table,
+  rope_positions.py) and lifts 0.3's "varlen attention is not supported with CP" (a limit
+  of torchtitan's own CP; here upipe does the CP);
 - parallelizes the model with upipe's function in place of the model's own
   (parallelize_03.parallelize_upipe: no ``apply_cp_to_forward``, blocks compiled with
   backend "upipe" over the CP mesh);
@@ -78,14 +79,15 @@ def _size_loss_chunks(config) -> None:
 
 
 def _rope_tables_reach(model_config, seq_len: int) -> None:
-    """A long-context job's RoPE tables cover its whole sequence: 0.3 refuses a seq_len beyond
-    a layer's ``rope.max_seq_len`` (131072 for Llama3), the range of the tables it builds.
-    The positions themselves come from the data (each document's own, from 0)."""
+    """A long-context job's RoPE covers its whole sequence: 0.3 refuses a seq_len beyond a
+    layer's ``rope.max_seq_len`` (131072 for Llama3), the range of the table it would build
+    (upipe builds none: rope_positions.py). The positions come from the data (each
+    document's own, from 0)."""
     for layer in model_config.layers:
         attention = getattr(layer, "attention", None)
         rope = getattr(attention, "rope", None)
         if rope is not None and rope.max_seq_len < seq_len:
-            log.info("upipe: %s RoPE table extended from %d to %d positions", type(rope).__qualname__,
+            log.info("upipe: %s RoPE range extended from %d to %d positions", type(rope).__qualname__,
                      rope.max_seq_len, seq_len)
             attention.rope = dataclasses.replace(rope, max_seq_len=seq_len)
 

@@ -68,13 +68,15 @@ def varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, wind
     return out.transpose(1, 2).squeeze(0)
 
 
-class _TorchWithExactAttention:
-    """torch as 0.3's attention module sees it, but for its bf16 cast: float32 instead."""
+def torch_with_fp32_attention():
+    """torch as 0.3's attention module sees it, but for the bf16 its varlen attention casts q,
+    k, v to: float32 (a module, which torch.compile reads like torch itself)."""
+    import types
 
-    bfloat16 = torch.float32
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
+    module = types.ModuleType("torch")
+    module.__dict__.update(torch.__dict__)
+    module.bfloat16 = torch.float32
+    return module
 
 
 def reference(window=None, kv_heads=None, exact: bool = False):
@@ -90,7 +92,7 @@ def reference(window=None, kv_heads=None, exact: bool = False):
     with contextlib.ExitStack() as patches:
         patches.enter_context(mock.patch("torchtitan.models.common.attention.varlen_attn", varlen_on_cpu))
         if exact:
-            patches.enter_context(mock.patch("torchtitan.models.common.attention.torch", _TorchWithExactAttention()))
+            patches.enter_context(mock.patch("torchtitan.models.common.attention.torch", torch_with_fp32_attention()))
         logits = model(tokens, positions, create_varlen_metadata_for_document(positions))
     (logits * dout).sum().backward()
     return logits.detach(), _grads(model)
@@ -152,9 +154,9 @@ CPU_CONFIG = "llama3_debugmodel_upipe_cpu"
 
 def load_config(*overrides: str, config: str = CPU_CONFIG):
     """A shipped 0.3 config through torchtitan's ConfigManager, command-line ``overrides``."""
-    from torchtitan.config import ConfigManager
+    from upipe_compile.estimate.job import load_config_03
 
-    return ConfigManager().parse_args(["--module", CONFIG_MODULE, "--config", config, *overrides])
+    return load_config_03(CONFIG_MODULE, config, list(overrides))
 
 
 def training_batch(seq: int, step: int):
@@ -173,17 +175,6 @@ def training_batch(seq: int, step: int):
     return {"input": tokens[:, :-1].contiguous(), "positions": positions}, labels
 
 
-
-
-def torch_with_fp32_attention():
-    """torch as 0.3's attention module sees it, but for the bf16 its varlen attention casts q,
-    k, v to: float32 (a module, which torch.compile reads like torch itself)."""
-    import types
-
-    module = types.ModuleType("torch")
-    module.__dict__.update(torch.__dict__)
-    module.bfloat16 = torch.float32
-    return module
 
 
 def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,

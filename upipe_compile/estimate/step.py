@@ -113,7 +113,9 @@ class PhaseTracker(FSDPMemTracker):
         layers = [int(m.group(1)) for name in parents if (m := _LAYER.search(name))]
         if layers:
             return (direction, max(layers), _part(parents))
-        if len(parents) > 1 and not self.outside_model.startswith("loss"):  # (0.3's loss runs lm_head itself)  # a model module outside the blocks: embedding, final norm, output
+        # a model module outside the blocks (embedding, final norm, output), unless the loss
+        # runs it (0.3's chunked loss calls lm_head itself)
+        if len(parents) > 1 and not self.outside_model.startswith("loss"):
             return (direction, "outside blocks")
         return (self.outside_model + (" backward" if self._mod_tracker.is_bw else ""),)
 
