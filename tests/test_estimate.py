@@ -4,6 +4,8 @@ and its refusals. Each run is its own process (it needs its own fake default gro
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import os
@@ -262,7 +264,9 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
     """Under selective op AC the compiled path saves each layer's upipe::attention outputs
     (out and the per-stage LSE; a fused block's output too), which the eager route
     recomputes: the estimate adds them."""
-    from upipe_compile.estimate import _sac_saved_attention_bytes
+    import torch
+
+    from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
 
     config, args, _ = debug_model
     world, heads_per_stage = 2, 2
@@ -271,10 +275,12 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
     out = batch * args.n_heads * (SEQ // world) * head_dim * 4  # fp32 debug TOML
     stages, q_per_rank = args.n_heads // heads_per_stage, heads_per_stage // world
     lse = stages * batch * q_per_rank * SEQ * 4
-    assert _sac_saved_attention_bytes(config, args, heads_per_stage, world, fused=False) == args.n_layers * (out + lse)
+    config = copy.deepcopy(config)
+    config.upipe.heads_per_stage = heads_per_stage
+    saved = functools.partial(attention_outputs_bytes_per_rank, config, args, world, torch.float32)
+    assert saved(fused=False) == args.n_layers * (out + lse)
     block_output = batch * (SEQ // world) * args.dim * 4  # the fused block's y is saved too
-    assert _sac_saved_attention_bytes(config, args, heads_per_stage, world, fused=True) == args.n_layers * (
-        out + lse + block_output)
+    assert saved(fused=True) == args.n_layers * (out + lse + block_output)
 
 
 def test_keep_attention_counts_the_kept_attention_outputs():
@@ -295,7 +301,7 @@ def test_saved_attention_output_uses_the_value_head_dim():
     own head_dim (Qwen3-32B: 128, not 5120 / 64 = 80), else dim / n_heads (Llama3)."""
     from types import SimpleNamespace
 
-    from upipe_compile.estimate import _value_head_dim
+    from upipe_compile.integrations.torchtitan.stack import value_head_dim as _value_head_dim
 
     assert _value_head_dim(SimpleNamespace(dim=7168, n_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                            v_head_dim=128)) == 128

@@ -99,19 +99,19 @@ def test_backward_fetches_each_input_when_its_blocks_backward_begins(monkeypatch
     from upipe_compile.stack import offload
 
     log = []
-    original_unpack, original_prefetch = offload._OffloadedInput.unpack, offload._OffloadedInput.prefetch
+    original_unpack, original_prefetch = offload._OffloadedTensor.unpack, offload._OffloadedTensor.prefetch
 
     def unpack(self):
-        log.append(("unpack", self.block_index))
+        log.append(("unpack", self.key[0]))
         return original_unpack(self)
 
     def prefetch(self):
         if self.fetched is None:
-            log.append(("copy to device", self.block_index))
+            log.append(("copy to device", self.key[0]))
         return original_prefetch(self)
 
-    monkeypatch.setattr(offload._OffloadedInput, "unpack", unpack)
-    monkeypatch.setattr(offload._OffloadedInput, "prefetch", prefetch)
+    monkeypatch.setattr(offload._OffloadedTensor, "unpack", unpack)
+    monkeypatch.setattr(offload._OffloadedTensor, "prefetch", prefetch)
     blocks = make_blocks(3, "eager")
     BlockInputOffloader(blocks)
     run(blocks, torch.randn(1, 5, DIM), torch.rand(3 * DIM))
@@ -218,7 +218,7 @@ def test_refused_pinning_falls_back_to_pageable_memory_said_once(caplog):
     assert calls == [2 * 5 * DIM * 4]  # tried once, not for every block
     warnings = [r.getMessage() for r in caplog.records if "pageable" in r.getMessage()]
     assert len(warnings) == 1 and "cudaError 2" in warnings[0]
-    assert all(not offloader._buffers[i].pinned for i in range(3))
+    assert all(not offloader._buffers[i, 0].pinned for i in range(3))
     assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
 
 

@@ -258,12 +258,39 @@ def test_keep_attention_runs_attention_once_per_step_with_the_same_numbers(rank_
             assert relative_error(kept[rank]["grads"][name], ref) < 1e-5, name
 
 
+def test_keep_attention_with_offload_moves_the_kept_outputs_to_host(rank_pools):
+    """keep_attention with offload_block_inputs: each block's kept attention outputs (the fused
+    op's y, o and stage LSEs) go to host beside its input, are fetched back for backward, and the
+    numbers equal full AC without either (fp32, every rank); the bytes moved are what
+    attention_outputs_bytes_per_rank says beside the block inputs."""
+    from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
+
+    full = ("--activation_checkpoint.mode=full",)
+    offload = (*full, "--upipe.offload_block_inputs", "--upipe.host_memory_reserve_gib=1")
+    plain = rank_pools(2).run(train_debug_model, 2, 2, None, full)
+    kept = rank_pools(2).run(train_debug_model, 2, 2, None, (*offload, "--upipe.keep_attention"))
+    inputs_only = rank_pools(2).run(train_debug_model, 2, 2, None, offload)
+    config = load_config(DEBUG_TOML, *offload, "--upipe.keep_attention", "--parallelism.context_parallel_degree=2")
+    layers = plain[0]["n_layers"]
+    for rank in range(2):
+        assert kept[rank]["counts"]["upipe::attention_block"] == layers, kept[rank]["counts"]
+        input_tensors, input_bytes = inputs_only[rank]["offloaded"][-1]
+        tensors, moved = kept[rank]["offloaded"][-1]
+        assert input_tensors == layers
+        assert tensors == 4 * layers  # input, y, o, lse
+        # fp32 debug model, fused blocks
+        assert moved - input_bytes == attention_outputs_bytes_per_rank(config, kept[rank]["model_args"], 2,
+                                                                       torch.float32, fused=True)
+        for a, b in zip(kept[rank]["losses"], plain[rank]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
+        for name, ref in plain[rank]["grads"].items():
+            assert relative_error(kept[rank]["grads"][name], ref) < 1e-5, name
+
+
 def test_keep_attention_refusals():
-    """keep_attention without full AC, with recompute_attention_output or with offloaded block
-    inputs is refused before the model is built, naming the keys."""
+    """keep_attention without full AC or with recompute_attention_output is refused before the
+    model is built, naming the keys."""
     message = refusal("--upipe.keep_attention", "--activation_checkpoint.mode=selective")
     assert '[upipe] keep_attention = true needs [activation_checkpoint] mode = "full"' in message
     message = refusal("--upipe.keep_attention", "--upipe.recompute_attention_output")
     assert "keep_attention = true and recompute_attention_output = true" in message
-    message = refusal("--upipe.keep_attention", "--upipe.offload_block_inputs")
-    assert "keep_attention = true with offload_block_inputs = true is not supported yet" in message

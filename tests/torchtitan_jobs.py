@@ -181,7 +181,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         "rope_table": first_rope, "full_rope_table": full_rope,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
         "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type, "documents": document_counts,
-        "local_tokens": inputs.numel(), "seq_local": inputs.shape[1], "dim": model_args.dim,
+        "local_tokens": inputs.numel(), "seq_local": inputs.shape[1], "dim": model_args.dim, "model_args": model_args,
     }
 
 

@@ -111,9 +111,6 @@ def config_problems(config) -> list[str]:
     if cfg.offload_block_inputs and not full_ac:
         problems.append(f"upipe.offload_block_inputs = True needs activation_checkpoint = FullAC.Config() (got "
                         f"{type(ac).__qualname__}): only then is the block input all a block saves")
-    if cfg.offload_block_inputs and cfg.keep_attention:
-        problems.append("upipe.keep_attention with upipe.offload_block_inputs is not supported yet: the kept "
-                        "attention outputs stay on the GPU, beside the offloaded block inputs")
     problems += _model_problems(config, a2a)
     return problems
 
@@ -229,6 +226,17 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,
     )
     _sum_reductions_on_gloo(model, dp_mesh)
-    model_dims = SimpleNamespace(n_layers=len(model.layers), dim=job.model_spec.model.dim)
+    model_dims = model_dims_03(job.model_spec.model)
     stack.install_offload(model, job, parallel_dims, model_dims)
     return model
+
+
+def model_dims_03(model_config):
+    """What the offload and the estimate read of a 0.3 model config, under 0.2.2's
+    ``model_args`` names."""
+    attention = model_config.layers[0].attention
+    return SimpleNamespace(
+        n_layers=len(model_config.layers), dim=model_config.dim, vocab_size=model_config.vocab_size,
+        n_heads=attention.n_heads, n_kv_heads=getattr(attention, "n_kv_heads", None) or attention.n_heads,
+        head_dim=getattr(attention, "head_dim", None) or model_config.dim // attention.n_heads,
+    )

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from upipe_compile.stack.chunked_loss import LazyOutputProjection, lazy_logits_cross_entropy
 from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.integrations.torchtitan.measurement import host_device
 from upipe_compile.stack.offload import (
     BlockInputOffloader, host_bytes_per_rank, host_memory_problem, ranks_per_node, usable_host_memory,
@@ -77,9 +78,6 @@ def _keep_attention_problems(cfg, job_config) -> list[str]:
     if cfg.recompute_attention_output:
         problems.append("[upipe] keep_attention = true and recompute_attention_output = true ask for opposite "
                         "things (keep the attention output / run attention again in backward): set one")
-    if cfg.offload_block_inputs:
-        problems.append("[upipe] keep_attention = true with offload_block_inputs = true is not supported yet: "
-                        "the kept attention outputs stay on the GPU, beside the offloaded block inputs")
     return problems
 
 
@@ -147,12 +145,48 @@ def activation_dtype(job_config, parallel_dims) -> torch.dtype:
     return torch.float32
 
 
+def value_head_dim(model_args) -> int:
+    """The attention output's head dim: MLA's ``v_head_dim`` (its q/k heads are wider),
+    else the model's ``head_dim`` (Qwen3's is not dim / n_heads), else dim / n_heads (Llama)."""
+    for name in ("v_head_dim", "head_dim"):
+        if getattr(model_args, name, None):
+            return getattr(model_args, name)
+    return model_args.dim // model_args.n_heads
+
+
+def attention_outputs_bytes_per_rank(job_config, model_args, cp: int, dtype: torch.dtype, fused: bool) -> int:
+    """What every layer's kept attention ops' outputs take on one rank (``keep_attention``, or
+    selective op AC, which saves the ops too): ``upipe::attention``'s output ``[B, Hq, S/P, D]``
+    in ``dtype`` and per-stage LSE ``[B, m, S/R]`` fp32 (over the all-to-all's ranks' tokens: the
+    ring rank's share with a ring of R), and with ``fused`` blocks their output ``[B, S/P, dim]``."""
+    from upipe_compile.attention.schedule import plan_stages
+
+    cfg = upipe_config(job_config)
+    a2a = cfg.all_to_all_degree(cp)
+    schedule = plan_stages(model_args.n_heads, model_args.n_kv_heads or model_args.n_heads, a2a,
+                           resolved_heads_per_stage(cfg.heads_per_stage_option, a2a))
+    batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
+    element = torch.empty((), dtype=dtype).element_size()
+    out = batch * model_args.n_heads * (seq // cp) * value_head_dim(model_args) * element
+    lse = len(schedule.stages) * batch * schedule.q_per_rank * (seq // (cp // a2a)) * 4
+    block_output = batch * (seq // cp) * model_args.dim * element if fused else 0
+    return model_args.n_layers * (out + lse + block_output)
+
+
 def offload_host_bytes_per_rank(job_config, parallel_dims, model_args) -> int:
-    """Host memory the offloaded block inputs take per rank (0 when offload is off)."""
-    if not upipe_config(job_config).offload_block_inputs:
+    """Host memory the offloader takes per rank (0 when offload is off): the block inputs, and
+    with ``keep_attention`` the kept attention outputs (fused blocks unless
+    ``fuse_projections = false``)."""
+    cfg = upipe_config(job_config)
+    if not cfg.offload_block_inputs:
         return 0
     tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp
-    return host_bytes_per_rank(model_args.n_layers, tokens, model_args.dim, activation_dtype(job_config, parallel_dims))
+    dtype = activation_dtype(job_config, parallel_dims)
+    inputs = host_bytes_per_rank(model_args.n_layers, tokens, model_args.dim, dtype)
+    if not cfg.keep_attention:
+        return inputs
+    return inputs + attention_outputs_bytes_per_rank(job_config, model_args, parallel_dims.cp, dtype,
+                                                     fused=cfg.fuse_projections)
 
 
 def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_bytes: int | None = None,
@@ -170,10 +204,12 @@ def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_byte
     reserve = int(upipe_config(job_config).host_memory_reserve_gib * (1 << 30))
     problem = host_memory_problem(per_rank, ranks, total, reserve, what)
     if problem:
+        keep = " (with keep_attention's attention outputs)" if upipe_config(job_config).keep_attention else ""
         raise UnsupportedAttention(
-            f"[upipe] offload_block_inputs = true: {problem}. Lower [training] seq_len, raise "
-            "[parallelism] context_parallel_degree (more nodes), or lower [upipe] host_memory_reserve_gib."
-        )
+            f"[upipe] offload_block_inputs = true{keep}: {problem}. Lower [training] seq_len, raise "
+            "[parallelism] context_parallel_degree (more nodes), lower [upipe] host_memory_reserve_gib"
+            + (", or set [upipe] keep_attention = false (its attention outputs are part of that memory)."
+               if keep else "."))
     log.info("upipe: offload needs %.1f GiB host memory per rank, %.1f GiB for %d ranks on this node",
              per_rank / (1 << 30), per_rank * ranks / (1 << 30), ranks)
 
@@ -193,7 +229,8 @@ def install_offload(model: nn.Module, job_config, parallel_dims, model_args=None
     if not _on_fake_process_group():
         check_offload_fits_host(job_config, parallel_dims, model_args or model.model_args)
     # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
-    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device())
+    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device(),
+                                    kept_outputs=upipe_config(job_config).keep_attention)
     model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule
     return offloader
 

@@ -80,10 +80,13 @@ def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(
             assert ours <= bound, (name, ours, bound)
 
 
-def test_keep_attention_runs_attention_forward_once_and_equals_cp1(rank_pools):
+@pytest.mark.parametrize("overrides", [(), ("--upipe.offload_block_inputs", "--upipe.host_memory_reserve_gib=0")],
+                         ids=["on-device", "offloaded"])
+def test_keep_attention_runs_attention_forward_once_and_equals_cp1(rank_pools, overrides):
     """Full AC reruns each block in backward; with upipe.keep_attention its fused attention
-    block is not rerun: one forward per layer per step instead of two."""
-    kept = rank_pools(2).run(jobs.train, 2, STEPS, ("--upipe.keep_attention",))
+    block is not rerun: one forward per layer per step instead of two; the kept outputs stay on
+    the device or go to host beside the offloaded block inputs."""
+    kept = rank_pools(2).run(jobs.train, 2, STEPS, ("--upipe.keep_attention", *overrides))
     assert_equals_cp1(kept, reference(rank_pools))
     for *_, events in kept:
         assert events.get("upipe::attention_block") == jobs.LAYERS, events

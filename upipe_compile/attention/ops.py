@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from upipe_compile.attention import collectives
+from upipe_compile.attention import collectives, op_outputs
 from upipe_compile.packed.documents import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.stage_loop import (
@@ -71,7 +71,9 @@ def attention_op(
                                               window_left, window_right, softcap, ring_group_name)
     check_world(world_size, group_name)
     documents = documents_of(cu_seqlens, q.shape[2], group_name, q.device, ring_group_name)
-    return stage_loop_forward(q, k, v, settings, documents, sinks)
+    out, lse = stage_loop_forward(q, k, v, settings, documents, sinks)
+    op_outputs.report(out, lse)
+    return out, lse
 
 
 @attention_op.register_fake
@@ -80,7 +82,9 @@ def _attention_fake(q, k, v, is_causal, scale, heads_per_stage, world_size, grou
     schedule = schedule_for(q, k, world_size, heads_per_stage)
     batch, _, s_local, _ = q.shape
     lse = q.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
-    return q.new_empty(q.shape), lse
+    out = q.new_empty(q.shape)
+    op_outputs.report(out, lse)
+    return out, lse
 
 
 @torch.library.custom_op("upipe::attention_backward", mutates_args=(), tags=OP_TAGS)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from upipe_compile.attention import collectives
+from upipe_compile.attention import collectives, op_outputs
 from upipe_compile.attention.ops import OP_TAGS, check_world
 from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH
 from upipe_compile.attention.checks import AttentionCall, attention_problems
@@ -100,7 +100,9 @@ def attention_block_op(
     settings = BlockSettings.from_op_args(region_id, heads_per_stage, world_size, group_name, prefetch,
                                           recompute_attention_output, ring_group_name)
     check_world(world_size, group_name)
-    return _run_forward(x, BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras)), settings, cu_seqlens)
+    outputs = _run_forward(x, BlockWeights(wq, bq, wk, bk, wv, bv, wo, bo, list(extras)), settings, cu_seqlens)
+    op_outputs.report(*outputs)
+    return outputs
 
 
 @attention_block_op.register_fake
@@ -113,6 +115,7 @@ def _attention_block_fake(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens,
     o = x.new_empty((0,) if recompute_attention_output else (batch, region.q_heads, s_local, region.head_dim),
                     dtype=region.attention_dtype or x.dtype)
     lse = x.new_empty(schedule.lse_shape(batch, s_local), dtype=torch.float32)
+    op_outputs.report(y, o, lse)
     return y, o, lse
 
 

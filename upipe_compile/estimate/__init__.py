@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from upipe_compile.measure import workspace
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
@@ -25,8 +25,10 @@ from upipe_compile.estimate.job import (
     JobError, build_job, build_job_03, load_job_config, private_sharding_fake_mode, world_size,
 )
 from upipe_compile.integrations.torchtitan.release import python_configs
+from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step
+from upipe_compile.estimate.step_time import H100, ModelShape, Setup, shape_of, step_time, ulysses
 
 H100_80GB_GIB = 79.1
 """What torch reports as the total memory of an "80 GB" H100."""
@@ -72,6 +74,12 @@ class Estimate:
     """Device peak within each phase of the step: where the next saving must come from."""
     modelled: dict[str, float]
     """Terms added to the measured peak because the fake-tensor run cannot show them (GiB)."""
+    modelled_host: dict[str, float]
+    """The same for ``host_gib_per_rank``: keep_attention's outputs offloaded beside the block inputs."""
+    step_time: dict
+    """The step-time model's expected seconds per step on an H100 (step_time.py): this job's
+    phases and total, and beside it Ulysses (all heads per stage, plain full AC), UPipe with
+    this job's U without keep_attention, and with it, at the same context."""
     attention_calls: dict[str, int]
     """How the step's attention ran, as forward calls of each op's eager twin (AC's
     recompute included): "fused block" (``upipe::attention_block``), "stage-loop op"
@@ -107,13 +115,19 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     a2a = cfg.all_to_all_degree(cp)
     heads_per_stage = resolved_heads_per_stage(cfg.heads_per_stage_option, a2a)
     calls = dict(eager_calls)
-    modelled = {}
+    modelled, modelled_host = {}, {}
     if cp > 1 and _op_selective_ac(job_config):
-        modelled["sac_saved_attention_outputs"] = _gib(_sac_saved_attention_bytes(
-            job_config, job.model_args, heads_per_stage, a2a, fused="fused block" in calls))
+        kept = _gib(attention_outputs_bytes_per_rank(job_config, job.model_args, cp, _param_dtype(job_config),
+                                                     fused="fused block" in calls))
+        if cfg.offload_block_inputs:
+            # On host beside the block inputs; on the device each comes back with its block's
+            # input, where full AC's recompute (what the step ran) makes the same tensors.
+            modelled_host["kept_attention_outputs"] = kept
+        else:
+            modelled["sac_saved_attention_outputs"] = kept
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     budget = budget_gib(gpu_gib)
-    host = memory.host_peak / GIB
+    host = memory.host_peak / GIB + sum(modelled_host.values())
     host_per_node = host * min(world, gpus_per_node)
     fits_device, fits_host = peak <= budget, host_per_node <= host_gib
     return Estimate(
@@ -125,7 +139,9 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         host_budget_gib_per_node=float(host_gib),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
         breakdown=_breakdown(memory), block_recompute=_block_recompute(memory),
-        phase_peaks=_phase_peaks(memory), modelled=modelled, attention_calls=calls, seconds=round(time.time() - start, 1),
+        phase_peaks=_phase_peaks(memory), modelled=modelled, modelled_host=modelled_host,
+        step_time=_step_time(job_config, shape_of(job.model, job.model_args), heads_per_stage, cp // a2a),
+        attention_calls=calls, seconds=round(time.time() - start, 1),
     )
 
 
@@ -144,38 +160,48 @@ def _op_selective_ac(job_config) -> bool:
     return keep or (ac.mode == "selective" and ac.selective_ac_option == "op")
 
 
-def _sac_saved_attention_bytes(job_config, model_args, heads_per_stage: int, a2a: int, fused: bool) -> int:
-    """Selective op AC: the compiled path saves every layer's ``upipe::attention`` (or
-    ``upipe::attention_block``) outputs (the ops are in the save list) where the eager route
-    recomputes them, as aten's CPU attention kernels are not in torchtitan's list. Counted for
-    all layers (they are all alive at the loss, and the peak is never before it by more than a
-    layer's worth): out ``[B, Hq, S/P, D]`` in the activation dtype and the per-stage LSE
-    ``[B, m, S/R]`` fp32 (over the all-to-all's ``a2a`` ranks' tokens: the ring rank's share
-    with a ring of R); a fused block's output ``[B, S/P, dim]`` too."""
+def step_setup(job_config, heads_per_stage: int, ring_degree: int) -> Setup:
+    """The step-time model's view of a job."""
+    from upipe_compile.integrations.torchtitan.config import upipe_config
+
+    cfg = upipe_config(job_config)
+    return Setup(seq_len=job_config.training.seq_len * job_config.training.local_batch_size,
+                 cp=job_config.parallelism.context_parallel_degree, heads_per_stage=heads_per_stage,
+                 ring_degree=ring_degree, full_ac=_full_ac(job_config), keep_attention=cfg.keep_attention,
+                 recompute_attention_output=cfg.recompute_attention_output,
+                 offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize)
+
+
+def _full_ac(job_config) -> bool:
+    ac = job_config.activation_checkpoint
+    if python_configs():
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        return isinstance(ac, FullAC.Config)
+    return ac.mode == "full"
+
+
+def _step_time(job_config, shape: ModelShape, heads_per_stage: int, ring_degree: int) -> dict:
+    setup = step_setup(job_config, heads_per_stage, ring_degree)
+    this = step_time(shape, setup)
+    seconds = {
+        "ulysses": step_time(shape, ulysses(replace(setup, keep_attention=False), shape)).total,
+        "upipe": step_time(shape, replace(setup, keep_attention=False)).total,
+        "upipe_keep": step_time(shape, replace(setup, keep_attention=setup.full_ac)).total,
+    }
+    return {"device": H100.name, "shape": asdict(shape), "seconds": _round(this.total), "tokens_per_s": round(this.tokens_per_s(setup.seq_len), 1),
+            "phases": {k: _round(v) for k, v in asdict(this).items()},
+            "methods_seconds": {k: _round(v) for k, v in seconds.items()}}
+
+
+def _round(seconds: float) -> float:
+    return float(f"{seconds:.4g}")
+
+
+def _param_dtype(job_config):
     from torchtitan.config import TORCH_DTYPE_MAP
 
-    from upipe_compile.attention.schedule import plan_stages
-
-    cp = job_config.parallelism.context_parallel_degree
-    ring = cp // a2a
-    batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
-    q_heads, kv_heads = model_args.n_heads, model_args.n_kv_heads or model_args.n_heads
-    head_dim = _value_head_dim(model_args)
-    element = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param].itemsize
-    schedule = plan_stages(q_heads, kv_heads, a2a, heads_per_stage)
-    out = batch * q_heads * (seq // cp) * head_dim * element
-    lse = len(schedule.stages) * batch * schedule.q_per_rank * (seq // ring) * 4
-    block_output = batch * (seq // cp) * model_args.dim * element if fused else 0
-    return model_args.n_layers * (out + lse + block_output)
-
-
-def _value_head_dim(model_args) -> int:
-    """The attention output's head dim: MLA's ``v_head_dim`` (its q/k heads are wider),
-    else the model's ``head_dim`` (Qwen3's is not dim / n_heads), else dim / n_heads (Llama)."""
-    for name in ("v_head_dim", "head_dim"):
-        if getattr(model_args, name, None):
-            return getattr(model_args, name)
-    return model_args.dim // model_args.n_heads
+    return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
 
 
 # FSDPMemTracker's categories, grouped as the report names them.

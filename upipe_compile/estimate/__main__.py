@@ -1,4 +1,4 @@
-"""python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context]
+"""python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context | --plan]
 [--gpu-gib G] [--gpus-per-node N] [--host-gib H] [--cuda-kernel K] [--json]
 
 Every argument this command does not know is a torchtitan override (``--training.seq_len
@@ -33,6 +33,9 @@ def parse_args(argv):
     parser.add_argument("--max-context", action="store_true",
                         help="search the largest seq_len (a multiple of 1024 x CP degree) that fits both the GPU "
                              "and the host budget, and say which bound stopped it")
+    parser.add_argument("--plan", action="store_true",
+                        help="at the job's seq_len, the fastest setting by the step-time model (heads_per_stage, "
+                             "ring_degree, keep_attention, offload_block_inputs) that fits both budgets")
     parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB,
                         help=f"GPU memory as torch reports it (default {H100_80GB_GIB}: an 80 GB H100)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for host memory per node")
@@ -87,12 +90,36 @@ def format_report(result: Estimate) -> str:
                  + ", ".join(f"{name} {peak:.2f}" for name, peak in result.phase_peaks.items()))
     for key, value in result.modelled.items():
         lines.append(f"modelled, added to the peak: {key.replace('_', ' ')} {value:.2f} GiB")
+    for key, value in result.modelled_host.items():
+        lines.append(f"modelled, added to host memory: {key.replace('_', ' ')} {value:.2f} GiB per rank")
     lines.append(f"host memory (offloaded activations): {result.host_gib_per_rank:.2f} GiB per rank, "
                  f"{result.host_gib_per_node:.2f} GiB per node")
     lines.append(f"  host budget per node       {result.host_budget_gib_per_node:8.2f} GiB   -> "
                  + ("fits" if result.fits_host else
                     f"DOES NOT FIT (over by {result.host_gib_per_node - result.host_budget_gib_per_node:.2f} GiB)"))
+    lines.append(format_step_time(result))
     return "\n".join(lines)
+
+
+def format_step_time(result: Estimate) -> str:
+    model = result.step_time
+    methods = model["methods_seconds"]
+    phases = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in model["phases"].items() if v)
+    return (f"step-time model ({model['device']}): {model['seconds']:.4g} s per step, {model['tokens_per_s']:,.0f} "
+            f"tokens/s ({phases}); at this context Ulysses {methods['ulysses']:.4g} s, UPipe {methods['upipe']:.4g} s, "
+            f"UPipe + keep_attention {methods['upipe_keep']:.4g} s")
+
+
+def format_plan(found) -> str:
+    lines = [f"plan: {' '.join(found.overrides()) or '(the job as given)'}",
+             "  " + ", ".join(f"{k} = {v}" for k, v in found.settings.items()),
+             f"  modelled step {found.seconds:.4g} s; Ulysses at this context "
+             f"{found.result.step_time['methods_seconds']['ulysses']:.4g} s "
+             f"({found.result.step_time['methods_seconds']['ulysses'] / found.seconds:.3f}x its throughput)",
+             "settings tried, fastest first:"]
+    for settings, seconds, outcome in found.tried:
+        lines.append(f"  {seconds:10.4g} s  " + ", ".join(f"{k}={v}" for k, v in settings.items()) + f": {outcome}")
+    return "\n".join(lines + ["the plan's estimate:", format_report(found.result)])
 
 
 def main(argv=None) -> int:
@@ -115,6 +142,16 @@ def main(argv=None) -> int:
             text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB of GPU after its reserve and "
                     f"{args.host_gib} GiB of host memory per node; {stopped} ({len(probes)} probes)\n"
                     + format_report(result))
+        elif args.plan:
+            from dataclasses import asdict
+
+            from upipe_compile.estimate.plan import plan
+
+            found = plan(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
+                         cuda_kernel=args.cuda_kernel)
+            payload = {"plan": found.settings, "overrides": found.overrides(), "seconds": found.seconds,
+                       "tried": found.tried, "estimate": asdict(found.result)}
+            text = format_plan(found)
         else:
             result = estimate(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
                               host_gib=args.host_gib, cuda_kernel=args.cuda_kernel)

@@ -168,18 +168,6 @@ def load_config_03(module: str, config_name: str, overrides: list[str]):
     return ConfigManager().parse_args(["--module", module, "--config", config_name, *overrides])
 
 
-def model_dims_03(model_config):
-    """What the estimate reads of a 0.3 model config, under 0.2.2's ``model_args`` names."""
-    from types import SimpleNamespace
-
-    attention = model_config.layers[0].attention
-    return SimpleNamespace(
-        n_layers=len(model_config.layers), dim=model_config.dim, vocab_size=model_config.vocab_size,
-        n_heads=attention.n_heads, n_kv_heads=getattr(attention, "n_kv_heads", None) or attention.n_heads,
-        head_dim=getattr(attention, "head_dim", None) or model_config.dim // attention.n_heads,
-    )
-
-
 def build_job_03(config, fake_mode) -> Job:
     """:func:`build_job` for a torchtitan 0.3 job (a :class:`UPipeTrainer.Config`): the
     Trainer's take-over of the job, ParallelDims, the meta build, the ModelSpec's
@@ -187,6 +175,7 @@ def build_job_03(config, fake_mode) -> Job:
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import ParallelDims
 
+    from upipe_compile.integrations.torchtitan.parallelize_03 import model_dims_03
     from upipe_compile.integrations.torchtitan.trainer_03 import take_over
 
     torchtitan_on_cpu()

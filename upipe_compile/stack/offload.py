@@ -45,6 +45,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from upipe_compile.attention import op_outputs
+
 log = logging.getLogger(__name__)
 
 
@@ -214,16 +216,22 @@ class _Copier:
         return dst
 
 
-class _OffloadedInput:
-    """One block's saved input, in the block's host buffer between its forward and its recompute."""
+class _OffloadedTensor:
+    """One saved tensor of a block (its input, or a kept attention output), in its host buffer
+    between the block's forward and its backward."""
 
-    def __init__(self, offloader: "BlockInputOffloader", block_index: int, tensor: torch.Tensor):
-        self.offloader, self.block_index = offloader, block_index
+    def __init__(self, offloader: "BlockInputOffloader", key: tuple[int, int], tensor: torch.Tensor):
+        self.offloader, self.key = offloader, key
         self.device = tensor.device
-        self.buffer = offloader._host_buffer(block_index, tensor)
+        self.source = weakref.ref(tensor)  # to tell a second save of the same tensor
+        self.buffer = offloader._host_buffer(key, tensor)
         self.buffer.user = weakref.ref(self)
         offloader.copier.copy(tensor, self.buffer.tensor)  # the copy back follows it on the side stream
         self.fetched = None  # (device tensor, event) once a prefetch has started
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        source = self.source()
+        return source is not None and _same_view(tensor, source)
 
     def prefetch(self) -> None:
         if self.fetched is None:
@@ -245,26 +253,34 @@ class BlockInputOffloader:
     drops the host buffers. ``host_device`` is where inputs wait ("cpu"; a memory estimate on
     fake tensors may pass "meta" to keep host bytes apart from device bytes).
 
+    ``kept_outputs``: also offload the attention outputs a block saves for backward
+    (``keep_attention``: upipe's attention ops report them, :mod:`upipe_compile.attention.op_outputs`),
+    each to its own buffer, fetched back with the block input. They reach the hooks where the
+    block is compiled (the compiled function saves them); an eager selective checkpoint keeps
+    them in its own cache, out of reach, which is logged once.
+
     ``pin(tensor)`` page-locks a new host buffer in place and returns the undo, raising when it
     cannot; by default :func:`cuda_host_register` when the inputs are on CUDA, none otherwise.
     After a refusal the buffers stay pageable (logged once).
 
     ``offloaded_last_step`` counts the tensors moved to host since the first block's last
-    forward, and ``offloaded_bytes_last_step`` their bytes (what :func:`host_bytes_per_rank`
-    predicts). :meth:`host_buffer` is block i's host buffer."""
+    forward, and ``offloaded_bytes_last_step`` their bytes (:func:`host_bytes_per_rank` predicts
+    the block inputs' share). :meth:`host_buffer` is block i's input buffer."""
 
     def __init__(self, blocks: Sequence[nn.Module], host_device: torch.device | str = "cpu",
-                 pin: Callable[[torch.Tensor], Callable[[], None]] | None = None):
+                 pin: Callable[[torch.Tensor], Callable[[], None]] | None = None, kept_outputs: bool = False):
         self.blocks = list(blocks)
         if not self.blocks:
             raise ValueError("BlockInputOffloader needs at least one block")
         self.host_device = torch.device(host_device)
-        self._pin, self._pin_refused = pin, False
+        self.kept_outputs = kept_outputs
+        self._pin, self._pin_refused, self._kept_unreached_said = pin, False, False
         self.copier = None
         self._current: tuple[int, torch.Tensor] | None = None  # (block index, its input) during a forward
-        self._context = None
-        self._by_block: dict[int, weakref.ref] = {}
-        self._buffers: dict[int, _HostBuffer] = {}
+        self._reported: list[weakref.ref] = []  # attention outputs made during the current forward
+        self._contexts = []
+        self._by_block: dict[int, list[weakref.ref]] = {}
+        self._buffers: dict[tuple[int, int], _HostBuffer] = {}
         self.offloaded_last_step = 0
         self.offloaded_bytes_last_step = 0
         self._handles = []
@@ -273,15 +289,15 @@ class BlockInputOffloader:
             self._handles.append(block.register_forward_hook(self._post_hook, always_call=True))
 
     def host_buffer(self, index: int) -> torch.Tensor | None:
-        """Block ``index``'s host buffer (None before its first offloaded forward)."""
-        buffer = self._buffers.get(index)
+        """Block ``index``'s input buffer (None before its first offloaded forward)."""
+        buffer = self._buffers.get((index, 0))
         return buffer.tensor if buffer is not None else None
 
-    def _host_buffer(self, index: int, tensor: torch.Tensor) -> _HostBuffer:
-        buffer = self._buffers.get(index)
+    def _host_buffer(self, key: tuple[int, int], tensor: torch.Tensor) -> _HostBuffer:
+        buffer = self._buffers.get(key)
         if buffer is None or not buffer.reusable_for(tensor):
-            host = torch.empty_like(tensor, device=self.host_device)  # exactly the input's bytes
-            buffer = self._buffers[index] = _HostBuffer(host, self._pinned(host), self.copier.stream)
+            host = torch.empty_like(tensor, device=self.host_device)  # exactly the tensor's bytes
+            buffer = self._buffers[key] = _HostBuffer(host, self._pinned(host), self.copier.stream)
         return buffer
 
     def _pinned(self, host: torch.Tensor) -> Callable[[], None] | None:
@@ -315,47 +331,82 @@ class BlockInputOffloader:
                 self._by_block.clear()
                 self.offloaded_last_step = self.offloaded_bytes_last_step = 0
             self._current = (index, x)
-            self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._context.__enter__()
+            self._reported = []
+            self._contexts = [torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)]
+            if self.kept_outputs:
+                self._contexts.append(op_outputs.listening(self._note_outputs))
+            for context in self._contexts:
+                context.__enter__()
             return None
         return hook
 
+    def _note_outputs(self, tensors: tuple) -> None:
+        self._reported += [weakref.ref(t) for t in tensors if t.numel()]
+
     def _post_hook(self, module, args, output):
-        if self._context is not None:
-            (index, _), context = self._current, self._context
-            self._context = self._current = None
-            context.__exit__(None, None, None)
-            if isinstance(output, torch.Tensor) and output.requires_grad and index in self._by_block:
+        if self._contexts:
+            (index, _), contexts = self._current, self._contexts
+            self._contexts, self._current = [], None
+            for context in reversed(contexts):
+                context.__exit__(None, None, None)
+            self._say_if_kept_unreached(index)
+            self._reported = []
+            if isinstance(output, torch.Tensor) and output.requires_grad and self._by_block.get(index):
                 output.register_hook(self._fetch_when_backward_arrives(index))
         return None
 
+    def _say_if_kept_unreached(self, index: int) -> None:
+        """An attention output still alive after the forward and not offloaded is held by an
+        eager selective checkpoint's cache: it stays on the device."""
+        offloaded = [h() for h in self._by_block.get(index, ())]
+        for ref in self._reported:
+            tensor = ref()
+            if tensor is not None and not any(h is not None and h.holds(tensor) for h in offloaded):
+                if not self._kept_unreached_said:
+                    self._kept_unreached_said = True
+                    log.warning("upipe offload: block %d keeps an attention output on the device: only compiled "
+                                "blocks hand their kept attention outputs to the offloader", index)
+                return
+
     def _fetch_when_backward_arrives(self, index: int):
         """A hook on block ``index``'s output: its gradient is there, so the block's backward
-        (and the recompute that needs its input) comes next: start the copy back."""
+        (and the recompute that needs its input) comes next: start the copies back."""
         def hook(_grad):
-            handle = self._by_block.get(index)
-            handle = handle() if handle is not None else None
-            if handle is not None:
-                handle.prefetch()
+            for ref in self._by_block.get(index, ()):
+                handle = ref()
+                if handle is not None:
+                    handle.prefetch()
         return hook
 
     def _pack(self, tensor: torch.Tensor):
         index, x = self._current
-        if not _same_view(tensor, x):
+        if _same_view(tensor, x):
+            slot = 0
+        elif self.kept_outputs and any(_aliases(tensor, ref()) for ref in self._reported):
+            slot = None
+        else:
             return tensor
-        existing = self._by_block.get(index)
-        handle = existing() if existing is not None else None
-        if handle is None:  # the same input saved twice shares one host copy
-            handle = _OffloadedInput(self, index, tensor)
-            self._by_block[index] = weakref.ref(handle)
-            self.offloaded_last_step += 1
-            self.offloaded_bytes_last_step += tensor.numel() * tensor.element_size()
+        handles = self._by_block.setdefault(index, [])
+        for ref in handles:  # the same tensor saved twice shares one host copy
+            handle = ref()
+            if handle is not None and handle.holds(tensor):
+                return handle
+        if slot is None:  # a kept output: slots after the input's, in the order they are saved
+            slot = len(handles) + 1
+        handle = _OffloadedTensor(self, (index, slot), tensor)
+        handles.append(weakref.ref(handle))
+        self.offloaded_last_step += 1
+        self.offloaded_bytes_last_step += tensor.numel() * tensor.element_size()
         return handle
 
     def _unpack(self, packed):
-        if not isinstance(packed, _OffloadedInput):
+        if not isinstance(packed, _OffloadedTensor):
             return packed
         return packed.unpack()  # copies now unless the output-gradient hook started it
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return b is not None and a.device == b.device and torch._C._is_alias_of(a, b)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

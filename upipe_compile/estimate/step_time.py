@@ -1,0 +1,182 @@
+"""Step-time model: the expected seconds of one training step per rank, phase by phase, from
+FLOPs and bytes and what a device sustains of each.
+
+Per layer and rank, with ``n = S / P`` local tokens of a ``S``-token row over ``P`` ranks:
+
+- the layer's linear algebra (projections, MLP): ``2 n W`` FLOPs forward for ``W`` weights, twice
+  that backward, at the device's matmul rate;
+- attention: ``4 S^2 D Hq / P`` FLOPs forward (half that causal), 2.5 x that backward (five
+  matmuls against two), at the attention kernel's rates;
+- the all-to-alls: q, k, v and the output forward; backward the stage loop gathers q, k, v,
+  the output and its gradient again and returns dq, dk, dv: ``(A - 1) / A`` of each local tensor
+  crosses the link. UPipe sends the same bytes in ``m`` stages and overlaps all but one stage's
+  with attention; Ulysses (one stage) overlaps none. Each collective also pays a launch latency;
+- a ring of R: each rank's K/V share goes round R - 1 times per attention run and twice more
+  (with its dK/dV) in backward, hidden under attention but for its latency.
+
+Full activation checkpointing runs each layer's forward again in backward: the linear algebra
+always, attention and its all-to-alls unless ``keep_attention`` keeps them
+(``recompute_attention_output`` runs attention once more in backward). The output projection
+and loss add ``6 n V dim`` FLOPs per step. Offloaded block inputs and kept outputs travel over
+the host link while the blocks compute; only what a layer's transfer exceeds its compute is
+counted.
+
+The device rates are sustained rates, not peaks: :data:`H100` states where its numbers come
+from. A CPU run is modelled with rates measured on the machine (benchmarks/keep_speed.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    matmul_flops: float
+    """Sustained dense matmul FLOP/s in the activation dtype."""
+    attention_forward_flops: float
+    attention_backward_flops: float
+    """Sustained FLOP/s of the attention kernel's forward and backward (causal, long rows)."""
+    all_to_all_bytes: float
+    """Bytes per second one rank sends to ranks of its own node (the GPUs' link, sustained)."""
+    inter_node_bytes: float
+    """Bytes per second one rank sends to other nodes."""
+    collective_latency_s: float
+    """Fixed cost of one collective call."""
+    host_link_bytes: float
+    """Device <-> host bytes per second per rank (offload)."""
+
+
+H100 = Device(
+    # H100 SXM: 989 TFLOP/s dense bf16 peak, ~70% sustained in large GEMMs; FlashAttention-2's
+    # reported long-sequence causal rates on H100 (~330 TFLOP/s forward, ~270 backward); NVLink 4
+    # at 450 GB/s per direction, ~80% in all-to-all; one 400 Gb/s InfiniBand NIC per GPU between
+    # nodes; PCIe 5 x16 at ~50 GB/s per GPU.
+    name="H100 SXM 80GB", matmul_flops=0.70 * 989e12, attention_forward_flops=330e12,
+    attention_backward_flops=270e12, all_to_all_bytes=0.8 * 450e9, inter_node_bytes=0.8 * 50e9,
+    collective_latency_s=30e-6,
+    host_link_bytes=50e9,
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layers: int
+    dim: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    layer_weights: int
+    """Weights of one layer's matmuls (projections and MLP)."""
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the step runs: the row, its split, the method and the stack's choices."""
+    seq_len: int
+    cp: int
+    heads_per_stage: int
+    """U over the all-to-all ranks; ``q_heads`` (all heads) is Ulysses."""
+    ring_degree: int = 1
+    causal: bool = True
+    full_ac: bool = True
+    keep_attention: bool = False
+    recompute_attention_output: bool = False
+    offload_block_inputs: bool = False
+    element_bytes: int = 2
+    ranks_per_node: int = 8
+    """Consecutive ranks share a node: an all-to-all or ring wider than this crosses nodes."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step by phase; ``total`` is their sum."""
+    linear: float
+    attention: float
+    all_to_all: float
+    ring: float
+    offload: float
+    head_and_loss: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.all_to_all + self.ring + self.offload + self.head_and_loss
+
+    def tokens_per_s(self, seq_len: int) -> float:
+        """Tokens of the row per second (every rank works on the same row)."""
+        return seq_len / self.total
+
+
+def attention_forward_flops(shape: ModelShape, setup: Setup) -> float:
+    """One layer's attention forward on one rank."""
+    full = 4.0 * setup.seq_len ** 2 * shape.head_dim * shape.q_heads / setup.cp
+    return full / 2 if setup.causal else full
+
+
+def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTime:
+    n = setup.seq_len / setup.cp
+    a2a_ranks = setup.cp // setup.ring_degree
+    linear_forward = 2.0 * n * shape.layer_weights / device.matmul_flops
+    attention_forward = attention_forward_flops(shape, setup) / device.attention_forward_flops
+    attention_backward = 2.5 * attention_forward_flops(shape, setup) / device.attention_backward_flops
+
+    attention_runs = 1 + (setup.full_ac and not setup.keep_attention) + setup.recompute_attention_output
+    linear_runs = 1 + setup.full_ac
+    per_layer_linear = linear_runs * linear_forward + 2 * linear_forward
+    per_layer_attention = attention_runs * attention_forward + attention_backward
+
+    # Bytes one rank sends: q, k, v, out forward; q, k, v, out, dout in and dq, dk, dv out backward.
+    q_bytes = n * shape.q_heads * shape.head_dim * setup.element_bytes
+    kv_bytes = n * shape.kv_heads * shape.head_dim * setup.element_bytes
+    forward_bytes = 2 * q_bytes + 2 * kv_bytes
+    backward_bytes = 4 * q_bytes + 4 * kv_bytes
+    share = (a2a_ranks - 1) / a2a_ranks
+    stages = max(1, shape.q_heads // max(1, setup.heads_per_stage))
+    collectives = attention_runs * 4 * stages + 8 * stages
+    a2a_link = device.all_to_all_bytes if a2a_ranks <= setup.ranks_per_node else device.inter_node_bytes
+    moved = share * (attention_runs * forward_bytes + backward_bytes) / a2a_link
+    exposed = moved / stages if stages > 1 else moved  # UPipe hides all but one stage's
+    if stages > 1:
+        exposed += max(0.0, moved - per_layer_attention)  # unless it outlasts the attention
+    per_layer_a2a = exposed + collectives * device.collective_latency_s if a2a_ranks > 1 else 0.0
+
+    # Ring of R: each attention run passes this rank's K/V share on R - 1 times; backward passes
+    # it again with its dK/dV accumulator. Overlapped with the chunk pairs' attention.
+    ring = setup.ring_degree
+    per_layer_ring = 0.0
+    if ring > 1:
+        ring_link = device.all_to_all_bytes if setup.cp <= setup.ranks_per_node else device.inter_node_bytes
+        passed = (ring - 1) * 2 * kv_bytes * (attention_runs + 2) / ring_link
+        per_layer_ring = (max(0.0, passed - per_layer_attention)
+                          + (ring - 1) * stages * (attention_runs + 2) * device.collective_latency_s)
+
+    per_layer_offload = 0.0
+    if setup.offload_block_inputs:
+        x_bytes = n * shape.dim * setup.element_bytes
+        kept = (x_bytes + q_bytes) if setup.keep_attention else 0.0  # the fused block's y and o
+        transfer = 2 * (x_bytes + kept) / device.host_link_bytes  # out after forward, back before backward
+        per_layer_offload = max(0.0, transfer - (per_layer_linear + per_layer_attention))
+
+    head = 6.0 * n * shape.vocab_size * shape.dim / device.matmul_flops
+    layers = shape.n_layers
+    return StepTime(linear=layers * per_layer_linear, attention=layers * per_layer_attention,
+                    all_to_all=layers * per_layer_a2a, ring=layers * per_layer_ring, offload=layers * per_layer_offload, head_and_loss=head)
+
+
+def ulysses(setup: Setup, shape: ModelShape) -> Setup:
+    """The same step with one stage of all heads."""
+    return replace(setup, heads_per_stage=shape.q_heads, ring_degree=1)
+
+
+def shape_of(model, model_args) -> ModelShape:
+    """The shape of a torchtitan model (0.2.2 model_args, or 0.3's dims under those names):
+    one layer's matmul weights counted from the (meta or fake) module itself."""
+    layer = next(iter(model.layers.values()))
+    weights = sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
+    heads = model_args.n_heads
+    head_dim = getattr(model_args, "head_dim", None) or model_args.dim // heads
+    return ModelShape(n_layers=model_args.n_layers, dim=model_args.dim, q_heads=heads,
+                      kv_heads=model_args.n_kv_heads or heads, head_dim=head_dim, layer_weights=weights,
+                      vocab_size=model_args.vocab_size)
