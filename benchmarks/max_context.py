@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
+from upipe_compile.estimate.step_time import ModelShape, Setup, step_time
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,20 +56,29 @@ class Model:
     """torchtitan overrides of the TOML that make this row's job (e.g. its CP degree)."""
     whole_stack_only: bool = False
     """Only the whole-stack rows (each removed piece is shown by the one-node rows)."""
+    shape: ModelShape | None = None
+    """For the step-time model's column."""
 
     def host_bytes_per_token(self) -> int:
         """Offloaded block inputs per token of the sequence, on one node (8 ranks): bf16."""
         return self.layers * self.dim * 2 * min(self.cp, 8) // self.cp
 
 
+LLAMA3_8B = ModelShape(n_layers=32, dim=4096, q_heads=32, kv_heads=8, head_dim=128, vocab_size=128256,
+                       layer_weights=2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+QWEN3_32B = ModelShape(n_layers=64, dim=5120, q_heads=64, kv_heads=8, head_dim=128, vocab_size=151936,
+                       layer_weights=2 * 5120 * 8192 + 2 * 5120 * 1024 + 3 * 5120 * 25600)
 MODELS = {
-    "llama3_8b": Model("llama3_8b", "Llama3-8B, 8 ranks", "llama3_8b_upipe_5m.toml", 32, 8, 32, 4096),
-    "qwen3_32b": Model("qwen3_32b", "Qwen3-32B, 16 ranks", "qwen3_32b_upipe.toml", 64, 16, 64, 5120),
+    "llama3_8b": Model("llama3_8b", "Llama3-8B, 8 ranks", "llama3_8b_upipe_5m.toml", 32, 8, 32, 4096,
+                       shape=LLAMA3_8B),
+    "qwen3_32b": Model("qwen3_32b", "Qwen3-32B, 16 ranks", "qwen3_32b_upipe.toml", 64, 16, 64, 5120,
+                       shape=QWEN3_32B),
     "llama3_8b_4_nodes": Model("llama3_8b_4_nodes", "Llama3-8B, 32 ranks (4 nodes)", "llama3_8b_upipe_4_nodes.toml",
-                               32, 32, 32, 4096, rings=(4,), whole_stack_only=True),
+                               32, 32, 32, 4096, rings=(4,), whole_stack_only=True, shape=LLAMA3_8B),
     "qwen3_32b_4_nodes": Model("qwen3_32b_4_nodes", "Qwen3-32B, 32 ranks (4 nodes)", "qwen3_32b_upipe.toml",
                                64, 32, 64, 5120, rings=(2, 4),
-                               overrides=("--parallelism.context_parallel_degree", "32"), whole_stack_only=True),
+                               overrides=("--parallelism.context_parallel_degree", "32"), whole_stack_only=True,
+                               shape=QWEN3_32B),
 }
 
 # Each piece of the stack, and the override that removes it from the shipped TOML (which has all on).
@@ -79,8 +89,9 @@ VARIANTS = {
     "no chunked loss": ["--upipe.loss_chunk_tokens", "0"],
     "no fused block": ["--upipe.no-fuse_projections"],
     "+ recomputed attention output": ["--upipe.recompute_attention_output"],
+    "+ keep_attention": ["--upipe.keep_attention"],
 }
-ADDITIONS = {"+ recomputed attention output"}
+ADDITIONS = {"+ recomputed attention output", "+ keep_attention"}
 """Opt-in keys beyond the shipped stack (rows for UPipe U = P only)."""
 
 
@@ -171,8 +182,19 @@ def table(results) -> list[dict]:
             "max seq_len": f"{r['max_context']:,}{stale}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
             "peak in": r["peak_phase"], "host GiB per node": f"{r['host_gib_per_node']:.0f}",
             "bound": r["bound"] or "probes spent", "probes": len(r["probes"]),
+            "H100 tokens/s there (model)": f"{modelled_tokens_per_s(model, u, variant, r['max_context']):,.0f}",
         })
     return out
+
+
+def modelled_tokens_per_s(model: Model, u: int, variant: str, seq_len: int) -> float:
+    """The step-time model's tokens per second of the row's job at ``seq_len`` on H100s."""
+    flags = VARIANTS[variant]
+    setup = Setup(seq_len=seq_len, cp=model.cp, heads_per_stage=u, ring_degree=ring_of(model, u),
+                  keep_attention="--upipe.keep_attention" in flags,
+                  recompute_attention_output="--upipe.recompute_attention_output" in flags,
+                  offload_block_inputs="--upipe.no-offload_block_inputs" not in flags)
+    return step_time(model.shape, setup).tokens_per_s(seq_len)
 
 
 def plot(results, path: str) -> None:

@@ -322,3 +322,64 @@ def test_the_stack_runs_for_real(debug_estimate, stack_estimate, debug_model):
     assert stack_estimate["breakdown"]["checkpointed_inputs_on_device"] == 0
     assert stack_estimate["block_recompute"]["mlp"] < debug_estimate["block_recompute"]["mlp"]
     assert stack_estimate["phase_peaks"]["loss"] > 0  # the chunked loss ran (LazyLogits, no logits tensor)
+
+
+@pytest.fixture(scope="module")
+def keep_estimates():
+    """The debug job under full AC with keep_attention, its outputs on the device and offloaded."""
+    found = {}
+    for name, extra in {"on_device": [], "offloaded": ["--upipe.offload_block_inputs"]}.items():
+        result = run_estimate(*DEBUG_ARGS, "--upipe.keep_attention", *extra, "--json")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = json.loads(result.stdout)
+    return found
+
+
+def test_keep_attention_with_offload_counts_the_kept_outputs_on_host(keep_estimates, stack_estimate, debug_model):
+    """Offloaded, keep_attention's outputs leave the device peak (full AC's recompute makes the
+    same tensors there) and join the offloaded block inputs on host: the same bytes the
+    on-device estimate added to its peak."""
+    on_device, offloaded = keep_estimates["on_device"], keep_estimates["offloaded"]
+    kept = on_device["modelled"]["sac_saved_attention_outputs"]
+    assert kept > 0 and offloaded["modelled"] == {}
+    assert offloaded["modelled_host"] == {"kept_attention_outputs": kept}
+    config, args, _ = debug_model
+    inputs = args.n_layers * config.training.local_batch_size * (SEQ // 2) * args.dim * 4 / GIB
+    assert offloaded["host_gib_per_rank"] == pytest.approx(inputs + kept, abs=2e-6)
+
+
+def test_the_estimate_carries_the_step_time_model(debug_estimate, keep_estimates):
+    """Each estimate states the step-time model's seconds for the job and, at its context,
+    for Ulysses, UPipe and UPipe + keep_attention (the same three numbers with or without keep)."""
+    model = debug_estimate["step_time"]
+    assert model["device"].startswith("H100") and model["seconds"] > 0
+    assert model["seconds"] == model["methods_seconds"]["upipe"]  # the job is UPipe without keep
+    kept = keep_estimates["on_device"]["step_time"]
+    assert kept["seconds"] == kept["methods_seconds"]["upipe_keep"] < kept["methods_seconds"]["upipe"]
+    assert kept["methods_seconds"] == model["methods_seconds"]
+    assert model["shape"]["n_layers"] == 6 and model["shape"]["q_heads"] == 16
+
+
+def test_plan_takes_the_fastest_setting_that_fits(debug_estimate, keep_estimates):
+    """A GPU whose budget lies between the job's peak with and without keep_attention's
+    outputs, and a host budget below any offload: the plan tries the faster keep settings
+    first, sees them break the device budget, and takes the fastest setting without keep or
+    offload; its overrides are the command line that runs it."""
+    peak, kept_peak = debug_estimate["peak_device_gib"], keep_estimates["on_device"]["peak_device_gib"]
+    assert kept_peak > peak
+    gpu_gib = 2.5 + (peak + kept_peak) / 2 * 1.05  # reserve: 2.5 GiB + 5% (test_json_schema)
+    host_gib = keep_estimates["offloaded"]["host_gib_per_node"] / 100
+    result = run_estimate(*DEBUG_ARGS, "--plan", "--gpu-gib", repr(gpu_gib), "--host-gib", repr(host_gib), "--json",
+                          timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout)
+    plan, tried = found["plan"], found["tried"]
+    assert not plan["keep_attention"] and not plan["offload_block_inputs"], tried
+    assert tried[-1][0] == plan and tried[-1][2] == "fits"
+    assert all(settings["keep_attention"] for settings, _, _ in tried[:-1]) and len(tried) > 1, tried
+    assert all("device" in outcome for _, _, outcome in tried[:-1]), tried
+    seconds = [s for _, s, _ in tried]
+    assert seconds == sorted(seconds) and found["seconds"] == seconds[-1]
+    assert found["overrides"] == [f"--upipe.heads_per_stage", str(plan["heads_per_stage"]),
+                                  "--upipe.ring_degree", str(plan["ring_degree"])]
+    assert found["estimate"]["fits"]

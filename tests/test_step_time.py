@@ -1,0 +1,69 @@
+"""The step-time model (upipe_compile.estimate.step_time): what full activation checkpointing,
+keep_attention, recompute_attention_output, UPipe's stages, a ring and offload each add, on
+Llama3-8B's shape and an H100."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from upipe_compile.estimate.step_time import H100, ModelShape, Setup, attention_forward_flops, step_time, ulysses
+
+LLAMA3_8B = ModelShape(n_layers=32, dim=4096, q_heads=32, kv_heads=8, head_dim=128, vocab_size=128256,
+                       layer_weights=2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+
+
+def test_attention_flops_per_layer_and_rank():
+    """4 S^2 D Hq / P forward, half of it causal: at 3M tokens about 7.4e16 per layer in all."""
+    setup = Setup(seq_len=3 << 20, cp=8, heads_per_stage=8)
+    assert attention_forward_flops(LLAMA3_8B, setup) * 8 == pytest.approx(2 * (3 << 20) ** 2 * 128 * 32)
+    assert attention_forward_flops(LLAMA3_8B, replace(setup, causal=False)) == 2 * attention_forward_flops(
+        LLAMA3_8B, setup)
+
+
+def test_keep_attention_drops_one_attention_forward_and_recompute_output_adds_one():
+    setup = Setup(seq_len=1 << 20, cp=8, heads_per_stage=8)
+    forward = attention_forward_flops(LLAMA3_8B, setup) / H100.attention_forward_flops
+    full, kept = step_time(LLAMA3_8B, setup), step_time(LLAMA3_8B, replace(setup, keep_attention=True))
+    rerun = step_time(LLAMA3_8B, replace(setup, recompute_attention_output=True))
+    assert full.attention - kept.attention == pytest.approx(32 * forward)
+    assert rerun.attention - full.attention == pytest.approx(32 * forward)
+    # Without AC there is no recompute: keep changes nothing; the linear algebra runs 3 times, not 4.
+    plain = replace(setup, full_ac=False)
+    assert step_time(LLAMA3_8B, plain).total == step_time(LLAMA3_8B, replace(plain, keep_attention=True)).total
+    assert step_time(LLAMA3_8B, plain).linear == pytest.approx(full.linear * 3 / 4)
+
+
+@pytest.mark.parametrize("seq_len", [1 << 20, 2 << 20, 3 << 20])
+def test_upipe_with_keep_is_over_1_2x_ulysses_at_1_to_3m_tokens_on_h100(seq_len):
+    setup = Setup(seq_len=seq_len, cp=8, heads_per_stage=8)
+    base = step_time(LLAMA3_8B, ulysses(setup, LLAMA3_8B)).total
+    assert base / step_time(LLAMA3_8B, replace(setup, keep_attention=True)).total >= 1.2
+    # Without keep, UPipe is Ulysses' speed within 1% (its stages' all-to-alls hide under attention).
+    assert base / step_time(LLAMA3_8B, setup).total == pytest.approx(1.0, abs=0.01)
+
+
+def test_stages_hide_their_all_to_alls_but_pay_latency():
+    short = Setup(seq_len=262144, cp=8, heads_per_stage=8)
+    one_stage = step_time(LLAMA3_8B, ulysses(short, LLAMA3_8B))
+    stages = step_time(LLAMA3_8B, short)
+    assert stages.all_to_all < one_stage.all_to_all  # bytes hidden under attention
+    tiny = replace(short, seq_len=1024)
+    assert step_time(LLAMA3_8B, tiny).all_to_all > step_time(LLAMA3_8B, ulysses(tiny, LLAMA3_8B)).all_to_all
+
+
+def test_a_ring_across_nodes_costs_latency_and_an_all_to_all_across_nodes_bandwidth():
+    setup = Setup(seq_len=24 << 20, cp=32, heads_per_stage=8, ring_degree=4)
+    assert step_time(LLAMA3_8B, setup).ring > 0
+    assert step_time(LLAMA3_8B, replace(setup, ring_degree=1)).ring == 0
+    within = step_time(LLAMA3_8B, Setup(seq_len=24 << 20, cp=8, heads_per_stage=8, ranks_per_node=8))
+    across = step_time(LLAMA3_8B, Setup(seq_len=24 << 20, cp=8, heads_per_stage=8, ranks_per_node=4))
+    assert across.all_to_all > within.all_to_all
+
+
+def test_offload_transfers_hide_under_compute_at_long_context_not_over_a_slow_link():
+    setup = Setup(seq_len=5 << 20, cp=8, heads_per_stage=8, offload_block_inputs=True, keep_attention=True)
+    assert step_time(LLAMA3_8B, setup).offload == 0
+    slow = replace(H100, host_link_bytes=1e6)
+    assert step_time(LLAMA3_8B, replace(setup, seq_len=65536), slow).offload > 0
