@@ -81,17 +81,20 @@ class UPipe:
     """Under [activation_checkpoint] mode = "full": keep each block's attention outputs
     (upipe::attention / upipe::attention_block: the output, and what its backward needs, on the
     GPU) from the forward, so the recompute in backward reruns the rest of the block but not
-    attention, at long context almost all of the work. Costs one attention output per block
-    (x-sized with fused blocks) of GPU memory until that block's backward. With mode =
-    "selective" (op) the ops are already kept."""
+    attention, at long context almost all of the work. Costs each block's attention outputs
+    (with fused blocks: the block's attention output and the attention's own, each x-sized, and
+    the stage LSEs) until that block's backward: on the GPU, or with offload_block_inputs on the
+    host beside the block input (about three times the host memory of the inputs alone). With
+    mode = "selective" (op) the ops are already kept."""
 
     # --- the long-context stack: each piece opt-in ---
     offload_block_inputs: bool = False
     """Move each TransformerBlock's checkpointed input to pinned host memory after the block's
     forward and back just before its recompute (side CUDA stream, overlapped with the
     neighbouring block). Needs [activation_checkpoint] mode = "full". Host memory per rank:
-    n_layers x local_batch_size x seq_len / CP x dim x activation bytes; the job refuses to
-    start when the node (x ranks per node) cannot hold it next to host_memory_reserve_gib."""
+    n_layers x local_batch_size x seq_len / CP x dim x activation bytes, plus keep_attention's
+    outputs when it is on; the job refuses to start when the node (x ranks per node) cannot hold
+    it next to host_memory_reserve_gib."""
 
     host_memory_reserve_gib: float = float(HOST_RESERVE_GIB)
     """Node RAM the offload check leaves for everything else (OS, the ranks' own CPU memory,

@@ -1,0 +1,213 @@
+"""One rank of a real torchtitan job on one device: step time of UPipe, UPipe + keep_attention
+and Ulysses, and the device peak against the whole-step estimate of the same job.
+
+    python benchmarks/gpu_rank.py [--layers 2] [--seqs 262144 524288 1048576] [--out FILE]
+    python benchmarks/gpu_rank.py --tiny      # the debug model on CPU (what the tests run)
+
+The job is the shipped Llama3-8B TOML (integrations/torchtitan/llama3_8b_upipe_5m.toml: CP = 8,
+the long-context stack, full AC) with its real dimensions and ``--layers`` of its 32 layers.
+This process is rank 0 of the job's 8 ranks over torch's fake process group: its collectives
+move nothing (the other ranks' shares are whatever the buffers held), everything else is real —
+the blocks compiled with ``backend="upipe"``, the device's attention kernels, FSDP's buffers,
+the offload to pinned host memory. Per context and method: two steps (the first compiles),
+the second timed, and ``torch.cuda.max_memory_allocated`` over it, against the estimate's
+per-rank peak for the same job and layer count (on fake tensors; its reserve is not part of
+either). Without the other ranks nothing waits on a collective: the step time is one rank's
+compute, the part the step-time model calls attention, linear algebra and loss.
+
+Methods: UPipe (U = 8 = P), UPipe + keep_attention (its kept outputs offloaded beside the block
+inputs) and Ulysses (U = 32). Each method runs in its own process (its own compiled graphs and
+memory statistics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+TOML = os.path.join(ROOT, "integrations", "torchtitan", "llama3_8b_upipe_5m.toml")
+DEBUG_TOML = os.path.join(ROOT, "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
+FLAVOR = "gpu_rank"
+GIB = 1 << 30
+METHODS = {  # name -> overrides
+    "UPipe (U = 8)": ["--upipe.heads_per_stage", "8"],
+    "UPipe + keep_attention": ["--upipe.heads_per_stage", "8", "--upipe.keep_attention"],
+    "Ulysses (U = 32)": ["--upipe.heads_per_stage", "32"],
+}
+TINY_METHODS = {  # the debug model: 16 heads over CP = 2
+    "UPipe (U = 2)": ["--upipe.heads_per_stage", "2"],
+    "UPipe + keep_attention": ["--upipe.heads_per_stage", "2", "--upipe.keep_attention"],
+    "Ulysses (U = 16)": ["--upipe.heads_per_stage", "16"],
+}
+TINY_OVERRIDES = ["--activation_checkpoint.mode", "full", "--upipe.offload_block_inputs",
+                  "--upipe.host_memory_reserve_gib", "0", "--compile.backend", "upipe"]
+
+
+def job_config(tiny: bool, layers: int, seq_len: int, overrides: list[str]):
+    """The job with the flavor FLAVOR: the TOML's model with ``layers`` layers."""
+    import upipe_compile.integrations.torchtitan  # noqa: F401  (registers the specs)
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.estimate.job import load_job_config
+
+    base = load_job_config(DEBUG_TOML if tiny else TOML, [])
+    args = get_train_spec(base.model.name).model_args
+    args[FLAVOR] = dataclasses.replace(args[base.model.flavor], n_layers=layers,
+                                       max_seq_len=max(seq_len, args[base.model.flavor].max_seq_len))
+    extra = TINY_OVERRIDES if tiny else []
+    return load_job_config(DEBUG_TOML if tiny else TOML, [
+        "--model.flavor", FLAVOR, "--training.seq_len", str(seq_len), *extra, *overrides])
+
+
+def build(config, device: torch.device):
+    """The Trainer's model and optimizer for ``config`` on ``device``, as rank 0 of the job's
+    world over the fake process group (initialised by the caller)."""
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.estimate.job import torchtitan_on_cpu, world_size
+
+    if device.type == "cpu":
+        torchtitan_on_cpu()
+    p = config.parallelism
+    dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
+                        world_size=world_size(config))
+    dims.build_mesh()
+    spec = get_train_spec(config.model.name)
+    model_args = spec.model_args[config.model.flavor]
+    model_args.update_from_config(config)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, dims, config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = spec.build_optimizers_fn([model], config.optimizer, dims)
+    loss_fn = spec.build_loss_fn(config, parallel_dims=dims)
+    return model, optimizers, loss_fn, dims, model_args
+
+
+def train_step(config, model, optimizers, loss_fn, dims, model_args, device) -> None:
+    """torchtitan 0.2.2's Trainer.train_step, one microbatch: rank 0's shard of a random row."""
+    from torchtitan.train import prepare_context_parallel_input
+
+    optimizers.zero_grad()
+    seq = config.training.seq_len
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, model_args.vocab_size, (1, seq), generator=gen).to(device)
+    labels = torch.randint(0, model_args.vocab_size, (1, seq), generator=gen).to(device)
+    inputs, labels, extra = prepare_context_parallel_input(
+        inputs, labels, {}, dims.get_mesh("cp"), device, config.parallelism.context_parallel_load_balancer)
+    loss = loss_fn(model(inputs, **extra), labels) / labels.numel()
+    loss.backward()
+    optimizers.step()
+
+
+def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str]) -> list[dict]:
+    """In this process: per seq_len, the estimate, then two real steps; the second timed."""
+    from upipe_compile.estimate import estimate
+    from upipe_compile.measure.memory import fake_process_group
+
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    rows = []
+    for seq in seqs:
+        config = job_config(tiny, layers, seq, overrides)
+        predicted = estimate(config, cuda_kernel=None if device.type == "cpu" else "flash-attn")
+        torch._dynamo.reset()
+        config = job_config(tiny, layers, seq, overrides)
+        world = predicted.world_size
+        with fake_process_group(world):
+            model, optimizers, loss_fn, dims, model_args = build(config, device)
+            train_step(config, model, optimizers, loss_fn, dims, model_args, device)  # compiles
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            train_step(config, model, optimizers, loss_fn, dims, model_args, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+            del model, optimizers
+        torch._dynamo.reset()
+        rows.append({"seq_len": seq, "step_s": seconds, "measured_peak_gib": peak,
+                     "estimated_peak_gib": predicted.peak_device_gib, "host_gib_per_rank": predicted.host_gib_per_rank,
+                     "modelled_step_s_h100": predicted.step_time["seconds"], "device": _device_name(device)})
+    return rows
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def run(tiny: bool, layers: int, seqs: list[int], timeout_s: float) -> list[dict]:
+    """Each method in its own process; the rows of all."""
+    rows = []
+    for name, overrides in (TINY_METHODS if tiny else METHODS).items():
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(overrides), "--layers", str(layers),
+               "--seqs", *map(str, seqs), *(["--tiny"] if tiny else [])]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: {' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        for row in json.loads(done.stdout.strip().splitlines()[-1]):
+            rows.append({"method": name, **row})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    ulysses = {r["seq_len"]: r["step_s"] for r in rows if r["method"].startswith("Ulysses")}
+    out = []
+    for r in rows:
+        measured = r["measured_peak_gib"]
+        out.append({
+            "job seq_len": f"{r['seq_len']:,}", "method": r["method"], "step s": r["step_s"],
+            "throughput vs Ulysses": ulysses[r["seq_len"]] / r["step_s"],
+            "max_memory_allocated GiB": "n/a (CPU)" if measured is None else f"{measured:.2f}",
+            "estimate GiB": f"{r['estimated_peak_gib']:.2f}",
+            "measured / estimate": "" if measured is None else f"{measured / r['estimated_peak_gib']:.3f}",
+            "host GiB (estimate)": f"{r['host_gib_per_rank']:.2f}",
+        })
+    return tabulate(out, headers="keys", tablefmt="github", floatfmt=".3f")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2, help="layers of the model (the TOML's dims otherwise)")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[262144, 524288, 1048576], help="job seq_len values")
+    parser.add_argument("--tiny", action="store_true", help="torchtitan's debug model on CPU, CP = 2 (the tests)")
+    parser.add_argument("--timeout", type=float, default=480, help="seconds per method's process")
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a method's overrides: run it here, print JSON rows
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(run_method(args.tiny, args.layers, args.seqs, json.loads(args.one))))
+        return 0
+    rows = run(args.tiny, args.layers, args.seqs, args.timeout)
+    command = " ".join(["python benchmarks/gpu_rank.py", *(argv if argv is not None else sys.argv[1:])])
+    text = (f"# {command}\n# one rank of the job on {rows[0]['device']}, fake process group for the others, "
+            f"{args.layers} layers, torch {torch.__version__}\n\n{table(rows)}\n")
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
