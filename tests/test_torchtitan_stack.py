@@ -135,6 +135,29 @@ def test_offload_host_memory_for_8b_at_5m_tokens_and_the_node_check():
     assert "x 8 ranks per node = 1280.0 GiB" in message and "node has 1024.0 GiB" in message
 
 
+def test_keep_attention_offloaded_counts_its_outputs_against_the_node():
+    """With keep_attention the offload also holds each fused block's attention output and the
+    attention's own (5 GiB each per block here) and the stage LSEs (U = P = 8: 4 stages of one
+    q head per rank over all 5M tokens, fp32: 80 MiB per block): 482.5 GiB per rank, which a
+    2 TiB node cannot hold for 8 ranks, refused naming keep_attention."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan.stack import check_offload_fits_host, offload_host_bytes_per_rank
+
+    h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
+    config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs",
+                         "--activation_checkpoint.mode=full", "--upipe.keep_attention")
+    dims = dims_for(config, 8)
+    args = get_train_spec("llama3").model_args["8B"]
+    lse = 4 * 1 * 5242880 * 4
+    assert offload_host_bytes_per_rank(config, dims, args) == 32 * (3 * 5 * GIB + lse)
+    with pytest.raises(UnsupportedAttention) as info:
+        check_offload_fits_host(config, dims, args, total_bytes=2048 * GIB, ranks=8)
+    message = str(info.value)
+    assert message.startswith("[upipe] offload_block_inputs = true (with keep_attention's attention outputs)")
+    assert "or set [upipe] keep_attention = false" in message
+
+
 def test_output_group_is_kept_gathered_for_the_chunked_loss(rank_pools):
     assert rank_pools(2).run(_reshard_policy_with_chunked_loss) == [(False, True)] * 2
 
