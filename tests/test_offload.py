@@ -3,7 +3,7 @@ memory after the block's forward and comes back for its recompute (the copy star
 gradient of the block's output arrives, not earlier); results are bit-identical to no
 offload, eager or compiled; each block's host buffer is exactly its input's size and reused
 every step; pinning and its fallback; the host memory arithmetic, the cgroup limit and the
-node check."""
+node check; with kept_outputs, the attention outputs a block saves go to host too."""
 
 from __future__ import annotations
 
@@ -309,3 +309,55 @@ def _fsdp_blocks_job():
     alive_offload, out_offload, grads_offload = run_model(True)
     exact = torch.equal(out_plain, out_offload) and all(torch.equal(a, b) for a, b in zip(grads_plain, grads_offload))
     return alive_plain, alive_offload, exact
+
+
+class ReportingBlock(nn.Module):
+    """Stands in for a block whose attention op reports its output (upipe's ops do, see
+    upipe_compile.attention.op_outputs) before the rest of the block saves it: square saves its
+    input."""
+
+    def __init__(self, keep_alive: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(DIM) + 0.5)
+        self.keep_alive, self.held = keep_alive, None
+
+    def forward(self, x):
+        from upipe_compile.attention import op_outputs
+
+        out = x * self.weight  # saves x and the weight
+        op_outputs.report(out)
+        if self.keep_alive:  # held outside autograd, as an eager selective checkpoint's cache holds it
+            self.held = out
+            return out * 0.5
+        return out.square() * 0.5
+
+
+def test_kept_outputs_go_to_host_beside_the_block_input(caplog):
+    """With kept_outputs, a saved tensor that an attention op reported during the block's
+    forward is offloaded to its own host buffer too (not the parameters, not other saved
+    tensors), fetched back for backward, and the gradients are exact; without, only the input."""
+    x = torch.randn(2, 5, DIM)
+
+    def run_blocks(kept_outputs, keep_alive=False):
+        torch.manual_seed(0)
+        blocks = [ReportingBlock(keep_alive) for _ in range(3)]
+        offloader = BlockInputOffloader(blocks, kept_outputs=kept_outputs)
+        h = x.clone().requires_grad_()
+        leaf = h
+        for block in blocks:
+            h = block(h)
+        h.sum().backward()
+        counts = offloader.offloaded_last_step, offloader.offloaded_bytes_last_step
+        offloader.remove()
+        return counts, leaf.grad, [b.weight.grad for b in blocks]
+
+    (plain_count, plain_bytes), plain_grad, plain_weights = run_blocks(kept_outputs=False)
+    (count, moved), grad, weights = run_blocks(kept_outputs=True)
+    assert (plain_count, count) == (3, 6)
+    assert moved == 2 * plain_bytes == 2 * 3 * x.numel() * 4
+    assert torch.equal(grad, plain_grad) and all(torch.equal(a, b) for a, b in zip(weights, plain_weights))
+    assert not [r for r in caplog.records if "keeps an attention output" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="upipe_compile.stack.offload"):
+        run_blocks(kept_outputs=True, keep_alive=True)
+    said = [r.getMessage() for r in caplog.records if "keeps an attention output on the device" in r.getMessage()]
+    assert len(said) == 1, said

@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.attention import op_outputs
 
@@ -341,7 +342,8 @@ class BlockInputOffloader:
         return hook
 
     def _note_outputs(self, tensors: tuple) -> None:
-        self._reported += [weakref.ref(t) for t in tensors if t.numel()]
+        # Fake tensors are the compiler tracing the block on its first call, not a run.
+        self._reported += [weakref.ref(t) for t in tensors if t.numel() and not is_fake(t)]
 
     def _post_hook(self, module, args, output):
         if self._contexts:
