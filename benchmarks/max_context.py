@@ -251,14 +251,24 @@ def host_ceiling(results) -> list[str]:
     for (model, method, u, variant), r in results:
         if r.get("bound") == "host":
             left = r["budget_gib"] - r["peak_device_gib"]
-            block = r["max_context"] // model.cp * model.dim * 2 / 2**30
-            lines += [
-                f"{model.name.split(',')[0]}, {method} ({u}), {variant}: the host stops it at "
-                f"{r['max_context']:,} tokens, where the GPU",
-                f"still has {left:.1f} GiB of its budget left, less than one block's input per rank "
-                f"({block:.1f} GiB): keeping",
-                "a block's input on the GPU instead of offloading it cannot lengthen the context there.",
-            ]
+            block = r["host_gib_per_rank"] / model.layers  # one block's offloaded tensors
+            head = (f"{model.name.split(',')[0]}, {method} ({u}), {variant}: the host stops it at "
+                    f"{r['max_context']:,} tokens, where the GPU")
+            if left < block:
+                lines += [
+                    head,
+                    f"still has {left:.1f} GiB of its budget left, less than one block's offloaded tensors per rank "
+                    f"({block:.1f} GiB): keeping",
+                    "one block's tensors on the GPU instead of offloading them cannot lengthen the context there.",
+                ]
+            else:
+                lines += [
+                    head,
+                    f"still has {left:.1f} GiB of its budget left, {int(left // block)} blocks' offloaded tensors "
+                    f"per rank ({block:.1f} GiB each): keeping",
+                    "that many on the GPU instead of offloading them would lengthen it (not implemented: the "
+                    "offload takes every block).",
+                ]
     lines += [
         "What moves the host bound: more nodes (the bytes per node scale with the tokens per node,",
         "so CP over 2 nodes halves them; the device bound stays per rank); fewer bytes per",
