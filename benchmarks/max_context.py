@@ -194,7 +194,7 @@ def modelled_tokens_per_s(model: Model, u: int, variant: str, seq_len: int) -> f
                   keep_attention="--upipe.keep_attention" in flags,
                   recompute_attention_output="--upipe.recompute_attention_output" in flags,
                   offload_block_inputs="--upipe.no-offload_block_inputs" not in flags)
-    return step_time(model.shape, setup).tokens_per_s(seq_len)
+    return step_time(model.shape, setup).tokens_per_s(setup)
 
 
 def plot(results, path: str) -> None:

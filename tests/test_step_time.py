@@ -67,3 +67,14 @@ def test_offload_transfers_hide_under_compute_at_long_context_not_over_a_slow_li
     assert step_time(LLAMA3_8B, setup).offload == 0
     slow = replace(H100, host_link_bytes=1e6)
     assert step_time(LLAMA3_8B, replace(setup, seq_len=65536), slow).offload > 0
+
+
+def test_rows_of_a_batch_attend_each_to_itself():
+    """Two rows of S tokens: twice one row's attention and linear work (not a 2S-token row's
+    four times the attention), and twice its tokens per second at the same step time."""
+    one = Setup(seq_len=1 << 20, cp=8, heads_per_stage=8)
+    two = replace(one, batch=2)
+    assert attention_forward_flops(LLAMA3_8B, two) == 2 * attention_forward_flops(LLAMA3_8B, one)
+    a, b = step_time(LLAMA3_8B, one), step_time(LLAMA3_8B, two)
+    assert b.attention == pytest.approx(2 * a.attention) and b.linear == pytest.approx(2 * a.linear)
+    assert b.tokens_per_s(two) == pytest.approx(2 * (1 << 20) / b.total)

@@ -117,6 +117,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     calls = dict(eager_calls)
     modelled, modelled_host = {}, {}
     if cp > 1 and _op_selective_ac(job_config):
+        # The compiled path saves every layer's upipe::attention / attention_block outputs
+        # (the ops are in the save list) where the step run here recomputes them.
         kept = _gib(attention_outputs_bytes_per_rank(job_config, job.model_args, cp, _param_dtype(job_config),
                                                      fused="fused block" in calls))
         if cfg.offload_block_inputs:
@@ -151,12 +153,11 @@ def _op_selective_ac(job_config) -> bool:
     from upipe_compile.integrations.torchtitan.config import upipe_config
 
     ac = job_config.activation_checkpoint
+    keep = _full_ac(job_config) and upipe_config(job_config).keep_attention
     if python_configs():  # 0.3: the AC config's class is its mode
-        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-        keep = isinstance(ac, FullAC.Config) and upipe_config(job_config).keep_attention
         return keep or isinstance(ac, SelectiveAC.Config)
-    keep = ac.mode == "full" and upipe_config(job_config).keep_attention
     return keep or (ac.mode == "selective" and ac.selective_ac_option == "op")
 
 
@@ -165,7 +166,7 @@ def step_setup(job_config, heads_per_stage: int, ring_degree: int) -> Setup:
     from upipe_compile.integrations.torchtitan.config import upipe_config
 
     cfg = upipe_config(job_config)
-    return Setup(seq_len=job_config.training.seq_len * job_config.training.local_batch_size,
+    return Setup(seq_len=job_config.training.seq_len, batch=job_config.training.local_batch_size,
                  cp=job_config.parallelism.context_parallel_degree, heads_per_stage=heads_per_stage,
                  ring_degree=ring_degree, full_ac=_full_ac(job_config), keep_attention=cfg.keep_attention,
                  recompute_attention_output=cfg.recompute_attention_output,
@@ -173,6 +174,7 @@ def step_setup(job_config, heads_per_stage: int, ring_degree: int) -> Setup:
 
 
 def _full_ac(job_config) -> bool:
+    """Whether the job runs full activation checkpointing (0.3: the AC config's class)."""
     ac = job_config.activation_checkpoint
     if python_configs():
         from torchtitan.distributed.activation_checkpoint import FullAC
@@ -189,7 +191,8 @@ def _step_time(job_config, shape: ModelShape, heads_per_stage: int, ring_degree:
         "upipe": step_time(shape, replace(setup, keep_attention=False)).total,
         "upipe_keep": step_time(shape, replace(setup, keep_attention=setup.full_ac)).total,
     }
-    return {"device": H100.name, "shape": asdict(shape), "seconds": _round(this.total), "tokens_per_s": round(this.tokens_per_s(setup.seq_len), 1),
+    return {"device": H100.name, "shape": asdict(shape), "seconds": _round(this.total),
+            "tokens_per_s": round(this.tokens_per_s(setup), 1),
             "phases": {k: _round(v) for k, v in asdict(this).items()},
             "methods_seconds": {k: _round(v) for k, v in seconds.items()}}
 

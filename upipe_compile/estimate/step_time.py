@@ -86,6 +86,8 @@ class Setup:
     recompute_attention_output: bool = False
     offload_block_inputs: bool = False
     element_bytes: int = 2
+    batch: int = 1
+    """Rows per step (each of ``seq_len`` tokens, split over the same ranks)."""
     ranks_per_node: int = 8
     """Consecutive ranks share a node: an all-to-all or ring wider than this crosses nodes."""
 
@@ -104,19 +106,19 @@ class StepTime:
     def total(self) -> float:
         return self.linear + self.attention + self.all_to_all + self.ring + self.offload + self.head_and_loss
 
-    def tokens_per_s(self, seq_len: int) -> float:
-        """Tokens of the row per second (every rank works on the same row)."""
-        return seq_len / self.total
+    def tokens_per_s(self, setup: "Setup") -> float:
+        """Tokens of the rows per second (every rank works on the same rows)."""
+        return setup.batch * setup.seq_len / self.total
 
 
 def attention_forward_flops(shape: ModelShape, setup: Setup) -> float:
     """One layer's attention forward on one rank."""
-    full = 4.0 * setup.seq_len ** 2 * shape.head_dim * shape.q_heads / setup.cp
+    full = 4.0 * setup.batch * setup.seq_len ** 2 * shape.head_dim * shape.q_heads / setup.cp
     return full / 2 if setup.causal else full
 
 
 def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTime:
-    n = setup.seq_len / setup.cp
+    n = setup.batch * setup.seq_len / setup.cp  # this rank's tokens
     a2a_ranks = setup.cp // setup.ring_degree
     linear_forward = 2.0 * n * shape.layer_weights / device.matmul_flops
     attention_forward = attention_forward_flops(shape, setup) / device.attention_forward_flops
