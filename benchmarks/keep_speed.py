@@ -209,6 +209,8 @@ def modelled_seconds(kind: str, keep: bool, calibration: list, seq: int, world: 
     setup = Setup(seq_len=seq, cp=world, heads_per_stage=cfg.q_heads, element_bytes=4)
     rest_forward = forward / layers - attention  # per layer: everything but attention
     attention_backward = backward / layers - 2 * rest_forward
+    if rest_forward <= 0 or attention_backward <= 0:  # too short a run to tell the phases apart
+        return math.nan
     flops = attention_forward_flops(shape, setup)
     n = seq / world
     device = Device(  # the all-to-alls are inside the measured attention times
