@@ -11,8 +11,8 @@ move nothing (the other ranks' shares are whatever the buffers held), everything
 the blocks compiled with ``backend="upipe"``, the device's attention kernels, FSDP's buffers,
 the offload to pinned host memory. Per context and method: two steps (the first compiles),
 the second timed, and ``torch.cuda.max_memory_allocated`` over it, against the estimate's
-per-rank peak for the same job and layer count (on fake tensors; its reserve is not part of
-either). Without the other ranks nothing waits on a collective: the step time is one rank's
+per-rank peak for the same job and layer count (on fake tensors, on the host's CPUs beside the
+device runs; its reserve is not part of either). Without the other ranks nothing waits on a collective: the step time is one rank's
 compute, the part the step-time model calls attention, linear algebra and loss.
 
 Methods: UPipe (U = 8 = P), UPipe + keep_attention (its kept outputs offloaded beside the block
@@ -119,20 +119,30 @@ def train_step(config, model, optimizers, loss_fn, dims, model_args, device) -> 
     optimizers.step()
 
 
-def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str]) -> list[dict]:
-    """In this process: per seq_len, the estimate, then two real steps; the second timed."""
+def _device(tiny: bool) -> torch.device:
+    return torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+
+
+def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str]) -> dict:
+    """The whole-step estimate of the same job (fake tensors, CPU)."""
     from upipe_compile.estimate import estimate
+
+    cuda = _device(tiny).type == "cuda"
+    result = estimate(job_config(tiny, layers, seq, overrides), cuda_kernel="flash-attn" if cuda else None)
+    return {"estimated_peak_gib": result.peak_device_gib, "host_gib_per_rank": result.host_gib_per_rank,
+            "modelled_step_s_h100": result.step_time["seconds"], "world_size": result.world_size}
+
+
+def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str]) -> list[dict]:
+    """In this process: per seq_len, two real steps; the second timed."""
+    from upipe_compile.estimate.job import world_size
     from upipe_compile.measure.memory import fake_process_group
 
-    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    device = _device(tiny)
     rows = []
     for seq in seqs:
         config = job_config(tiny, layers, seq, overrides)
-        predicted = estimate(config, cuda_kernel=None if device.type == "cpu" else "flash-attn")
-        torch._dynamo.reset()
-        config = job_config(tiny, layers, seq, overrides)
-        world = predicted.world_size
-        with fake_process_group(world):
+        with fake_process_group(world_size(config)):
             model, optimizers, loss_fn, dims, model_args = build(config, device)
             train_step(config, model, optimizers, loss_fn, dims, model_args, device)  # compiles
             if device.type == "cuda":
@@ -146,9 +156,7 @@ def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str]) -
             peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
             del model, optimizers
         torch._dynamo.reset()
-        rows.append({"seq_len": seq, "step_s": seconds, "measured_peak_gib": peak,
-                     "estimated_peak_gib": predicted.peak_device_gib, "host_gib_per_rank": predicted.host_gib_per_rank,
-                     "modelled_step_s_h100": predicted.step_time["seconds"], "device": _device_name(device)})
+        rows.append({"seq_len": seq, "step_s": seconds, "measured_peak_gib": peak, "device": _device_name(device)})
     return rows
 
 
@@ -156,17 +164,30 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
+def _command(mode: str, overrides: list[str], layers: int, seqs: list[int], tiny: bool) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), mode, json.dumps(overrides), "--layers", str(layers),
+            "--seqs", *map(str, seqs), *(["--tiny"] if tiny else [])]
+
+
+def _result(process: subprocess.Popen, name: str, timeout_s: float):
+    out, err = process.communicate(timeout=timeout_s)
+    if process.returncode != 0:
+        raise RuntimeError(f"{name}: {' '.join(process.args)} failed:\n{err[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def run(tiny: bool, layers: int, seqs: list[int], timeout_s: float) -> list[dict]:
-    """Each method in its own process; the rows of all."""
+    """Each method's steps in its own process, one after another on the device; every
+    estimate in its own process at once beside them (they run on the host's CPUs)."""
+    methods = TINY_METHODS if tiny else METHODS
+    popen = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    estimates = {(name, seq): subprocess.Popen(_command("--estimate-one", overrides, layers, [seq], tiny), **popen)
+                 for name, overrides in methods.items() for seq in seqs}
     rows = []
-    for name, overrides in (TINY_METHODS if tiny else METHODS).items():
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(overrides), "--layers", str(layers),
-               "--seqs", *map(str, seqs), *(["--tiny"] if tiny else [])]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(f"{name}: {' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
-        for row in json.loads(done.stdout.strip().splitlines()[-1]):
-            rows.append({"method": name, **row})
+    for name, overrides in methods.items():
+        steps = subprocess.Popen(_command("--one", overrides, layers, seqs, tiny), **popen)
+        for row in _result(steps, name, timeout_s):
+            rows.append({"method": name, **row, **_result(estimates[name, row["seq_len"]], name, timeout_s)})
     return rows
 
 
@@ -191,12 +212,16 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of the model (the TOML's dims otherwise)")
     parser.add_argument("--seqs", type=int, nargs="+", default=[262144, 524288, 1048576], help="job seq_len values")
     parser.add_argument("--tiny", action="store_true", help="torchtitan's debug model on CPU, CP = 2 (the tests)")
-    parser.add_argument("--timeout", type=float, default=480, help="seconds per method's process")
+    parser.add_argument("--timeout", type=float, default=420, help="seconds each process may take")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a method's overrides: run it here, print JSON rows
+    parser.add_argument("--estimate-one", help=argparse.SUPPRESS)  # the same for its estimate at --seqs[0]
     args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(run_method(args.tiny, args.layers, args.seqs, json.loads(args.one))))
+        return 0
+    if args.estimate_one is not None:
+        print(json.dumps(estimate_method(args.tiny, args.layers, args.seqs[0], json.loads(args.estimate_one))))
         return 0
     rows = run(args.tiny, args.layers, args.seqs, args.timeout)
     command = " ".join(["python benchmarks/gpu_rank.py", *(argv if argv is not None else sys.argv[1:])])
