@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from tests_support import (
     AttentionCase,
     eager_block_reference,
     eager_reference,
+    make_inputs,
     relative_error,
 )
 
@@ -54,9 +56,25 @@ def attention_cases(draw, worlds=(1, 2, 4)):
     )
 
 
-def _assert_close(name: str, actual, expected, case) -> None:
+def _assert_close(name: str, actual, expected, case, tolerance: float | None = None) -> None:
     error = relative_error(actual, expected)
-    assert error < TOLERANCE[case.dtype], f"{name}: relative error {error:.3e} for {case}"
+    tolerance = TOLERANCE[case.dtype] if tolerance is None else tolerance
+    assert error < tolerance, f"{name}: relative error {error:.3e} (tolerance {tolerance:.1e}) for {case}"
+
+
+def _fp32_tolerances(case, expected) -> list[float | None]:
+    """fp32: 1e-5 against eager, or ten times eager fp32's own error against float64 where that is
+    larger: a gradient much smaller than the terms it sums (a two-token row's dq) loses digits
+    in any fp32 kernel, and a different kernel (MLA's padded value heads) loses different ones."""
+    if case.dtype != "float32":
+        return [None] * 4
+    q, k, v, dout = (t.double() for t in make_inputs(case))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=True)
+    out.backward(dout)
+    exact = (out.detach(), q.grad, k.grad, v.grad)
+    return [max(TOLERANCE["float32"], 10 * relative_error(e, x)) for e, x in zip(expected, exact)]
 
 
 @settings(max_examples=int(__import__("os").environ.get("UPIPE_OP_EXAMPLES", "220")), **SETTINGS)
@@ -77,13 +95,17 @@ def _assert_close(name: str, actual, expected, case) -> None:
                             is_causal=True, scale=None, dtype="float32", seed=5, value_dim=16))
 @example(case=AttentionCase(world=2, batch=1, q_heads=4, kv_heads=2, seq_local=3, head_dim=8, heads_per_stage=2,
                             is_causal=False, scale=0.4, dtype="bfloat16", seed=6, value_dim=16))
+# A two-token row whose dq is 1 % of q's norm: fp32 cancellation, through MLA's padded kernel
+@example(case=AttentionCase(world=2, batch=1, q_heads=2, kv_heads=1, seq_local=1, head_dim=16, heads_per_stage=2,
+                            is_causal=False, scale=1.0, dtype="float32", seed=4, prefetch="none", value_dim=12))
 def test_op_matches_eager_sdpa(rank_pools, case):
     shards = rank_pools(case.world).run(rank_jobs.op_case, case)
     expected = eager_reference(case)
+    tolerances = _fp32_tolerances(case, expected)
     for i, name in enumerate(["out", "dq", "dk", "dv"]):
         gathered = torch.cat([shard[i] for shard in shards], dim=2)
         assert gathered.dtype == expected[i].dtype and gathered.shape == expected[i].shape
-        _assert_close(name, gathered, expected[i], case)
+        _assert_close(name, gathered, expected[i], case, tolerances[i])
 
 
 def _check_block(shards, case):

@@ -302,7 +302,7 @@ def test_keep_attention_with_offload_moves_the_kept_outputs_to_host(rank_pools):
         assert input_tensors == layers
         assert tensors == 4 * layers  # input, y, o, lse
         # fp32 debug model, fused blocks
-        assert moved - input_bytes == attention_outputs_bytes_per_rank(config, kept[rank]["model_args"], 2,
+        assert moved - input_bytes == attention_outputs_bytes_per_rank(config, kept[rank]["model_dims"], 2,
                                                                        torch.float32, fused=True)
         for a, b in zip(kept[rank]["losses"], plain[rank]["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b)

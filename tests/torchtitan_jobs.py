@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -132,8 +133,6 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         global_valid_tokens = (labels != IGNORE_INDEX).sum().float()  # dp degree 1
         extra_kwargs = {}
         if documents:
-            from types import SimpleNamespace
-
             import torchtitan.train
 
             masks = model.get_attention_masks(input_batch=inputs, tokenizer=SimpleNamespace(eos_id=EOS_ID))
@@ -181,7 +180,10 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
         "rope_table": first_rope, "full_rope_table": full_rope,
         "load_balancer": job_config.parallelism.context_parallel_load_balancer,
         "n_layers": model_args.n_layers, "offloaded": offloaded, "pred_type": pred_type, "documents": document_counts,
-        "local_tokens": inputs.numel(), "seq_local": inputs.shape[1], "dim": model_args.dim, "model_args": model_args,
+        "local_tokens": inputs.numel(), "seq_local": inputs.shape[1], "dim": model_args.dim,
+        # what the offload's arithmetic reads (model_args' own class may be made at run time: not picklable)
+        "model_dims": SimpleNamespace(n_layers=model_args.n_layers, dim=model_args.dim, n_heads=model_args.n_heads,
+                                      n_kv_heads=model_args.n_kv_heads),
     }
 
 
