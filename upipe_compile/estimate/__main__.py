@@ -30,10 +30,11 @@ def parse_args(argv):
                         help="the job TOML (torchtitan 0.2.2), or with --module the config function (0.3)")
     parser.add_argument("--module", help="torchtitan 0.3: the module holding the config function (its "
                                          "config_registry), e.g. upipe_compile.integrations.torchtitan")
-    parser.add_argument("--max-context", action="store_true",
+    search = parser.add_mutually_exclusive_group()
+    search.add_argument("--max-context", action="store_true",
                         help="search the largest seq_len (a multiple of 1024 x CP degree) that fits both the GPU "
                              "and the host budget, and say which bound stopped it")
-    parser.add_argument("--plan", action="store_true",
+    search.add_argument("--plan", action="store_true",
                         help="at the job's seq_len, the fastest setting by the step-time model (heads_per_stage, "
                              "ring_degree, keep_attention, offload_block_inputs) that fits both budgets")
     parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB,

@@ -35,13 +35,16 @@ class Plan:
     """The step-time model's seconds per step for the plan."""
     tried: list[tuple[dict, float, str]]
     """(settings, modelled seconds, "fits" / the bound it broke / why it cannot run), in order."""
+    as_given: dict
+    """The job's own values of KNOBS."""
 
     def overrides(self) -> list[str]:
-        """The settings as command-line overrides (``--upipe.key value``; flags for true)."""
+        """The settings as command-line overrides: ``--upipe.key value``; a flag for true, and
+        ``--upipe.no-key`` where the job sets true and the plan false."""
         out = []
         for key, value in self.settings.items():
             if isinstance(value, bool):
-                out += [f"--upipe.{key}"] if value else []
+                out += [f"--upipe.{key}"] if value else [f"--upipe.no-{key}"] if self.as_given[key] else []
             else:
                 out += [f"--upipe.{key}", str(value)]
         return out
@@ -92,7 +95,7 @@ def plan(job_config, *, max_estimates: int = MAX_ESTIMATES, **estimate_kwargs) -
             continue
         if result.fits:
             tried.append((settings, seconds, "fits"))
-            return Plan(settings, result, seconds, tried)
+            return Plan(settings, result, seconds, tried, as_given)
         broke = " and ".join(n for n, ok in (("device", result.fits_device), ("host", result.fits_host)) if not ok)
         tried.append((settings, seconds, f"breaks the {broke} budget"))
     raise JobError(f"none of the {len(tried)} fastest settings fits at [training] seq_len = "
