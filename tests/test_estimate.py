@@ -383,3 +383,13 @@ def test_plan_takes_the_fastest_setting_that_fits(debug_estimate, keep_estimates
     assert found["overrides"] == [f"--upipe.heads_per_stage", str(plan["heads_per_stage"]),
                                   "--upipe.ring_degree", str(plan["ring_degree"])]
     assert found["estimate"]["fits"]
+
+
+def test_plan_overrides_turn_off_what_the_job_turned_on():
+    from upipe_compile.estimate.plan import Plan
+
+    settings = {"heads_per_stage": 8, "ring_degree": 1, "keep_attention": False, "offload_block_inputs": True}
+    given = {"heads_per_stage": 32, "ring_degree": 1, "keep_attention": True, "offload_block_inputs": False}
+    assert Plan(settings, None, 1.0, [], given).overrides() == [
+        "--upipe.heads_per_stage", "8", "--upipe.ring_degree", "1", "--upipe.no-keep_attention",
+        "--upipe.offload_block_inputs"]
