@@ -20,7 +20,7 @@ def test_run_all_dry_run_prints_valid_commands():
     commands = [shlex.split(line[2:]) for line in result.stdout.splitlines() if line.startswith("+ ")]
     scripts = [c[1] for c in commands]
     assert scripts == ["benchmarks/kernel_check.py", "benchmarks/op_memory.py", "benchmarks/memory.py",
-                       "benchmarks/throughput.py"]
+                       "benchmarks/gpu_rank.py", "benchmarks/throughput.py"]
     for command in commands:
         assert os.path.exists(os.path.join(ROOT, command[1])), command
         help_text = subprocess.run(
