@@ -231,39 +231,20 @@ def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
 def measure_step(size: Size, explain: bool = False) -> dict:
     """On every rank of the pool: build the job as the Trainer does, one warm-up step, then one
     profiled step. Returns bytes at the step's start (by kind), the step's rise, and more."""
-    import importlib
-
     import torch.distributed as dist
-    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.distributed import utils as dist_utils
     import torchtitan.train  # its prepare_context_parallel_input, as the upipe import routes it
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.estimate.job import build_real_job
 
-    torchtitan_on_cpu()
     torch._dynamo.reset()
     config = job_config(size)
-    importlib.import_module(config.experimental.custom_import)
-    p = config.parallelism
-    dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
-                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
-                        world_size=dist.get_world_size())
-    dims.build_mesh()
-    spec = get_train_spec(config.model.name)
-    model_args = dataclasses.replace(spec.model_args[config.model.flavor])
-    model_args.update_from_config(config)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, dims, config)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    optimizers = spec.build_optimizers_fn([model], config.optimizer, dims)
-    lr_schedulers = spec.build_lr_schedulers_fn(optimizers, config.lr_scheduler, 2)
-    loss_fn = spec.build_loss_fn(config, parallel_dims=dims)
+    job = build_real_job(config, torch.device("cpu"), dist.get_world_size())
+    dims, model_args, model = job.parallel_dims, job.model_args, job.model
+    optimizers, loss_fn = job.optimizers, job.loss_fn
+    lr_schedulers = get_train_spec(config.model.name).build_lr_schedulers_fn(optimizers, config.lr_scheduler, 2)
     offloader = model.upipe_offloader
 
     def train_step(seed: int) -> float:

@@ -72,51 +72,21 @@ def job_config(tiny: bool, layers: int, seq_len: int, overrides: list[str]):
         "--model.flavor", FLAVOR, "--training.seq_len", str(seq_len), *extra, *overrides])
 
 
-def build(config, device: torch.device):
-    """The Trainer's model and optimizer for ``config`` on ``device``, as rank 0 of the job's
-    world over the fake process group (initialised by the caller)."""
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    from upipe_compile.estimate.job import torchtitan_on_cpu, world_size
-
-    if device.type == "cpu":
-        torchtitan_on_cpu()
-    p = config.parallelism
-    dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
-                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree,
-                        world_size=world_size(config))
-    dims.build_mesh()
-    spec = get_train_spec(config.model.name)
-    model_args = spec.model_args[config.model.flavor]
-    model_args.update_from_config(config)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model = spec.parallelize_fn(model, dims, config)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    optimizers = spec.build_optimizers_fn([model], config.optimizer, dims)
-    loss_fn = spec.build_loss_fn(config, parallel_dims=dims)
-    return model, optimizers, loss_fn, dims, model_args
-
-
-def train_step(config, model, optimizers, loss_fn, dims, model_args, device) -> None:
+def train_step(job, device) -> None:
     """torchtitan 0.2.2's Trainer.train_step, one microbatch: rank 0's shard of a random row."""
     from torchtitan.train import prepare_context_parallel_input
 
-    optimizers.zero_grad()
+    config = job.job_config
+    job.optimizers.zero_grad()
     seq = config.training.seq_len
     gen = torch.Generator().manual_seed(0)
-    inputs = torch.randint(0, model_args.vocab_size, (1, seq), generator=gen).to(device)
-    labels = torch.randint(0, model_args.vocab_size, (1, seq), generator=gen).to(device)
+    inputs = torch.randint(0, job.model_args.vocab_size, (1, seq), generator=gen).to(device)
+    labels = torch.randint(0, job.model_args.vocab_size, (1, seq), generator=gen).to(device)
     inputs, labels, extra = prepare_context_parallel_input(
-        inputs, labels, {}, dims.get_mesh("cp"), device, config.parallelism.context_parallel_load_balancer)
-    loss = loss_fn(model(inputs, **extra), labels) / labels.numel()
+        inputs, labels, {}, job.parallel_dims.get_mesh("cp"), device, config.parallelism.context_parallel_load_balancer)
+    loss = job.loss_fn(job.model(inputs, **extra), labels) / labels.numel()
     loss.backward()
-    optimizers.step()
+    job.optimizers.step()
 
 
 def _device(tiny: bool) -> torch.device:
@@ -135,26 +105,27 @@ def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str]) -> 
 
 def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str]) -> list[dict]:
     """In this process: per seq_len, two real steps; the second timed."""
-    from upipe_compile.estimate.job import world_size
+    from upipe_compile.estimate.job import build_real_job, world_size
     from upipe_compile.measure.memory import fake_process_group
 
     device = _device(tiny)
     rows = []
     for seq in seqs:
         config = job_config(tiny, layers, seq, overrides)
-        with fake_process_group(world_size(config)):
-            model, optimizers, loss_fn, dims, model_args = build(config, device)
-            train_step(config, model, optimizers, loss_fn, dims, model_args, device)  # compiles
+        world = world_size(config)
+        with fake_process_group(world):
+            job = build_real_job(config, device, world)
+            train_step(job, device)  # compiles
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            train_step(config, model, optimizers, loss_fn, dims, model_args, device)
+            train_step(job, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
-            del model, optimizers
+            del job
         torch._dynamo.reset()
         rows.append({"seq_len": seq, "step_s": seconds, "measured_peak_gib": peak, "device": _device_name(device)})
     return rows

@@ -114,23 +114,57 @@ class Job:
     loss_fn: Any
 
 
+def parallel_dims_of(job_config, world: int):
+    """torchtitan 0.2.2's ParallelDims for the job's [parallelism] degrees over ``world`` ranks."""
+    from torchtitan.distributed import ParallelDims
+
+    p = job_config.parallelism
+    return ParallelDims(
+        dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world,
+    )
+
+
+def build_real_job(job_config, device: torch.device, world: int) -> Job:
+    """The Trainer's model, optimizers and loss for a torchtitan 0.2.2 job with real tensors on
+    ``device``, for a measurement beside the estimate's (benchmarks/estimate_check.py,
+    benchmarks/gpu_rank.py). Needs the default process group (real, or fake with this process
+    as one of ``world`` ranks); seed torch first for reproducible weights."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    if device.type == "cpu":
+        torchtitan_on_cpu()
+    if job_config.experimental.custom_import:
+        importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
+    parallel_dims = parallel_dims_of(job_config, world)
+    parallel_dims.build_mesh()
+    spec = get_train_spec(job_config.model.name)
+    model_args = copy.deepcopy(spec.model_args[job_config.model.flavor])  # update_from_config mutates
+    model_args.update_from_config(job_config)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model = spec.parallelize_fn(model, parallel_dims, job_config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = spec.build_optimizers_fn([model], job_config.optimizer, parallel_dims)
+    loss_fn = spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
+    return Job(job_config, parallel_dims, model_args, model, optimizers, loss_fn)
+
+
 def build_job(job_config, fake_mode) -> Job:
     """The Trainer's model, optimizers and loss for ``job_config``, as fake CPU tensors. Needs
     a default (fake) process group of the job's world size; ``fake_mode`` is the
     FakeTensorMode the step will run in."""
-    from torchtitan.distributed import ParallelDims
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.protocols.train_spec import get_train_spec
 
     torchtitan_on_cpu()
     if job_config.experimental.custom_import:
         importlib.import_module(job_config.experimental.custom_import)  # as Trainer.__init__ does
-    p = job_config.parallelism
-    parallel_dims = ParallelDims(
-        dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
-        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world_size(job_config),
-    )
+    parallel_dims = parallel_dims_of(job_config, world_size(job_config))
     if parallel_dims.pp_enabled:
         raise JobError("[parallelism] pipeline_parallel_degree > 1: the estimate runs one model part per rank")
     if not parallel_dims.fsdp_enabled:
