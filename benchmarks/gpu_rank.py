@@ -23,11 +23,14 @@ memory statistics).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,82 +101,144 @@ def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str]) -> 
     from upipe_compile.estimate import estimate
 
     cuda = _device(tiny).type == "cuda"
-    result = estimate(job_config(tiny, layers, seq, overrides), cuda_kernel="flash-attn" if cuda else None)
+    result = estimate(job_config(tiny, layers, seq, overrides), cuda_kernel=_installed_cuda_kernel() if cuda else None)
     return {"estimated_peak_gib": result.peak_device_gib, "host_gib_per_rank": result.host_gib_per_rank,
             "modelled_step_s_h100": result.step_time["seconds"], "world_size": result.world_size}
 
 
-def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str]) -> list[dict]:
-    """In this process: per seq_len, two real steps; the second timed."""
+@contextlib.contextmanager
+def _locked(lock_file, mode: int):
+    fcntl.flock(lock_file, mode)
+    try:
+        yield
+    finally:
+        fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _installed_cuda_kernel() -> str:
+    """The name of the CUDA kernel this machine runs (the estimate models its workspaces)."""
+    from upipe_compile.attention import kernels
+
+    installed = type(kernels.cuda_kernel())
+    return next(name for name, kernel in kernels.CUDA_KERNELS.items() if kernel is installed)
+
+
+def run_method(tiny: bool, layers: int, seqs: list[int], overrides: list[str], lock_path: str, rows_path: str):
+    """In this process: per seq_len, two real steps; the second timed, its row appended to
+    ``rows_path`` as one JSON line. The methods' processes run at once: building and the first
+    step (mostly compiling) overlap under a shared lock on ``lock_path``; the timed step holds it
+    exclusively, so nothing else runs on the device while it is timed."""
     from upipe_compile.estimate.job import build_real_job, world_size
     from upipe_compile.measure.memory import fake_process_group
 
     device = _device(tiny)
-    rows = []
-    for seq in seqs:
-        config = job_config(tiny, layers, seq, overrides)
-        world = world_size(config)
-        with fake_process_group(world):
-            job = build_real_job(config, device, world)
-            train_step(job, device)  # compiles
+    with open(lock_path, "a+") as lock:
+        for seq in seqs:
+            config = job_config(tiny, layers, seq, overrides)
+            world = world_size(config)
+            with fake_process_group(world):
+                with _locked(lock, fcntl.LOCK_SH):
+                    job = build_real_job(config, device, world)
+                    train_step(job, device)  # compiles
+                    _synchronize(device)
+                with _locked(lock, fcntl.LOCK_EX):
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    start = time.perf_counter()
+                    train_step(job, device)
+                    _synchronize(device)
+                    seconds = time.perf_counter() - start
+                peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+                del job
+            torch._dynamo.reset()
             if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            train_step(job, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
-            del job
-        torch._dynamo.reset()
-        rows.append({"seq_len": seq, "step_s": seconds, "measured_peak_gib": peak, "device": _device_name(device)})
-    return rows
+                torch.cuda.empty_cache()  # the next length's job starts from what it needs alone
+            row = {"method": json.dumps(overrides), "seq_len": seq, "step_s": seconds,
+                   "measured_peak_gib": peak, "device": _device_name(device)}
+            with _locked(lock, fcntl.LOCK_EX), open(rows_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _command(mode: str, overrides: list[str], layers: int, seqs: list[int], tiny: bool) -> list[str]:
+def _command(mode: str, overrides: list[str], layers: int, seqs: list[int], tiny: bool, *extra: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), mode, json.dumps(overrides), "--layers", str(layers),
-            "--seqs", *map(str, seqs), *(["--tiny"] if tiny else [])]
+            "--seqs", *map(str, seqs), *(["--tiny"] if tiny else []), *extra]
 
 
-def _result(process: subprocess.Popen, name: str, timeout_s: float):
-    out, err = process.communicate(timeout=timeout_s)
-    if process.returncode != 0:
-        raise RuntimeError(f"{name}: {' '.join(process.args)} failed:\n{err[-4000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+def _finish(processes: dict, deadline: float) -> tuple[dict, dict]:
+    """Wait for every process until ``deadline`` (time.monotonic()); kill what is left.
+    Returns (name -> its standard output, name -> why it gave no complete result)."""
+    outputs, failures = {}, {}
+    for name, process in processes.items():
+        try:
+            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, err = process.communicate()
+            failures[name] = "stopped at the deadline"
+            continue
+        if process.returncode != 0:
+            failures[name] = f"failed: {err.strip().splitlines()[-1] if err.strip() else process.returncode}"
+            print(f"{name}: {' '.join(process.args)} failed:\n{err[-4000:]}", file=sys.stderr)
+        else:
+            outputs[name] = out
+    return outputs, failures
 
 
-def run(tiny: bool, layers: int, seqs: list[int], timeout_s: float) -> list[dict]:
-    """Each method's steps in its own process, one after another on the device; every
-    estimate in its own process at once beside them (they run on the host's CPUs)."""
+def run(tiny: bool, layers: int, seqs: list[int], timeout_s: float) -> tuple[list[dict], dict[str, str]]:
+    """Every method in its own process, all at once (see run_method for how their timed steps
+    stay alone on the device), and every estimate in its own process beside them (host CPUs).
+    After ``timeout_s`` what has not finished is stopped: the rows measured by then are kept."""
     methods = TINY_METHODS if tiny else METHODS
+    deadline = time.monotonic() + timeout_s
     popen = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    estimates = {(name, seq): subprocess.Popen(_command("--estimate-one", overrides, layers, [seq], tiny), **popen)
-                 for name, overrides in methods.items() for seq in seqs}
+    with tempfile.TemporaryDirectory() as tmp:
+        lock_path, rows_path = os.path.join(tmp, "device.lock"), os.path.join(tmp, "rows.jsonl")
+        estimates = {(name, seq): subprocess.Popen(_command("--estimate-one", overrides, layers, [seq], tiny), **popen)
+                     for name, overrides in methods.items() for seq in seqs}
+        steps = {name: subprocess.Popen(_command("--one", overrides, layers, seqs, tiny, "--lock", lock_path,
+                                                 "--rows", rows_path), **popen)
+                 for name, overrides in methods.items()}
+        _, failures = _finish(steps, deadline)
+        estimated, estimate_failures = _finish(estimates, deadline)
+        failures.update({f"estimate of {name} at {seq:,}": why for (name, seq), why in estimate_failures.items()})
+        measured = []
+        if os.path.exists(rows_path):
+            with open(rows_path) as f:
+                measured = [json.loads(line) for line in f if line.strip()]
+    names = {json.dumps(overrides): name for name, overrides in methods.items()}
     rows = []
-    for name, overrides in methods.items():
-        steps = subprocess.Popen(_command("--one", overrides, layers, seqs, tiny), **popen)
-        for row in _result(steps, name, timeout_s):
-            rows.append({"method": name, **row, **_result(estimates[name, row["seq_len"]], name, timeout_s)})
-    return rows
+    for name, overrides in methods.items():  # the table's order: method, then length
+        for row in sorted((r for r in measured if r["method"] == json.dumps(overrides)), key=lambda r: r["seq_len"]):
+            out = estimated.get((name, row["seq_len"]))
+            estimate = json.loads(out.strip().splitlines()[-1]) if out else {}
+            rows.append({**row, "method": names[row["method"]], **estimate})
+    return rows, failures
 
 
 def table(rows: list[dict]) -> str:
+    """One line per measured (method, length); a cell whose input is missing (Ulysses not
+    measured at that length, an estimate that did not finish) stays empty."""
     ulysses = {r["seq_len"]: r["step_s"] for r in rows if r["method"].startswith("Ulysses")}
     out = []
     for r in rows:
-        measured = r["measured_peak_gib"]
+        measured, estimated = r["measured_peak_gib"], r.get("estimated_peak_gib")
         out.append({
             "job seq_len": f"{r['seq_len']:,}", "method": r["method"], "step s": r["step_s"],
-            "throughput vs Ulysses": ulysses[r["seq_len"]] / r["step_s"],
+            "throughput vs Ulysses": f"{ulysses[r['seq_len']] / r['step_s']:.3f}" if r["seq_len"] in ulysses else "",
             "max_memory_allocated GiB": "n/a (CPU)" if measured is None else f"{measured:.2f}",
-            "estimate GiB": f"{r['estimated_peak_gib']:.2f}",
-            "measured / estimate": "" if measured is None else f"{measured / r['estimated_peak_gib']:.3f}",
-            "host GiB (estimate)": f"{r['host_gib_per_rank']:.2f}",
+            "estimate GiB": "" if estimated is None else f"{estimated:.2f}",
+            "measured / estimate": "" if measured is None or estimated is None else f"{measured / estimated:.3f}",
+            "host GiB (estimate)": f"{r['host_gib_per_rank']:.2f}" if "host_gib_per_rank" in r else "",
+            "model step s (H100)": f"{r['modelled_step_s_h100']:.2f}" if "modelled_step_s_h100" in r else "",
         })
     return tabulate(out, headers="keys", tablefmt="github", floatfmt=".3f")
 
@@ -183,26 +248,31 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of the model (the TOML's dims otherwise)")
     parser.add_argument("--seqs", type=int, nargs="+", default=[262144, 524288, 1048576], help="job seq_len values")
     parser.add_argument("--tiny", action="store_true", help="torchtitan's debug model on CPU, CP = 2 (the tests)")
-    parser.add_argument("--timeout", type=float, default=420, help="seconds each process may take")
+    parser.add_argument("--timeout", type=float, default=420,
+                        help="seconds for the whole run; what has not finished by then is stopped and left out")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a method's overrides: run it here, print JSON rows
     parser.add_argument("--estimate-one", help=argparse.SUPPRESS)  # the same for its estimate at --seqs[0]
+    parser.add_argument("--lock", help=argparse.SUPPRESS)  # with --one: the file lock the methods share
+    parser.add_argument("--rows", help=argparse.SUPPRESS)  # with --one: the JSON-lines file of rows
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_method(args.tiny, args.layers, args.seqs, json.loads(args.one))))
+        run_method(args.tiny, args.layers, args.seqs, json.loads(args.one), args.lock, args.rows)
         return 0
     if args.estimate_one is not None:
         print(json.dumps(estimate_method(args.tiny, args.layers, args.seqs[0], json.loads(args.estimate_one))))
         return 0
-    rows = run(args.tiny, args.layers, args.seqs, args.timeout)
+    rows, failures = run(args.tiny, args.layers, args.seqs, args.timeout)
     command = " ".join(["python benchmarks/gpu_rank.py", *(argv if argv is not None else sys.argv[1:])])
-    text = (f"# {command}\n# one rank of the job on {rows[0]['device']}, fake process group for the others, "
+    device = rows[0]["device"] if rows else "the device"
+    text = (f"# {command}\n# one rank of the job on {device}, fake process group for the others, "
             f"{args.layers} layers, torch {torch.__version__}\n\n{table(rows)}\n")
+    text += "".join(f"\nnot measured: {name}: {why}" for name, why in failures.items())
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
