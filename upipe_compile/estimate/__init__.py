@@ -15,6 +15,8 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass, replace
 
+import torch
+
 from upipe_compile.measure import workspace
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.measure.memory import eager_calls
@@ -104,6 +106,10 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     start = time.time()
     world = world_size(job_config)
     eager_calls.clear()
+    if torch.cuda.is_available():
+        # On a GPU node the step's first CUDA call would initialise CUDA inside a checkpointed
+        # block's forward, which torch.utils.checkpoint refuses: initialise it before.
+        torch.cuda.init()
     kernel_workspace = workspace.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
     with fake_process_group(world), private_sharding_fake_mode(), kernel_workspace, plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
