@@ -96,12 +96,13 @@ def _device(tiny: bool) -> torch.device:
     return torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
 
 
-def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str]) -> dict:
+def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str], cuda_kernel: str | None) -> dict:
     """The whole-step estimate of the same job (fake tensors, CPU)."""
     from upipe_compile.estimate import estimate
 
-    cuda = _device(tiny).type == "cuda"
-    result = estimate(job_config(tiny, layers, seq, overrides), cuda_kernel=_installed_cuda_kernel() if cuda else None)
+    if cuda_kernel is None and _device(tiny).type == "cuda":
+        cuda_kernel = _installed_cuda_kernel()
+    result = estimate(job_config(tiny, layers, seq, overrides), cuda_kernel=cuda_kernel)
     return {"estimated_peak_gib": result.peak_device_gib, "host_gib_per_rank": result.host_gib_per_rank,
             "modelled_step_s_h100": result.step_time["seconds"], "world_size": result.world_size}
 
@@ -193,24 +194,30 @@ def _finish(processes: dict, deadline: float) -> tuple[dict, dict]:
     return outputs, failures
 
 
-def run(tiny: bool, layers: int, seqs: list[int], timeout_s: float) -> tuple[list[dict], dict[str, str]]:
+def run(tiny: bool, layers: int, seqs: list[int], timeout_s: float, cuda_kernel: str | None = None,
+        measure: bool = True) -> tuple[list[dict], dict[str, str]]:
     """Every method in its own process, all at once (see run_method for how their timed steps
     stay alone on the device), and every estimate in its own process beside them (host CPUs).
-    After ``timeout_s`` what has not finished is stopped: the rows measured by then are kept."""
+    After ``timeout_s`` what has not finished is stopped: the rows measured by then are kept.
+    ``measure=False``: the estimates alone (a row per method and length, no step)."""
+    kernel = ["--cuda-kernel", cuda_kernel] if cuda_kernel else []
     methods = TINY_METHODS if tiny else METHODS
     deadline = time.monotonic() + timeout_s
     popen = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with tempfile.TemporaryDirectory() as tmp:
         lock_path, rows_path = os.path.join(tmp, "device.lock"), os.path.join(tmp, "rows.jsonl")
-        estimates = {(name, seq): subprocess.Popen(_command("--estimate-one", overrides, layers, [seq], tiny), **popen)
+        estimates = {(name, seq): subprocess.Popen(_command("--estimate-one", overrides, layers, [seq], tiny, *kernel),
+                                                     **popen)
                      for name, overrides in methods.items() for seq in seqs}
         steps = {name: subprocess.Popen(_command("--one", overrides, layers, seqs, tiny, "--lock", lock_path,
                                                  "--rows", rows_path), **popen)
-                 for name, overrides in methods.items()}
+                 for name, overrides in methods.items() if measure}
         _, failures = _finish(steps, deadline)
         estimated, estimate_failures = _finish(estimates, deadline)
         failures.update({f"estimate of {name} at {seq:,}": why for (name, seq), why in estimate_failures.items()})
-        measured = []
+        measured = [] if measure else [
+            {"method": json.dumps(overrides), "seq_len": seq, "step_s": None, "measured_peak_gib": None,
+             "device": "none (estimates only)"} for overrides in methods.values() for seq in seqs]
         if os.path.exists(rows_path):
             with open(rows_path) as f:
                 measured = [json.loads(line) for line in f if line.strip()]
@@ -232,8 +239,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         measured, estimated = r["measured_peak_gib"], r.get("estimated_peak_gib")
         out.append({
-            "job seq_len": f"{r['seq_len']:,}", "method": r["method"], "step s": r["step_s"],
-            "throughput vs Ulysses": f"{ulysses[r['seq_len']] / r['step_s']:.3f}" if r["seq_len"] in ulysses else "",
+            "job seq_len": f"{r['seq_len']:,}", "method": r["method"],
+            "step s": "" if r["step_s"] is None else f"{r['step_s']:.3f}",
+            "throughput vs Ulysses": f"{ulysses[r['seq_len']] / r['step_s']:.3f}"
+            if r["step_s"] is not None and ulysses.get(r["seq_len"]) else "",
             "max_memory_allocated GiB": "n/a (CPU)" if measured is None else f"{measured:.2f}",
             "estimate GiB": "" if estimated is None else f"{estimated:.2f}",
             "measured / estimate": "" if measured is None or estimated is None else f"{measured / estimated:.3f}",
@@ -251,6 +260,11 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=420,
                         help="seconds for the whole run; what has not finished by then is stopped and left out")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--cuda-kernel", help="the CUDA kernel whose workspaces the estimate models (default: the "
+                        "one this machine runs; none on a machine without CUDA)")
+    parser.add_argument("--estimates-only", action="store_true",
+                        help="no steps: the estimates of the same jobs alone (e.g. on a CPU machine, beside a "
+                        "table measured on a GPU)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a method's overrides: run it here, print JSON rows
     parser.add_argument("--estimate-one", help=argparse.SUPPRESS)  # the same for its estimate at --seqs[0]
     parser.add_argument("--lock", help=argparse.SUPPRESS)  # with --one: the file lock the methods share
@@ -260,9 +274,10 @@ def main(argv=None) -> int:
         run_method(args.tiny, args.layers, args.seqs, json.loads(args.one), args.lock, args.rows)
         return 0
     if args.estimate_one is not None:
-        print(json.dumps(estimate_method(args.tiny, args.layers, args.seqs[0], json.loads(args.estimate_one))))
+        print(json.dumps(estimate_method(args.tiny, args.layers, args.seqs[0], json.loads(args.estimate_one),
+                                         args.cuda_kernel)))
         return 0
-    rows, failures = run(args.tiny, args.layers, args.seqs, args.timeout)
+    rows, failures = run(args.tiny, args.layers, args.seqs, args.timeout, args.cuda_kernel, not args.estimates_only)
     command = " ".join(["python benchmarks/gpu_rank.py", *(argv if argv is not None else sys.argv[1:])])
     device = rows[0]["device"] if rows else "the device"
     text = (f"# {command}\n# one rank of the job on {device}, fake process group for the others, "
