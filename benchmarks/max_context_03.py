@@ -31,6 +31,8 @@ ROWS = (
     ("Llama3-8B, 8 ranks, UPipe (U = 8)", "llama3_8b_upipe_5m", (), "llama3_8b_u8_whole_stack.json"),
     ("Llama3-8B, 8 ranks, Ulysses (U = 32)", "llama3_8b_upipe_5m", ("--upipe.heads_per_stage", "32"),
      "llama3_8b_u32_whole_stack.json"),
+    ("Llama3-8B, 8 ranks, UPipe (U = 8) + keep_attention", "llama3_8b_upipe_5m", ("--upipe.keep_attention",),
+     "llama3_8b_u8_keep_attention.json"),
     ("Llama3-8B, 32 ranks (4 nodes), UPipe over 8 x ring of 4", "llama3_8b_upipe_4_nodes", (),
      "llama3_8b_4_nodes_u8_ring4_whole_stack.json"),
 )
