@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     parser.add_argument("--estimates-only", action="store_true",
                         help="no steps: the estimates of the same jobs alone (e.g. on a CPU machine, beside a "
                         "table measured on a GPU)")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # a method's overrides: run it here, print JSON rows
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a method's overrides: run it here, rows to --rows
     parser.add_argument("--estimate-one", help=argparse.SUPPRESS)  # the same for its estimate at --seqs[0]
     parser.add_argument("--lock", help=argparse.SUPPRESS)  # with --one: the file lock the methods share
     parser.add_argument("--rows", help=argparse.SUPPRESS)  # with --one: the JSON-lines file of rows
