@@ -132,6 +132,7 @@ def build_real_job(job_config, device: torch.device, world: int) -> Job:
     ``device``, for a measurement beside the estimate's (benchmarks/estimate_check.py,
     benchmarks/gpu_rank.py). Needs the default process group (real, or fake with this process
     as one of ``world`` ranks); seed torch first for reproducible weights."""
+    from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.protocols.train_spec import get_train_spec
 
     if device.type == "cpu":
@@ -145,6 +146,7 @@ def build_real_job(job_config, device: torch.device, world: int) -> Job:
     model_args.update_from_config(job_config)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
+    build_model_converters(job_config, parallel_dims).convert(model)  # as the estimate's job (build_job)
     model = spec.parallelize_fn(model, parallel_dims, job_config)
     model.to_empty(device=device)
     with torch.no_grad():
