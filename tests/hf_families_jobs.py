@@ -27,6 +27,10 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
 def _config(family: str):
     import transformers as tf
 
+    if family == "mixtral":  # MoE (token-choice routing) with a sliding window on every layer
+        return tf.MixtralForCausalLM, tf.MixtralConfig(sliding_window=WINDOW, num_local_experts=4,
+                                                       num_experts_per_tok=2, **COMMON)
+
     if family == "mistral":
         return tf.MistralForCausalLM, tf.MistralConfig(sliding_window=WINDOW, **COMMON)
     if family == "qwen2":
@@ -54,10 +58,14 @@ def _config(family: str):
     raise ValueError(family)
 
 
-def build_model(family: str, attn_implementation: str, seed: int = 0):
+def build_model(family: str, attn_implementation: str, seed: int = 0, as_shipped: bool = False):
     """Random fp32 weights from a seeded generator, identical on every process and for every
-    attention implementation; larger than HF's init so attention is not near-uniform."""
+    attention implementation; larger than HF's init so attention is not near-uniform.
+    ``as_shipped``: ``use_cache`` as the config class ships it (on) instead of off."""
     cls, config = _config(family)
+    if as_shipped:
+        config.use_cache = type(config)().use_cache
+        assert config.use_cache, f"{family} ships with use_cache off: the as-shipped case would test nothing"
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = cls(config).float()
@@ -97,21 +105,25 @@ def eager_reference(family: str, world: int, seq_local: int = SEQ_LOCAL):
     return logits.detach(), _grads(model)
 
 
-def compiled_family_case(family: str, world: int, fuse: bool):
+def compiled_family_case(family: str, world: int, fuse: bool, as_shipped: bool = False):
     """This rank's shard through the model compiled with backend="upipe" (loaded with
-    register()): (local logits, param grads, attention op counts of the second step)."""
+    register()): (local logits, param grads, attention op counts of the second step).
+    ``as_shipped``: the config's ``use_cache`` (on) and the call a training loop makes,
+    ``model(input_ids=..., position_ids=...)``; the output must then carry no cache."""
     torch._dynamo.reset()
     assert dist.get_world_size() == world
-    model = build_model(family, UPIPE_SDPA)
+    model = build_model(family, UPIPE_SDPA, as_shipped=as_shipped)
     ids, dout = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs(world))
     positions = upipe_compile.global_positions(SEQ_LOCAL)
     compiled = torch.compile(model, backend="upipe",
                              options={"inner_backend": "aot_eager", "fuse_projections": fuse})
+    use_cache = {} if as_shipped else {"use_cache": False}
 
     def step():
-        logits = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
-        (logits * dout).sum().backward()
-        return logits.detach()
+        out = compiled(input_ids=ids, position_ids=positions, **use_cache)
+        assert out.cache is None, f"a cache of this rank's shard came back: {type(out.cache).__name__}"
+        (out.logits * dout).sum().backward()
+        return out.logits.detach()
 
     step()
     model.zero_grad(set_to_none=True)
@@ -171,3 +183,22 @@ def mesh_family_case(family: str, ring: int, seq_local: int = SEQ_LOCAL, lengths
     logits = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
     (logits * dout).sum().backward()
     return gather_sequence(logits.detach(), mesh, dim=1), _grads(model)
+
+
+def past_refusal_case(family: str, keyword: str) -> str:
+    """The compiled model handed a past (an empty cache, as generate() hands one to its first
+    forward) under context parallelism: the error's message (it must be raised)."""
+    from transformers import DynamicCache
+
+    from upipe_compile.errors import UnsupportedAttention
+
+    torch._dynamo.reset()
+    model = build_model(family, UPIPE_SDPA, as_shipped=True)
+    ids = upipe_compile.shard_sequence(make_inputs(dist.get_world_size())[0], dim=1)
+    compiled = torch.compile(model, backend="upipe", options={"inner_backend": "aot_eager"})
+    try:
+        compiled(input_ids=ids, position_ids=upipe_compile.global_positions(SEQ_LOCAL),
+                 **{keyword: DynamicCache(config=model.config)})
+    except UnsupportedAttention as error:
+        return str(error)
+    raise AssertionError(f"{family} ran with {keyword}= under context parallelism")

@@ -64,8 +64,12 @@ def _config(family: str):
     raise ValueError(family)
 
 
-def build_model(family: str, attn_implementation: str):
+def build_model(family: str, attn_implementation: str, as_shipped: bool = False):
+    """``as_shipped``: ``use_cache`` as the config class ships it (on) instead of off."""
     cls, config = _config(family)
+    if as_shipped:
+        config.use_cache = type(config)().use_cache
+        assert config.use_cache, f"{family} ships with use_cache off: the as-shipped case would test nothing"
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     model = cls(config).float()
@@ -102,12 +106,14 @@ def eager_reference(family: str):
     return logits.detach(), _grads(model)
 
 
-def compiled_case(family: str, world: int, heads_per_stage: int | None = None):
+def compiled_case(family: str, world: int, heads_per_stage: int | None = None, as_shipped: bool = False):
     """This rank's shard through the model compiled with backend="upipe": (logits, grads,
-    names of the upipe ops in the graphs)."""
+    names of the upipe ops in the graphs). ``as_shipped``: the config's ``use_cache`` (on)
+    and the call a training loop makes, ``model(input_ids=..., position_ids=...)``; the
+    output must then carry no cache (its conv and SSM states would be this rank's shard's)."""
     torch._dynamo.reset()
     assert dist.get_world_size() == world
-    model = build_model(family, UPIPE)
+    model = build_model(family, UPIPE, as_shipped)
     ids, dout = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs())
     positions = upipe_compile.global_positions(ids.shape[1])
     ops = set()
@@ -119,9 +125,11 @@ def compiled_case(family: str, world: int, heads_per_stage: int | None = None):
                    if "upipe" in str(n.target))
         return compiled
 
-    logits = torch.compile(model, backend=backend)(input_ids=ids, position_ids=positions, use_cache=False).logits
-    (logits * dout).sum().backward()
-    return logits.detach(), _grads(model), sorted(ops)
+    out = torch.compile(model, backend=backend)(input_ids=ids, position_ids=positions,
+                                                **({} if as_shipped else {"use_cache": False}))
+    assert out.cache is None, f"a cache of this rank's shard came back: {type(out.cache).__name__}"
+    (out.logits * dout).sum().backward()
+    return out.logits.detach(), _grads(model), sorted(ops)
 
 
 DOCUMENT_LENGTHS = (11, 5, 16)  # a packed row of three documents over the full SEQ = 32

@@ -30,6 +30,25 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
             assert events.get("upipe::attention_block", 0) > 0 and "upipe::attention" not in events, events
 
 
+@pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4)])
+def test_family_as_shipped_runs_without_a_cache(rank_pools, family, world):
+    """The first call a user makes: the config as shipped (``use_cache`` on) and
+    ``model(input_ids=..., position_ids=...)``, a sliding-window family, a MoE family and one
+    with sinks, windowed and full layers: eager's numbers on every rank and no cache of the
+    local shard returned (the cache jobs assert it)."""
+    shards = rank_pools(world).run(jobs.compiled_family_case, family, world, True, True)
+    logits, grads = jobs.eager_reference(family, world)
+    assert_shards_match(shards, logits, grads)
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_a_forward_handed_a_past_is_refused_on_every_rank(rank_pools, keyword):
+    messages = rank_pools(2).run(jobs.past_refusal_case, "mistral", keyword)
+    assert len(messages) == 2
+    for message in messages:
+        assert f"called with {keyword}= under context parallelism" in message and "uncompiled" in message, message
+
+
 @pytest.mark.parametrize("family, world", [("gemma3", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("deepseek_v3", 4)])
 def test_family_unfused_matches(rank_pools, family, world):
     shards = rank_pools(world).run(jobs.compiled_family_case, family, world, False)

@@ -25,6 +25,18 @@ def test_hybrid_family_matches_full_sequence(rank_pools, family, world, heads_pe
         assert "upipe.head_mixer.default" not in ops, ops  # every mixer rewritten
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba", "jamba", "minimax"])
+def test_hybrid_as_shipped_runs_without_a_cache(rank_pools, family):
+    """The config as shipped (``use_cache`` on) and ``model(input_ids=..., position_ids=...)``:
+    the mixers still run as stage loops (no cache state reaches them), eager's numbers on
+    every rank, and no cache of the local shard returned (the job asserts it)."""
+    shards = rank_pools(2).run(jobs.compiled_case, family, 2, None, True)
+    logits, grads = jobs.eager_reference(family)
+    assert_shards_match(shards, logits, grads)
+    for *_, ops in shards:
+        assert "upipe.head_mixer_loop.default" in ops and "upipe.head_mixer.default" not in ops, ops
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "bamba"])
 def test_packed_documents_restart_the_mixers(rank_pools, family):
     """A packed row of three documents (one crossing the shard boundary) at P = 2: the mixers

@@ -36,9 +36,13 @@ implementations for models it has no SDPA support for, such as Gemma2 and GPT-OS
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "upipe"
 
@@ -144,6 +148,73 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
+# The keywords a past arrives under (transformers 5.24 renamed past_key_values and
+# cache_params to cache and still accepts the old names).
+_PAST_KEYWORDS = ("cache", "past_key_values", "cache_params")
+
+
+def _context_parallel() -> bool:
+    """Whether this forward is being compiled for more than one context-parallel rank (the
+    backend's default group is the world: what register()'s models run under)."""
+    return (torch.compiler.is_compiling() and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1)
+
+
+@torch._dynamo.assume_constant_result
+def _note_cache_off(model: str) -> bool:
+    """One log line per model class, at trace time (Dynamo runs this while compiling)."""
+    if model not in _CACHE_OFF_NOTED:
+        _CACHE_OFF_NOTED.add(model)
+        log.info("upipe: %s runs with use_cache=False under context parallelism: its cache would hold this "
+                 "rank's shard of the sequence only, so the forward returns none", model)
+    return True
+
+
+_CACHE_OFF_NOTED: set[str] = set()
+
+
+def _no_cache_under_context_parallelism(model, args, kwargs):
+    """Forward pre-hook of register()'s models: a forward from no past (training,
+    evaluation, a plain ``model(input_ids)``) runs with ``use_cache=False`` under context
+    parallelism, whatever the config says: a cache filled from one rank's shard is wrong for
+    generation, and a sliding-window or hybrid cache's update reads the sequence as no other
+    op of the forward does. A forward handed a past is refused (generation reads it)."""
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION or not _context_parallel():
+        return None
+    past = [name for name in _PAST_KEYWORDS if kwargs.get(name) is not None]
+    if past:
+        from upipe_compile.errors import UnsupportedAttention
+
+        raise UnsupportedAttention(
+            f"{type(model).__name__} was called with {past[0]}= under context parallelism: a cache holds one "
+            "rank's shard of the sequence, so generation and a forward that continues from a past cannot run "
+            "sequence-sharded. Generate with the model uncompiled (or compiled with another backend): with "
+            "register()'s attention it then attends over each rank's whole input")
+    if kwargs.get("use_cache") is False or (kwargs.get("use_cache") is None
+                                            and not getattr(model.config, "use_cache", False)):
+        return None
+    _note_cache_off(type(model).__name__)
+    return args, {**kwargs, "use_cache": False}
+
+
+def _hooking_post_init(post_init):
+    """``PreTrainedModel.post_init`` that also adds the cache hook to each model it builds."""
+
+    def hooked_post_init(self):
+        post_init(self)
+        self.register_forward_pre_hook(_no_cache_under_context_parallelism, with_kwargs=True)
+
+    hooked_post_init.__upipe_hook__ = True
+    return hooked_post_init
+
+
+def _hook_every_new_model() -> None:
+    from transformers import PreTrainedModel
+
+    if not getattr(PreTrainedModel.post_init, "__upipe_hook__", False):
+        PreTrainedModel.post_init = _hooking_post_init(PreTrainedModel.post_init)
+
+
 def register() -> str:
     """Register ``"upipe"`` with transformers (idempotent) and return the name."""
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -153,6 +224,7 @@ def register() -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _upipe_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _causal_sdpa_mask)
     route_mixers()  # hybrid layers' convs and gated delta rules: upipe::head_mixer
+    _hook_every_new_model()  # no cache under context parallelism
     _refuse_in_own_attention_tables()
     return ATTN_IMPLEMENTATION
 
