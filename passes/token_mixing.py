@@ -27,9 +27,12 @@ are refused as "cannot tell" rather than guessed. Shapes are the shard's own (th
 mesh is only asked about placements), so the graph's own size arguments stay consistent.
 
 MoE routing: a sort of integer token data (expert ids) makes a routing table, and rows moved
-by one (gathered, scattered, grouped-matmul'd) stay tokens; other mixing of integer token
-data (positions counted over the shard's mask) is refused. Ops whose results reach no output
-are ignored.
+by one (gathered, scattered, grouped-matmul'd) stay tokens; rows gathered in routing order may
+be split into their experts' groups, projected group by group and concatenated back (JetMoE);
+a routing table that a graph break hands to the next graph stays one there. Other mixing of
+integer token data (positions counted over the shard's mask) is refused, and so is any op
+that mixes the gathered rows (a running sum, a sum fed back). Ops whose results reach no
+output are ignored.
 
 Seeds: the inputs ``shard_sequence`` / ``global_positions`` made and the outputs of earlier
 compiled graphs (their dimension is recorded on the tensor; :func:`marking_outputs`), the
@@ -66,6 +69,11 @@ SEQUENCE_FIX = ("upipe runs every op but attention on this rank's shard of the s
 _SHARDED_DIM_ATTR = "_upipe_sequence_dim"
 """Set by ``shard_sequence`` / ``global_positions`` on the tensors they return."""
 
+_ROUTING_ATTR = "_upipe_routing_table"
+"""Set on a compiled graph's outputs that are token-derived routing tables (an MoE layer's
+sorted expert ids, split off from their dispatch by a graph break, as JetMoE's ``.tolist()``
+of the expert sizes does)."""
+
 
 _SHARD_LENGTHS: set[int] = set()
 """Shard lengths cut in this process: a graph that a break split off from its attention (a
@@ -81,17 +89,20 @@ def mark_sequence_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t
 
 
-def marking_outputs(compiled: Callable, output_dims: list[int | None]) -> Callable:
-    """``compiled`` that marks its outputs' sequence dimensions (a graph break's next graph
-    takes them as inputs and is checked from them)."""
+def marking_outputs(compiled: Callable, output_dims: list[int | None], routing: list[bool] = ()) -> Callable:
+    """``compiled`` that marks its outputs' sequence dimensions, and which of them are routing
+    tables (a graph break's next graph takes them as inputs and is checked from them)."""
     if not any(d is not None for d in output_dims):
         return compiled
+    routing = list(routing) + [False] * (len(output_dims) - len(routing))
 
     def run(*args):
         outputs = compiled(*args)
-        for out, dim in zip(outputs if isinstance(outputs, (list, tuple)) else [outputs], output_dims):
+        for out, dim, table in zip(outputs if isinstance(outputs, (list, tuple)) else [outputs], output_dims, routing):
             if dim is not None and isinstance(out, torch.Tensor) and out.dim() > dim:
                 setattr(out, _SHARDED_DIM_ATTR, dim)
+                if table:
+                    setattr(out, _ROUTING_ATTR, True)
         return outputs
 
     return run
@@ -148,6 +159,8 @@ class TokenFlow:
 
     mixing: list[TokenMixing]
     output_dims: list[int | None]
+    routing: list[bool] = field(default_factory=list)
+    """Which outputs are routing tables (token-derived expert ids), not token values."""
 
 
 def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
@@ -185,13 +198,22 @@ def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
     unique: dict[str, TokenMixing] = {}
     for found in seeds.found:
         unique.setdefault(found.source_line, found)
-    dims = [p.dim if isinstance(p := tracker.get(t), Shard) and t not in tracker.routing else None for t in outputs]
-    return TokenFlow(list(unique.values()), dims)
+    dims = [p.dim if isinstance(p := tracker.get(t), Shard) else None for t in outputs]
+    routing = [isinstance(t, torch.Tensor) and t in tracker.routing for t in outputs]
+    return TokenFlow(list(unique.values()), dims, routing)
 
 
 def _marked_dim(node: fx.Node) -> int | None:
-    example = getattr(node.meta.get("grapharg"), "example", None)
-    return getattr(example, _SHARDED_DIM_ATTR, None)
+    return getattr(_example(node), _SHARDED_DIM_ATTR, None)
+
+
+def _marked_routing(node: fx.Node) -> bool:
+    return getattr(_example(node), _ROUTING_ATTR, False)
+
+
+def _example(node: fx.Node) -> Any:
+    """The run-time tensor Dynamo traced a graph input from."""
+    return getattr(node.meta.get("grapharg"), "example", None)
 
 
 def _value(node: fx.Node) -> Any:
@@ -234,6 +256,7 @@ class _SequenceTracker(TorchDispatchMode):
         self.placement = WeakIdKeyDictionary()  # tensor -> Shard(d) | Partial
         self.span = WeakIdKeyDictionary()  # Shard(d) tensor -> (tokens, inner) when d is not tokens alone
         self.routing = WeakIdKeyDictionary()  # token-derived routing tables (sorted expert ids, offsets)
+        self.routed_rows = WeakIdKeyDictionary()  # token rows in routing order -> the whole set's span
         self.partial_origin = WeakIdKeyDictionary()  # Partial tensor -> source line of its reduction
         self.mesh = _stand_in_mesh()
         self.node: fx.Node | None = None
@@ -246,6 +269,8 @@ class _SequenceTracker(TorchDispatchMode):
         dim = self._sequence_dim(node, value)
         if dim is not None:
             self.placement[value] = Shard(dim)
+            if _marked_routing(node):
+                self.routing[value] = True
         return value
 
     def _sequence_dim(self, node: fx.Node, value: torch.Tensor) -> int | None:
@@ -283,6 +308,7 @@ class _SequenceTracker(TorchDispatchMode):
             return out  # metadata (device, sizes): nothing per token
         if func in _VIEW_ALIASES:  # shape-only: the placement moves with the view
             self._follow_view(func, args, out)
+            self._keep_routing_order(flat, out)
             return out
         tokens = [t for t in flat if isinstance(self.get(t), Shard)]
         if tokens and all(t in self.routing for t in tokens):
@@ -298,7 +324,19 @@ class _SequenceTracker(TorchDispatchMode):
                     self.partial_origin[t] = origin
             return out
         self._propagate(func, args, kwargs, out)
+        self._keep_routing_order(flat, out)
         return out
+
+    def _keep_routing_order(self, inputs, out) -> None:
+        """An op on rows in routing order alone (an expert's projection, its gate) that keeps
+        them sharded along the same dimension gives rows in that order too."""
+        rows = [t for t in inputs if isinstance(self.get(t), Shard)]
+        if not rows or not all(t in self.routed_rows for t in rows):
+            return
+        dims = {self.get(t).dim for t in rows}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and isinstance(p := self.get(t), Shard) and p.dim in dims:
+                self._mark_routed(t, p, self.routed_rows[rows[0]])
 
     def _follow_view(self, func, args, out) -> None:
         source = args[0]
@@ -353,6 +391,8 @@ class _SequenceTracker(TorchDispatchMode):
                 return
         if func in _ELEMENTWISE_WITHOUT_RULE and self._same_shard_elementwise(args, out):
             return
+        if self._regrouped_rows(func, args, kwargs, out):
+            return
         to_dtensor = self._wrapper()
         self.partial_origin_by_spec = {}
         self.spec_tensor = {}
@@ -363,7 +403,7 @@ class _SequenceTracker(TorchDispatchMode):
         except Exception as error:  # no sharding rule: refuse rather than guess
             routed = any(t in self.routing for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
             if routed and (_is_grouped_mm(func) or func.overloadpacket in _ROW_ROUTING):
-                self._mark_rows(out, args, kwargs)  # rows moved by a routing table (no rule in this torch)
+                self._mark_rows(func, out, args, kwargs)  # rows moved by a routing table (no rule in this torch)
                 return
             first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
             self.found(func, f"takes this rank's tokens and torch has no sharding rule to tell whether it "
@@ -379,9 +419,44 @@ class _SequenceTracker(TorchDispatchMode):
                 self._mark_routing(out, first)
                 return
             if verdict == "rows":
-                self._mark_rows(out, args, kwargs)
+                self._mark_rows(func, out, args, kwargs)
                 return
         self._record_outputs(func, args, kwargs, out, sharding.output_spec)
+
+    def _regrouped_rows(self, func, args, kwargs, out) -> bool:
+        """Rows in routing order split into their experts' groups (sizes counted from this
+        shard's routing) or the groups concatenated back, along the rows' dimension: each row
+        stays one token's own (an MoE layer's experts run one group each, as JetMoE's do)."""
+        if func.overloadpacket in _ROW_PRODUCTS:
+            # rows times a weight, row by row (DTensor asks for a gather when a group holds
+            # fewer rows than its stand-in mesh has ranks)
+            rows, weight = (args[0], args[1]) if func.overloadpacket is _aten.mm else (args[1], args[2])
+            placement = self.get(rows)
+            if rows not in self.routed_rows or placement != Shard(0) or self.get(weight) is not None \
+                    or (func.overloadpacket is _aten.addmm and self.get(args[0]) is not None):
+                return False
+            self._mark_routed(out, placement, self.routed_rows[rows])
+            return True
+        if func.overloadpacket not in _ROW_GROUPING:
+            return False
+        pieces = args[0] if func.overloadpacket is _aten.cat else [args[0]]
+        dim = (kwargs.get("dim", args[1] if func.overloadpacket is _aten.cat and len(args) > 1 else
+                          args[2] if len(args) > 2 else 0))
+        tokens = [t for t in pieces if isinstance(self.get(t), Shard)]
+        if not tokens or not all(t in self.routed_rows and self.get(t).dim == dim % t.dim() for t in tokens):
+            return False
+        whole = self.routed_rows[tokens[0]]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._mark_routed(t, Shard(dim % t.dim()), whole)
+        return True
+
+    def _mark_routed(self, t: torch.Tensor, placement: Shard, whole: tuple[int, int] | None) -> None:
+        """``t`` holds token rows in routing order, all of them (its span is the whole set's)
+        or a group of them."""
+        complete = whole is not None and t.shape[placement.dim] == whole[0] * whole[1]
+        self.mark(t, placement, whole if complete else None)
+        self.routed_rows[t] = whole
 
     def _wrapper(self):
         mesh = self.mesh
@@ -454,17 +529,23 @@ class _SequenceTracker(TorchDispatchMode):
                 if t.dim():
                     self.routing[t] = True
 
-    def _mark_rows(self, out, args, kwargs) -> None:
-        """Rows of token values moved by a routing table stay token rows."""
+    def _mark_rows(self, func, out, args, kwargs) -> None:
+        """Rows of token values moved by a routing table stay token rows (in routing order
+        where the op gathers them, or a grouped matmul keeps that order)."""
         rows = next(t for t in tree_flatten((args, kwargs))[0]
                     if isinstance(self.get(t), Shard) and t not in self.routing and t.is_floating_point())
+        func_gathers = func.overloadpacket in _ROW_GATHERS or (_is_grouped_mm(func) and rows in self.routed_rows)
         dim = self.get(rows).dim
-        size, inner = self.span.get(rows) or (rows.shape[dim], 1)
+        size, inner = self.span.get(rows) or self.routed_rows.get(rows) or (rows.shape[dim], 1)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.dim() > dim:
                 # k rows per token (top-k expert slots) keep the token as the outer factor
                 repeat = t.shape[dim] // (size * inner) if t.shape[dim] % (size * inner) == 0 else 0
-                self.mark(t, Shard(dim), (size, inner * repeat) if repeat else None)
+                span = (size, inner * repeat) if repeat else None
+                if func_gathers:
+                    self._mark_routed(t, Shard(dim), span)
+                else:
+                    self.mark(t, Shard(dim), span)
 
     def _record_outputs(self, func, args, kwargs, out, spec) -> None:
         outs, _ = tree_flatten(out)
@@ -528,6 +609,12 @@ _ROW_ROUTING = {
 
 """Ops that move rows by an index: with a routing table as the index (an MoE layer's
 dispatch and combine on this shard's tokens) they keep each token's values its own."""
+_ROW_GATHERS = {_aten.index, _aten.index_select, _aten.gather, _aten.masked_select}
+"""Of those, the ones whose result is rows in routing order (the dispatch, not the combine)."""
+_ROW_GROUPING = {_aten.split, _aten.split_with_sizes, _aten.cat}
+_ROW_PRODUCTS = {_aten.mm, _aten.addmm}
+"""An expert's projection of its group of rows."""
+"""Ops that cut rows in routing order into their experts' groups or join the groups."""
 _ROUTING_SOURCES = {_aten.sort, _aten.argsort}
 """Integer token data (expert ids) sorted on this shard: an MoE dispatch's routing table. Any
 other op that mixes integer token data (positions from a cumsum over the shard's mask) is

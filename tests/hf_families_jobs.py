@@ -27,6 +27,10 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
 def _config(family: str):
     import transformers as tf
 
+    if family == "jetmoe":  # MoE attention and MLP: tokens gathered by expert, split by the host-read sizes
+        common = {k: v for k, v in COMMON.items() if k != "head_dim"}
+        return tf.JetMoeForCausalLM, tf.JetMoeConfig(**common, kv_channels=16, num_local_experts=4,
+                                                     num_experts_per_tok=2)
     if family == "mixtral":  # MoE (token-choice routing) with a sliding window on every layer
         return tf.MixtralForCausalLM, tf.MixtralConfig(sliding_window=WINDOW, num_local_experts=4,
                                                        num_experts_per_tok=2, **COMMON)

@@ -30,12 +30,13 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
             assert events.get("upipe::attention_block", 0) > 0 and "upipe::attention" not in events, events
 
 
-@pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4)])
+@pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4), ("jetmoe", 2)])
 def test_family_as_shipped_runs_without_a_cache(rank_pools, family, world):
     """The first call a user makes: the config as shipped (``use_cache`` on) and
-    ``model(input_ids=..., position_ids=...)``, a sliding-window family, a MoE family and one
-    with sinks, windowed and full layers: eager's numbers on every rank and no cache of the
-    local shard returned (the cache jobs assert it)."""
+    ``model(input_ids=..., position_ids=...)``, a sliding-window family, a MoE family, one
+    with sinks, windowed and full layers, and JetMoE (tokens gathered by expert, grouped by
+    sizes read on the host: a graph break, and put back): eager's numbers on every rank and no
+    cache of the local shard returned (the case asserts it)."""
     shards = rank_pools(world).run(jobs.compiled_family_case, family, world, True, True)
     logits, grads = jobs.eager_reference(family, world)
     assert_shards_match(shards, logits, grads)

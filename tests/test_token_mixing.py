@@ -287,6 +287,47 @@ def test_integer_positions_counted_over_the_shard_are_refused(world):
     assert line_of(PositionsFromTheMask, "mask.long().cumsum(dim=1)") in message, message
 
 
+class GroupedExperts(nn.Module):
+    """JetMoE's dispatch: expert ids sorted into a routing table, the expert sizes read on the
+    host (a graph break), the tokens gathered by expert, one projection per expert's group
+    (split by the sizes, concatenated back), the results added back to their own tokens. With
+    ``then`` set, something else is done with the gathered rows instead."""
+
+    def __init__(self, then: str | None = None, experts=4):
+        super().__init__()
+        self.router, self.weight = nn.Linear(D, experts), nn.Parameter(torch.randn(experts, D, D) / D**0.5)
+        self.then = then
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        tokens = x.reshape(-1, D)
+        top = self.router(tokens).topk(2, dim=-1).indices.flatten()
+        sizes = torch.bincount(top, minlength=self.weight.shape[0]).tolist()  # a graph break
+        order = top.sort(0).indices
+        rows = tokens[order.div(2, rounding_mode="trunc")]
+        if self.then == "cumsum":
+            return rows.cumsum(dim=0)  # mixes: a running sum over the gathered rows
+        if self.then == "pool":
+            return x + rows.sum(dim=0)  # mixes: a sum over the rows back into every token
+        out = torch.cat([F.linear(group, self.weight[i]) for i, group in enumerate(rows.split(sizes, dim=0))])
+        combined = torch.zeros_like(tokens).index_add(0, order.div(2, rounding_mode="trunc"), out)
+        return x + combined.view(b, s, D)
+
+
+def test_expert_dispatch_across_a_graph_break_is_accepted(world):
+    """The routing table crosses the graph break marked as one: the gather by it, the groups'
+    split, projections and concatenation, and the put-back keep each token's rows its own."""
+    out = compile_and_run(GroupedExperts(), shard(torch.randn(2, S, D), world), group=world)
+    assert out.shape == (2, S // WORLD, D)
+
+
+@pytest.mark.parametrize("then, code, what", [("cumsum", "rows.cumsum(dim=0)", "aten.cumsum"),
+                                              ("pool", "x + rows.sum(dim=0)", "sum or mean over the sequence")])
+def test_gathered_rows_not_put_back_per_token_are_refused(world, then, code, what):
+    message = refusal(GroupedExperts(then), shard(torch.randn(2, S, D), world), group=world)
+    assert line_of(GroupedExperts, code) in message and what in message, message
+
+
 def test_graph_break_carries_the_sequence_dim(world):
     """The graph after a graph break takes the first graph's outputs, marked with their
     sequence dimension: there a conv over the tokens of a ``[B, D, S]`` tensor is refused,

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 OUTPUT_DIMS = "upipe_output_sequence_dims"
 """``gm.meta`` key: each graph output's sequence dimension (None: no tokens), marked on the
 outputs at run time for the graph after a graph break."""
+OUTPUT_ROUTING = "upipe_output_routing_tables"
+"""``gm.meta`` key: which graph outputs are routing tables (marked at run time likewise)."""
 
 
 def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphModule:
@@ -63,6 +65,7 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     flow = _token_flow(gm, matches, [node for _, node in mixers], unsupported)
     mixing = [f"  {found.source_line}\n    - {found.reason}\n" for found in flow.mixing]
     gm.meta[OUTPUT_DIMS] = flow.output_dims
+    gm.meta[OUTPUT_ROUTING] = flow.routing
     if problems or refused_mixers or mixing:
         what = [f"{len(problems)} attention call(s)"] * bool(problems)
         what += [f"{len(refused_mixers)} mixer call(s)"] * bool(refused_mixers)
@@ -155,4 +158,4 @@ def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
         _never_fall_back_to_eager()
     gm = apply_upipe_passes(gm, opts)
     compiled = _inner_backend(opts.inner_backend)(gm, example_inputs)
-    return marking_outputs(compiled, gm.meta.get(OUTPUT_DIMS, []))
+    return marking_outputs(compiled, gm.meta.get(OUTPUT_DIMS, []), gm.meta.get(OUTPUT_ROUTING, []))
