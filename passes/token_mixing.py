@@ -191,6 +191,12 @@ def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
     # tensors saved by this walk
     with torch.no_grad(), fake_mode, tracker:
         inputs = [tracker.seed(node, v) for node, v in zip(placeholders, values)]
+        if not marked and not local_lengths and not any(tracker.get(v) is not None for v in inputs):
+            log.warning("upipe: %s has no input marked as this rank's shard of the sequence and no attention, so "
+                        "the check for ops that mix tokens across ranks cannot tell which dimension is the "
+                        "sequence and checks nothing: make its inputs with upipe_compile.shard_sequence (or "
+                        "global_positions), or compile it without context parallelism",
+                        _graph_name(gm))
         try:
             outputs = tree_flatten(_Walker(gm, tracker).run(*inputs))[0]
         except Exception as error:  # never silent: what cannot be followed is refused
@@ -201,6 +207,12 @@ def find_token_mixing(gm: fx.GraphModule, exempt: Callable[[fx.Node], bool],
     dims = [p.dim if isinstance(p := tracker.get(t), Shard) else None for t in outputs]
     routing = [isinstance(t, torch.Tensor) and t in tracker.routing for t in outputs]
     return TokenFlow(list(unique.values()), dims, routing)
+
+
+def _graph_name(gm: fx.GraphModule) -> str:
+    """The first source line the graph was traced from, for messages."""
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("stack_trace")), None)
+    return f"the graph from {source_line(node)}" if node is not None else "a graph"
 
 
 def _marked_dim(node: fx.Node) -> int | None:

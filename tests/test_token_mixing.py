@@ -328,6 +328,24 @@ def test_gathered_rows_not_put_back_per_token_are_refused(world, then, code, wha
     assert line_of(GroupedExperts, code) in message and what in message, message
 
 
+def test_hand_sharded_graph_without_attention_warns_once(world, caplog):
+    """Inputs sharded by hand (not through shard_sequence), no attention in the graph: the
+    check cannot see the sequence, so a cumsum over it would run unchecked. One warning per
+    graph names shard_sequence."""
+    x = torch.randn(2, 5, D)  # a length shard_sequence never cut in this process
+    with caplog.at_level("WARNING", logger="upipe_compile.passes.token_mixing"):
+        compile_and_run(Cumsum(), x, group=world)
+        compile_and_run(Cumsum(), x, group=world)  # cached: no second compile, no second warning
+    warnings = [r.getMessage() for r in caplog.records if "shard_sequence" in r.getMessage()]
+    assert len(warnings) == 1 and "cannot tell which dimension is the sequence" in warnings[0], warnings
+
+
+def test_marked_graph_without_attention_does_not_warn(world, caplog):
+    with caplog.at_level("WARNING", logger="upipe_compile.passes.token_mixing"):
+        compile_and_run(PerTokenOnly(), shard(torch.randn(2, S, D), world), group=world)
+    assert not [r for r in caplog.records if "shard_sequence" in r.getMessage()]
+
+
 def test_graph_break_carries_the_sequence_dim(world):
     """The graph after a graph break takes the first graph's outputs, marked with their
     sequence dimension: there a conv over the tokens of a ``[B, D, S]`` tensor is refused,
