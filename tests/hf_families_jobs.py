@@ -27,6 +27,15 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
 def _config(family: str):
     import transformers as tf
 
+    if family == "falcon":  # its own attention-class table; rotary, multi-query, parallel attention + MLP
+        return tf.FalconForCausalLM, tf.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, attention_dropout=0.0,
+                                                     tie_word_embeddings=False, use_cache=False)
+    if family == "gpt_neo":  # its own table; unscaled scores; a global and a local (windowed) layer
+        return tf.GPTNeoForCausalLM, tf.GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
+                                                     attention_types=[[["global", "local"], 1]],
+                                                     window_size=WINDOW, max_position_embeddings=256,
+                                                     tie_word_embeddings=False, use_cache=False)
     if family == "jetmoe":  # MoE attention and MLP: tokens gathered by expert, split by the host-read sizes
         common = {k: v for k, v in COMMON.items() if k != "head_dim"}
         return tf.JetMoeForCausalLM, tf.JetMoeConfig(**common, kv_channels=16, num_local_experts=4,
@@ -62,11 +71,14 @@ def _config(family: str):
     raise ValueError(family)
 
 
-def build_model(family: str, attn_implementation: str, seed: int = 0, as_shipped: bool = False):
+def build_model(family: str, attn_implementation: str, seed: int = 0, as_shipped: bool = False,
+                experts_implementation: str | None = None):
     """Random fp32 weights from a seeded generator, identical on every process and for every
     attention implementation; larger than HF's init so attention is not near-uniform.
     ``as_shipped``: ``use_cache`` as the config class ships it (on) instead of off."""
     cls, config = _config(family)
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
     if as_shipped:
         config.use_cache = type(config)().use_cache
         assert config.use_cache, f"{family} ships with use_cache off: the as-shipped case would test nothing"
@@ -81,6 +93,8 @@ def build_model(family: str, attn_implementation: str, seed: int = 0, as_shipped
                 p.copy_(0.1 * noise if "gemma" in family else 1 + 0.1 * noise)  # Gemma norms scale by 1 + w
             elif p.dim() >= 2 and "embed_tokens" not in name:
                 p.copy_(noise / p.shape[-1] ** 0.5)
+                if family == "gpt_neo" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(16 ** -0.25)  # GPT-Neo does not scale its scores: keep them as a scaled model's
             else:
                 p.copy_(noise)
     model.train()
@@ -99,13 +113,15 @@ def _grads(model):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def eager_reference(family: str, world: int, seq_local: int = SEQ_LOCAL):
+def eager_reference(family: str, world: int, seq_local: int = SEQ_LOCAL, dtype: torch.dtype = torch.float32):
     """Uncompiled, unsharded, transformers' own "eager" attention (which implements the
-    window through its mask, softcap and sinks by hand): (logits, param grads)."""
-    model = build_model(family, "eager")
+    window through its mask, softcap and sinks by hand): (logits, param grads), the model
+    and its inputs in ``dtype`` (float64: the exact values fp32 results are held to)."""
+    # torch's grouped matmul takes no float64: the MoE families' expert loop does the same sums
+    model = build_model(family, "eager", experts_implementation="eager" if dtype == torch.float64 else None).to(dtype)
     ids, dout = make_inputs(world, seq_local=seq_local)
     logits = model(input_ids=ids, use_cache=False).logits
-    (logits * dout).sum().backward()
+    (logits * dout.to(dtype)).sum().backward()
     return logits.detach(), _grads(model)
 
 

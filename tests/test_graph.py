@@ -157,6 +157,16 @@ def test_find_rewrites_positional_and_keyword_sdpa(world, heads_per_stage, expec
     assert gm.code.count("torch.ops.upipe.attention.default(") == 2
 
 
+def test_one_kv_head_broadcast_without_enable_gqa_is_rewritten_as_gqa(world):
+    """SDPA broadcasts a single KV head over every query head without ``enable_gqa`` (Falcon's
+    multi-query call): GQA with one group, rewritten with its one KV head."""
+    backend = Capture()
+    q, k, v = rand(1, 8, 16, 8), rand(1, 1, 16, 8), rand(1, 1, 16, 8)
+    torch.compile(sdpa_plain, backend=backend, fullgraph=True)(q, k, v)
+    (op,) = calls(backend.graph, UPIPE_ATTENTION)
+    assert [example_shape(a) for a in op.args[:3]] == [(1, 8, 16, 8), (1, 1, 16, 8), (1, 1, 16, 8)]
+
+
 def test_graph_breaks_each_graph_rewritten(world):
     """A graph break splits the model into two Dynamo graphs; the backend sees and rewrites both."""
 
@@ -276,10 +286,6 @@ REFUSALS = {
     "6 heads, P=4": (sdpa_plain, ((1, 6, 16, 8),) * 3, {}, ["6 query heads cannot be split", "heads_per_stage=4"]),
     "8 heads, U=12": (sdpa_plain, ((1, 8, 16, 8),) * 3, {"heads_per_stage": 12}, ["8 query heads cannot be split", "heads_per_stage=12"]),
     "3-D q/k/v": (sdpa_plain, ((8, 16, 8),) * 3, {}, ["4-D", "(8, 16, 8)"]),
-    # 1 KV head broadcasts in SDPA without enable_gqa; UPipe refuses it rather than guess
-    "GQA without enable_gqa": (
-        sdpa_plain, ((1, 8, 16, 8), (1, 1, 16, 8), (1, 1, 16, 8)), {}, ["8 query heads but 1 KV heads without enable_gqa=True"]
-    ),
     "cross-attention": (
         sdpa_plain, ((1, 8, 16, 8), (1, 8, 32, 8), (1, 8, 32, 8)), {}, ["self-attention"]
     ),

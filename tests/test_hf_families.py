@@ -30,16 +30,38 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
             assert events.get("upipe::attention_block", 0) > 0 and "upipe::attention" not in events, events
 
 
-@pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4), ("jetmoe", 2)])
+@pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4), ("jetmoe", 2),
+                                           ("falcon", 2), ("gpt_neo", 4)])
 def test_family_as_shipped_runs_without_a_cache(rank_pools, family, world):
     """The first call a user makes: the config as shipped (``use_cache`` on) and
     ``model(input_ids=..., position_ids=...)``, a sliding-window family, a MoE family, one
     with sinks, windowed and full layers, and JetMoE (tokens gathered by expert, grouped by
-    sizes read on the host: a graph break, and put back): eager's numbers on every rank and no
-    cache of the local shard returned (the case asserts it)."""
+    sizes read on the host: a graph break, and put back), Falcon and GPT-Neo (their own
+    attention-class tables; GPT-Neo's window of 6 crosses the shards of 4): eager's numbers on
+    every rank and no cache of the local shard returned (the case asserts it)."""
     shards = rank_pools(world).run(jobs.compiled_family_case, family, world, True, True)
-    logits, grads = jobs.eager_reference(family, world)
-    assert_shards_match(shards, logits, grads)
+    _assert_as_accurate_as_eager(shards, family, world)
+
+
+def _assert_as_accurate_as_eager(shards, family: str, world: int) -> None:
+    """Every rank's logits and the summed gradients, against the float64 model, within
+    max(1e-5, 4x the fp32 eager model's own error): a windowed or unscaled layer's small
+    gradients carry more fp32 rounding than the rest (GPT-Neo's local layer: 7e-6 in eager
+    itself); a wrong answer is off by 1e-2 or more."""
+    exact_logits, exact = jobs.eager_reference(family, world, dtype=torch.float64)
+    eager_logits, eager = jobs.eager_reference(family, world)
+
+    def check(what, ours, theirs, truth):
+        bound = max(1e-5, 4 * relative_error(theirs.double(), truth))
+        error = relative_error(ours.double(), truth)
+        assert error < bound, f"{what}: relative error {error:.2e} against float64 (bound {bound:.2e})"
+
+    for rank, shard in enumerate(shards):
+        check(f"logits on rank {rank}", shard[0], eager_logits.chunk(world, dim=1)[rank],
+              exact_logits.chunk(world, dim=1)[rank])
+    assert set(shards[0][1]) == set(exact)
+    for name, truth in exact.items():
+        check(name, sum(shard[1][name] for shard in shards), eager[name], truth)
 
 
 @pytest.mark.parametrize("keyword", ["past_key_values", "cache"])

@@ -143,7 +143,8 @@ def shape_problems(q_shape, k_shape, v_shape, enable_gqa: bool, world: int, head
         ]
     problems = []
     q_heads, kv_heads = int(q_shape[1]), int(k_shape[1])
-    if q_heads != kv_heads and not enable_gqa:
+    # one KV head broadcasts over every query head (Falcon's multi-query SDPA call): that is GQA
+    if q_heads != kv_heads and kv_heads != 1 and not enable_gqa:
         problems.append(f"{q_heads} query heads but {kv_heads} KV heads without enable_gqa=True: pass enable_gqa=True (as for SDPA)")
     try:
         plan_stages(q_heads, kv_heads, world, heads_per_stage)

@@ -220,21 +220,22 @@ def register() -> str:
     from transformers import AttentionInterface, AttentionMaskInterface
 
     from upipe_compile.integrations.transformers_mixers import route_mixers
+    from upipe_compile.integrations.transformers_own_attention import route_own_attention_tables
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _upipe_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _causal_sdpa_mask)
     route_mixers()  # hybrid layers' convs and gated delta rules: upipe::head_mixer
+    route_own_attention_tables()  # Falcon, GPT-Neo: an "upipe" entry in their attention tables
     _hook_every_new_model()  # no cache under context parallelism
     _refuse_in_own_attention_tables()
     return ATTN_IMPLEMENTATION
 
 
-# Decoder families whose attention register() cannot reach: they pick their attention class
-# from a table of their own (FALCON_ATTENTION_CLASSES[config._attn_implementation]), compute it
-# in their layer code (ALiBi) or read the mask as a tensor themselves (Doge's dynamic mask)
-OWN_ATTENTION = {"falcon": "picks its attention class from FALCON_ATTENTION_CLASSES",
-                 "gpt_neo": "picks its attention class from GPT_NEO_ATTENTION_CLASSES",
-                 "mpt": "computes its attention (ALiBi) in its layer code",
+# Decoder families whose attention register() cannot reach: they compute it in their layer
+# code (ALiBi) or read the mask as a tensor themselves (Doge's dynamic mask). (Falcon and
+# GPT-Neo, which pick their class from a table of their own, get an "upipe" entry there:
+# transformers_own_attention.py.)
+OWN_ATTENTION = {"mpt": "computes its attention (ALiBi) in its layer code",
                  "bloom": "computes its attention (ALiBi) in its layer code",
                  "doge": "builds its dynamic attention mask from the mask tensor itself"}
 
