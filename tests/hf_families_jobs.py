@@ -19,6 +19,7 @@ from upipe_compile.integrations.transformers import register  # noqa: E402
 UPIPE_SDPA = register()
 SEQ_LOCAL = 8
 WINDOW = 6  # smaller than a shard at P = 2 (and crossing shards at P = 4)
+CHUNK = 6  # Llama 4's attention chunks: a boundary inside a shard and chunks crossing shards at P = 2 and 4
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attention_dropout=0.0,
               tie_word_embeddings=False, use_cache=False)
@@ -27,6 +28,11 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
 def _config(family: str):
     import transformers as tf
 
+    if family == "llama4":  # a chunked RoPE layer (chunks of 6 cross shards) and a NoPE layer with temperature
+        return tf.Llama4ForCausalLM, tf.Llama4TextConfig(
+            **COMMON, intermediate_size_mlp=96, attention_chunk_size=CHUNK, no_rope_layers=[1, 0],
+            num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2, attn_temperature_tuning=True,
+            floor_scale=4, attn_scale=0.5)
     if family == "falcon":  # its own attention-class table; rotary, multi-query, parallel attention + MLP
         return tf.FalconForCausalLM, tf.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2,
                                                      num_attention_heads=4, attention_dropout=0.0,

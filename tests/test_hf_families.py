@@ -31,14 +31,16 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
 
 
 @pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4), ("jetmoe", 2),
-                                           ("falcon", 2), ("gpt_neo", 4)])
+                                           ("falcon", 2), ("gpt_neo", 4), ("llama4", 2), ("llama4", 4)])
 def test_family_as_shipped_runs_without_a_cache(rank_pools, family, world):
     """The first call a user makes: the config as shipped (``use_cache`` on) and
     ``model(input_ids=..., position_ids=...)``, a sliding-window family, a MoE family, one
     with sinks, windowed and full layers, and JetMoE (tokens gathered by expert, grouped by
     sizes read on the host: a graph break, and put back), Falcon and GPT-Neo (their own
-    attention-class tables; GPT-Neo's window of 6 crosses the shards of 4): eager's numbers on
-    every rank and no cache of the local shard returned (the case asserts it)."""
+    attention-class tables; GPT-Neo's window of 6 crosses the shards of 4) and Llama 4 (chunks of
+    6: a chunk boundary inside a shard, chunks across shards of 8 and 4; a NoPE layer whose
+    query temperature depends on each token's global position): eager's numbers on every rank
+    and no cache of the local shard returned (the case asserts it)."""
     shards = rank_pools(world).run(jobs.compiled_family_case, family, world, True, True)
     _assert_as_accurate_as_eager(shards, family, world)
 
@@ -96,8 +98,9 @@ PACKED_OVER_RING = (5, 1, 14, 12)  # 32 tokens: documents shorter than a chunk, 
     ("qwen2", 4, 2, 8, None), ("qwen3", 4, 2, 8, None), ("qwen3", 8, 4, 4, None),
     ("qwen3", 4, 2, 8, PACKED_OVER_RING), ("qwen3", 8, 4, 4, PACKED_OVER_RING), ("gemma2", 4, 2, 8, PACKED_OVER_RING),
     ("deepseek_v3", 4, 2, 8, None), ("deepseek_v3", 4, 2, 8, PACKED_OVER_RING),
+    ("llama4", 4, 2, 8, None), ("llama4", 4, 2, 8, PACKED_OVER_RING),
 ], ids=["qwen2-2x2", "qwen3-2x2", "qwen3-4x2", "qwen3-2x2-packed", "qwen3-4x2-packed", "gemma2-2x2-packed",
-        "mla-2x2", "mla-2x2-packed"])
+        "mla-2x2", "mla-2x2-packed", "llama4-2x2", "llama4-2x2-packed"])
 def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools, family, world, ring, seq_local, lengths):
     """Qwen2 and Qwen3 (sliding-window and full layers) and Gemma2 (softcap too) over 2 x 2
     and 4 x 2 meshes, the layout's positions or packed documents' (restarting at each): the

@@ -450,12 +450,27 @@ def test_window_mask_disagreeing_with_layer_refused():
     assert "sliding_window=6" in message and "window of 4" in message
 
 
-def test_chunked_attention_refused():
-    from upipe_compile.integrations.transformers import _causal_sdpa_mask
+def test_chunked_mask_told_from_a_window_by_the_config():
+    """transformers hands both a chunk size and a window to the mask function as local_size:
+    the config says which; where both are the same size upipe cannot tell and refuses."""
+    from upipe_compile.integrations.transformers import ChunkedMask, SlidingWindowMask, _causal_sdpa_mask
 
-    config = type("Config", (), {"attention_chunk_size": 8192})()
-    message = _unsupported_from(lambda: _causal_sdpa_mask(config=config, batch_size=1, q_length=8, kv_length=8))
-    assert "attention_chunk_size=8192" in message and "set attention_chunk_size=None" in message
+    config = type("Config", (), {"attention_chunk_size": 8192, "sliding_window": 4096})()
+    assert _causal_sdpa_mask(config=config, local_size=8192) == ChunkedMask(8192)
+    assert _causal_sdpa_mask(config=config, local_size=4096) == SlidingWindowMask(4096)
+    assert _causal_sdpa_mask(config=config) is None
+    config.sliding_window = 8192
+    message = _unsupported_from(lambda: _causal_sdpa_mask(config=config, local_size=8192))
+    assert "attention_chunk_size and config.sliding_window are both 8192" in message
+
+
+def test_chunked_layer_without_positions_refused():
+    from upipe_compile.integrations.transformers import ChunkedMask, _upipe_attention_forward
+
+    q = torch.randn(1, 4, 8, 16)
+    message = _unsupported_from(lambda: _upipe_attention_forward(torch.nn.Module(), q, q, q, ChunkedMask(4),
+                                                                 scaling=0.25))
+    assert "chunks of 4 tokens" in message and "position_ids" in message
 
 
 def test_sliding_window_reaches_the_op_from_the_mask_alone(world):

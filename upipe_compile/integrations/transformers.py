@@ -24,6 +24,12 @@ implementations for models it has no SDPA support for, such as Gemma2 and GPT-OS
   ``window=(w - 1, w - 1)``), ``softcap`` and ``s_aux`` (sinks) keywords models pass go to
   :func:`upipe_compile.document_sdpa`, per layer (Gemma3 and GPT-OSS mix windowed and full
   layers). Any other keyword is refused, never dropped.
+- chunked attention (Llama 4's ``attention_chunk_size``): the mask function returns
+  :class:`ChunkedMask`, and the layer's positions modulo the chunk size go to
+  :func:`upipe_compile.document_sdpa` as packed documents (chunks may cross shards).
+- the cache: under context parallelism a forward from no past runs with ``use_cache=False``
+  (a cache would hold this rank's shard), and one handed a past is refused (a forward
+  pre-hook on every model built after register()).
 - mask: None when there is no padding (SDPA then gets ``is_causal=True``,
   ``enable_gqa=True``, which upipe rewrites), including an all-ones ``attention_mask``
   (checked once per step, outside the compiled graph). A real padding mask goes to
@@ -63,21 +69,40 @@ class SlidingWindowMask:
     size: int
 
 
+@dataclass(frozen=True)
+class ChunkedMask:
+    """What the mask function returns for a chunked-attention layer (Llama 4's
+    ``attention_chunk_size``) without padding: causal attention inside fixed chunks of the
+    global positions, which the attention function runs as packed documents."""
+
+    size: int
+
+
 def _causal_sdpa_mask(*, attention_mask=None, local_size=None, config=None, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
-    if getattr(config, "attention_chunk_size", None) is not None:
+    if attention_mask is None or (attention_mask.dim() == 2 and _is_all_ones(attention_mask)):
+        # one causal sequence per batch row (or packed documents): SDPA's is_causal=True
+        if local_size is None:
+            return None
+        return (ChunkedMask(int(local_size)) if _is_chunk_size(config, local_size)
+                else SlidingWindowMask(int(local_size)))
+    return sdpa_mask(attention_mask=attention_mask, local_size=local_size, config=config, **kwargs)
+
+
+def _is_chunk_size(config, local_size) -> bool:
+    """transformers hands a chunked layer's chunk size and a sliding layer's window to the mask
+    function under one name (``local_size``): tell them apart by the config."""
+    chunk, window = getattr(config, "attention_chunk_size", None), getattr(config, "sliding_window", None)
+    if chunk is None or int(local_size) != chunk:
+        return False
+    if window is not None and int(window) == chunk:
         from upipe_compile.errors import UnsupportedAttention
 
         raise UnsupportedAttention(
-            f"chunked attention (config.attention_chunk_size={config.attention_chunk_size}, e.g. Llama4) is not "
-            "supported by upipe: set attention_chunk_size=None to train with full causal attention, or run without "
-            "context parallelism"
-        )
-    if attention_mask is None or (attention_mask.dim() == 2 and _is_all_ones(attention_mask)):
-        # one causal sequence per batch row (or packed documents): SDPA's is_causal=True
-        return None if local_size is None else SlidingWindowMask(int(local_size))
-    return sdpa_mask(attention_mask=attention_mask, local_size=local_size, config=config, **kwargs)
+            f"config.attention_chunk_size and config.sliding_window are both {chunk}: upipe cannot tell a chunked "
+            "layer's mask from a sliding-window layer's. Make them differ")
+    return True
 
 
 # Keywords transformers' models pass that change nothing here: cache and output flags, the
@@ -94,8 +119,9 @@ def _where(module) -> str:
     import inspect
 
     cls = type(module)
+    forward = getattr(cls.forward, "__wrapped_original__", cls.forward)  # the model's, where upipe replaced it
     try:
-        return f"{inspect.getsourcefile(cls)}:{cls.forward.__code__.co_firstlineno} ({cls.__name__}.forward)"
+        return f"{inspect.getsourcefile(cls)}:{forward.__code__.co_firstlineno} ({cls.__name__}.forward)"
     except (TypeError, AttributeError):
         return cls.__name__
 
@@ -116,6 +142,15 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
             "position_ids, cu_seq_lens_q/k, scaling, dropout=0 and is_causal: train this model without context "
             "parallelism, or without the feature behind those keywords"
         )
+    if isinstance(attention_mask, ChunkedMask):
+        # causal attention inside chunks of the global positions: packed documents whose
+        # boundaries are the chunk starts (and each document's start, where positions restart)
+        if position_ids is None or cu_seq_lens_q is not None:
+            raise UnsupportedAttention(
+                f"{_where(module)} runs chunked attention (chunks of {attention_mask.size} tokens); upipe takes "
+                "its chunks from position_ids (global positions, restarting per packed document) and needs "
+                "them without cu_seq_lens_q: call the model with position_ids only")
+        position_ids, attention_mask = position_ids % attention_mask.size, None
     if isinstance(attention_mask, SlidingWindowMask):
         if sliding_window is not None and sliding_window != attention_mask.size:
             raise UnsupportedAttention(

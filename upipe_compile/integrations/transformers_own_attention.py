@@ -15,6 +15,15 @@ the family writes it.
 - GPT-Neo: its eager product (no score scaling; a window of ``config.window_size`` keys on its
   "local" layers, the query included) goes to register()'s attention function with
   ``scaling=1.0`` and ``sliding_window=window_size`` on local layers.
+
+:func:`route_own_attention_tables` also replaces the forwards of Llama 4's decoder layer and
+attention, whose attention never sees ``position_ids`` (the layer keeps them): under context
+parallelism the layer hands them on, the chunked layers' attention passes them to the
+attention function (the chunks are fixed spans of the global positions), and the NoPE layers
+scale their queries by the temperature of each token's global position (the model computes it
+from ``torch.arange`` over its input plus the cache's length, which on a shard would be the
+shard's own positions; restarting per packed document, as each document run alone has
+them). Without context parallelism the model's own forwards run.
 """
 
 from __future__ import annotations
@@ -22,8 +31,10 @@ from __future__ import annotations
 import copy
 import importlib
 
+import torch
+
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, _upipe_attention_forward
+from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, _context_parallel, _upipe_attention_forward
 
 
 def _falcon_attention(module):
@@ -57,24 +68,83 @@ def _gpt_neo_attention(module):
     return UPipeGPTNeoSelfAttention
 
 
+_POSITIONS = "upipe_position_ids"
+"""The keyword Llama 4's upipe decoder layer hands the positions to its attention under."""
+
+
+def _llama4_layer_forward(original, module):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+        if position_ids is not None and _context_parallel():
+            kwargs[_POSITIONS] = position_ids
+        return original(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+    return forward
+
+
+def _llama4_attention_forward(original, module):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        position_ids = kwargs.pop(_POSITIONS, None)
+        if position_ids is None:
+            return original(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        kwargs["position_ids"] = position_ids  # the chunks of the chunked layers
+        if self.use_rope or not self.attn_temperature_tuning:
+            return original(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        # a NoPE layer (no RoPE, no QK-norm) as the model writes it, its temperature from the
+        # tokens' positions (the cache is off under context parallelism)
+        input_shape = hidden_states.shape[:-1]
+        query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
+        key = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        scales = torch.log1p(torch.floor((position_ids.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        query = (query * scales[..., None, None]).to(query.dtype).transpose(1, 2)
+        attention = module.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                module.eager_attention_forward)
+        out, weights = attention(self, query, key, value, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                 **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+    return forward
+
+
 # family -> (its attention table, the upipe class made from its module)
 OWN_TABLES = {"falcon": ("FALCON_ATTENTION_CLASSES", _falcon_attention),
               "gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", _gpt_neo_attention)}
+# family -> (a layer class, its upipe forward made from the original and the module)
+OWN_FORWARDS = {"llama4": {"Llama4TextDecoderLayer": _llama4_layer_forward,
+                           "Llama4TextAttention": _llama4_attention_forward}}
+_ROUTED = "_upipe_routed"
 
 
 def route_own_attention_tables() -> list[str]:
-    """Add the ``"upipe"`` entry to each family's attention table (idempotent); the families
-    routed."""
+    """Add the ``"upipe"`` entry to each family's attention table and replace the layer
+    forwards above (idempotent); the families routed."""
     routed = []
     for family, (table_name, make) in OWN_TABLES.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
+        module = _family_module(family)
         table = getattr(module, table_name, None)
         if table is None:
             continue
         if ATTN_IMPLEMENTATION not in table:
             table[ATTN_IMPLEMENTATION] = make(module)
         routed.append(family)
+    for family, forwards in OWN_FORWARDS.items():
+        module = _family_module(family)
+        layers = {name: getattr(module, name, None) for name in forwards}
+        if None in layers.values():
+            continue
+        for name, layer in layers.items():
+            if not getattr(layer.forward, _ROUTED, False):
+                forward = forwards[name](layer.forward, module)
+                setattr(forward, _ROUTED, True)
+                forward.__wrapped_original__ = layer.forward
+                layer.forward = forward
+        routed.append(family)
     return routed
+
+
+def _family_module(family: str):
+    try:
+        return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
