@@ -17,17 +17,18 @@ INNER = {"inner_backend": "aot_eager"}
 HYBRIDS = ("lfm2", "qwen3_next")  # mixers run as upipe stage loops (tests/hf_hybrids_jobs.py)
 
 
-def build_model(family: str = "llama", attention_dropout: float = 0.0):
+def build_model(family: str = "llama", attention_dropout: float = 0.0, as_shipped: bool = False):
     """Seeded random fp32 weights, identical on every process; ``"sdpa"`` (the trainer
-    switches it to ``"upipe"``)."""
+    switches it to ``"upipe"``). ``as_shipped``: the family's config keeps ``use_cache`` on."""
     if family in HYBRIDS:
         from hf_hybrids_jobs import build_model as hybrid_model
 
-        return hybrid_model(family, "eager")
+        return hybrid_model(family, "eager", as_shipped)
     if family != "llama":
         from hf_families_jobs import build_model as family_model
 
-        return family_model(family, "eager")  # the reference: transformers' own attention (Gemma2, GPT-OSS have no sdpa)
+        # the reference: transformers' own attention (Gemma2, GPT-OSS have no sdpa)
+        return family_model(family, "eager", as_shipped=as_shipped)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -127,7 +128,7 @@ def _result(trainer, record):
 
 def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dropout: float = 0.0,
                 samples: int = 8, mask_fn=None, cp_size: int | None = None, ring_degree: int = 1,
-                gradient_checkpointing: bool = False, keep_attention: bool = False):
+                gradient_checkpointing: bool = False, keep_attention: bool = False, as_shipped: bool = False):
     """Train with ``transformers.Trainer`` (``upipe``: UPipeTrainer on this pool's ranks);
     returns (logged losses, final parameters)."""
     from transformers import Trainer, TrainingArguments, default_data_collator
@@ -136,7 +137,7 @@ def run_trainer(upipe: bool, family: str = "llama", seq: int = SEQ, attention_dr
     if upipe:
         _distributed_env()
     try:
-        model = build_model(family, attention_dropout)
+        model = build_model(family, attention_dropout, as_shipped)
         vocab = model.config.vocab_size
         data = lm_dataset(samples, seq, vocab)
         if mask_fn is not None:
@@ -246,7 +247,7 @@ def left_padded_on_the_second_replica(i: int, row: dict) -> dict:
     return left_padded(i, row) if dist.get_rank() // 2 == 1 else row
 
 
-def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):
+def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48, family: str = "llama", as_shipped: bool = False):
     """TRL's SFTTrainer, padding-free packing (one row of 2 documents per micro-batch,
     positions restarting per document)."""
     from trl import SFTConfig, SFTTrainer
@@ -255,7 +256,7 @@ def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):
     if upipe:
         _distributed_env()
     try:
-        model = build_model()
+        model = build_model(family, as_shipped=as_shipped)
         record = _Record()
         with tempfile.TemporaryDirectory() as out:
             args = SFTConfig(**_common(out), padding_free=True, pad_to_multiple_of=pad_to_multiple_of, bf16=False,
@@ -268,7 +269,13 @@ def run_sft(upipe: bool, pad_to_multiple_of: int | None = 48):
                 trainer = UPipeSFTTrainer(**kwargs, upipe_options=INNER)
             else:
                 trainer = SFTTrainer(**kwargs)
-            trainer.train()
+            if family in HYBRIDS and not upipe:  # the reference runs the family's own mixer functions
+                from upipe_compile.integrations.transformers_mixers import original_mixers
+
+                with original_mixers():
+                    trainer.train()
+            else:
+                trainer.train()
         return _result(trainer, record)
     finally:
         _reset_accelerate()

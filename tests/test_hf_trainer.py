@@ -116,6 +116,22 @@ def test_attention_variants_train_exactly(rank_pools, family):
     _compare(ranks, jobs.run_trainer(False, family=family), family)
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen3_next"])
+def test_trainer_with_the_config_as_shipped_trains_exactly(rank_pools, family):
+    """A sliding-window family and a hybrid whose configs keep ``use_cache`` on, as shipped:
+    UPipeTrainer equals the stock trainer (which builds and ignores the cache)."""
+    ranks = rank_pools(WORLD).run(jobs.run_trainer, True, family=family, as_shipped=True)
+    _compare(ranks, jobs.run_trainer(False, family=family, as_shipped=True), family)
+
+
+@pytest.mark.parametrize("family", ["mistral"])
+def test_sft_trainer_with_the_config_as_shipped_trains_exactly(rank_pools, family):
+    """TRL's SFTTrainer, padding-free, on the sliding-window family at its shipped config (a
+    hybrid's packed rows need causal-conv1d in transformers itself, with or without upipe)."""
+    ranks = rank_pools(WORLD).run(jobs.run_sft, True, family=family, as_shipped=True)
+    _compare(ranks, jobs.run_sft(False, family=family, as_shipped=True), family)
+
+
 def test_hybrid_trains_exactly(rank_pools):
     """LFM2 (gated short convs beside attention): its convs run as upipe stage loops."""
     ranks = rank_pools(WORLD).run(jobs.run_trainer, True, family="lfm2")
