@@ -149,11 +149,11 @@ def eager_block(x, weights, extras, region: BlockRegion):
 
 
 def eager_block_reference(case: BlockCase, in_case_dtype: bool = False):
-    """(y, dx, [weight grads], [extra grads]) on the full sequence, in float64 for bf16
-    cases unless ``in_case_dtype`` (then: what an eager bf16 model computes)."""
+    """(y, dx, [weight grads], [extra grads]) on the full sequence, in float64 (the case's
+    bf16 or fp32 tensors upcast) unless ``in_case_dtype`` (then: what an eager model in the
+    case's dtype computes, whose error against float64 is what that dtype can promise)."""
     x, dy, weights, extras = make_tensors(case)
-    upcast = (lambda t: None if t is None else t.double()) if case.dtype == "bfloat16" and not in_case_dtype \
-        else (lambda t: t)
+    upcast = (lambda t: t) if in_case_dtype else (lambda t: None if t is None else t.double())
     x, dy = upcast(x).requires_grad_(), upcast(dy)
     weights = [None if w is None else upcast(w).requires_grad_() for w in weights]
     extras = [upcast(e).requires_grad_(needs_grad(case, e)) for e in extras]

@@ -18,6 +18,18 @@ from tests_support import TOLERANCE, relative_error
 
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
 
+# How many times the eager block's own error against float64 (in the case's dtype) the fused
+# block's may be, above TOLERANCE. bf16: its rounding of inputs and outputs dominates both, and
+# the fused block sums in fp32. fp32: both are fp32 sums of the same terms in other orders
+# (per-rank shares, stage by stage, another CPU's or build's kernels), so their errors are alike
+# in size, not in direction; where the terms cancel (a token a rank, KV heads replicated,
+# non-causal) both lose the same digits, and over a handful of elements (biases, norm weights)
+# eager's comes out small by chance. Over 2,000 such fp32 cases (500 seeds of four shapes like
+# the MQA examples below, 22,000 gradients), where the fused error passed the 1e-5 floor it
+# reached 8x eager's (4x would fail 5 cases, 8x none): 10x, as test_numerics allows the op. A
+# real bug is off by 1e-2 or more; where fp32 cancels that far, 10x eager's is all it promises.
+EAGER_FACTOR = {"bfloat16": 2, "float32": 10}
+
 
 @st.composite
 def block_cases(draw, worlds=(2, 4)):
@@ -47,20 +59,23 @@ def _error(actual, expected, scale=None):
 
 
 def _close(name, actual, expected, case, scale=None, eager=None):
-    """Within the dtype's tolerance, or (bf16) within twice the eager bf16 block's own
-    error against the float64 reference: as accurate as the model run without upipe."""
+    """Within the dtype's tolerance, or within EAGER_FACTOR times the eager block's own error
+    (in the case's dtype) against the float64 reference: as accurate as the model run
+    without upipe."""
     error = _error(actual, expected, scale)
     bound = TOLERANCE[case.dtype]
     if eager is not None:
-        bound = max(bound, 2 * _error(eager, expected, scale))
+        bound = max(bound, EAGER_FACTOR[case.dtype] * _error(eager, expected, scale))
     assert error < bound, f"{name}: relative error {error:.3e} (bound {bound:.3e}) for {case}"
 
 
 def _check(shards, case):
-    y, dx, weight_grads, extra_grads = eager_block_reference(case)
-    low = eager_block_reference(case, in_case_dtype=True) if case.dtype == "bfloat16" else None
-    eager = (lambda i, j=None: None) if low is None else \
-        (lambda i, j=None: (low[i] if j is None else low[i][j]).double())
+    y, dx, weight_grads, extra_grads = eager_block_reference(case)  # float64
+    low = eager_block_reference(case, in_case_dtype=True)
+
+    def eager(i, j=None):
+        return (low[i] if j is None else low[i][j]).double()
+
     _close("y", torch.cat([s[0] for s in shards], dim=1), y, case, eager=eager(0))
     _close("dx", torch.cat([s[1] for s in shards], dim=1), dx, case, eager=eager(1))
     names = ["wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo"]
@@ -108,7 +123,8 @@ def _share_scale(shares, expected):
                         is_causal=False, scale=0.5, dtype="bfloat16", seed=5, prefetch="none", kind="rope",
                         recompute_output=True), mode="eager")
 # MQA replicated over P = 2: the two ranks' K-norm weight (bf16) and dWk (fp32, a token per
-# rank, non-causal; dbk too) shares nearly cancel
+# rank, non-causal; dbk too) shares nearly cancel. Seed 364's dWk was 1.05e-5 off eager fp32 on
+# another CPU and torch build; eager fp32's own dWk error against float64 is 7.6e-6 (torch 2.13)
 @example(case=BlockCase(world=2, batch=1, q_heads=2, kv_heads=1, seq_local=1, head_dim=8, heads_per_stage=2,
                         is_causal=False, scale=1.5, dtype="float32", seed=108, prefetch="none", kind="plain",
                         biases=True), mode="op")

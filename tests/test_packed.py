@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import rank_jobs
-from test_numerics import SETTINGS, attention_cases
+from test_numerics import SETTINGS, _fp32_tolerances, attention_cases
 from tests_support import TOLERANCE, AttentionCase, eager_documents_reference, relative_error
 
 
@@ -25,16 +25,21 @@ def packed_cases(draw):
 
 def _check(shards, case, bounds):
     expected = eager_documents_reference(case, bounds)
+    # fp32: 1e-5, or ten times eager fp32's own error where that is larger (two-token documents)
+    tolerances = _fp32_tolerances(case, expected, eager_documents_reference(case, bounds, float64=True))
     for i, name in enumerate(["out", "dq", "dk", "dv"]):
         gathered = torch.cat([shard[i] for shard in shards], dim=2)
         # dq and dk are zero where every document has one token (the softmax of one score):
         # rounding then is measured against dv's scale, not against zero
         scale = expected[3].double().norm() if name in ("dq", "dk") else None
+        tolerance = TOLERANCE[case.dtype]
         if scale is not None and expected[i].double().norm() < 1e-6 * scale:
             error = ((gathered.double() - expected[i].double()).norm() / scale).item()
         else:
             error = relative_error(gathered, expected[i])
-        assert error < TOLERANCE[case.dtype], f"{name}: relative error {error:.3e} for {case}, documents {bounds}"
+            tolerance = tolerances[i] or tolerance
+        assert error < tolerance, f"{name}: relative error {error:.3e} (tolerance {tolerance:.1e}) for {case}, " \
+            f"documents {bounds}"
 
 
 @settings(max_examples=int(os.environ.get("UPIPE_PACKED_EXAMPLES", "40")), **SETTINGS)

@@ -111,8 +111,12 @@ def block_grads(model: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor):
     return out.detach(), x.grad, {name: p.grad for name, p in module.named_parameters()}
 
 
-def eager_block_reference(case: AttentionCase):
+def eager_block_reference(case: AttentionCase, float64: bool = False):
+    """TinyAttention's (out, dx, param grads) in the case's dtype, or (``float64``) on its
+    tensors upcast: the exact answer the dtype's own error is measured against."""
     x, dout = make_block_inputs(case)
+    if float64:
+        return block_grads(TinyAttention(case).double(), x.double(), dout.double())
     return block_grads(TinyAttention(case), x, dout)
 
 
@@ -155,9 +159,10 @@ def attention_events(prof) -> collections.Counter:
     return counts
 
 
-def eager_documents_reference(case: AttentionCase, bounds: tuple[int, ...]):
-    """Eager SDPA run separately on each document of the full sequence: (out, dq, dk, dv)."""
-    q, k, v, dout = make_inputs(case)
+def eager_documents_reference(case: AttentionCase, bounds: tuple[int, ...], float64: bool = False):
+    """Eager SDPA run separately on each document of the full sequence: (out, dq, dk, dv);
+    ``float64``: on the case's tensors upcast."""
+    q, k, v, dout = (t.double() if float64 else t for t in make_inputs(case))
     for x in (q, k, v):
         x.requires_grad_(True)
     pieces = [
@@ -170,11 +175,14 @@ def eager_documents_reference(case: AttentionCase, bounds: tuple[int, ...]):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def variant_reference(case: AttentionCase, window=None, softcap=None, sinks=None, bounds=None):
+def variant_reference(case: AttentionCase, window=None, softcap=None, sinks=None, bounds=None,
+                      in_case_dtype: bool = False):
     """Attention written out in float64 on the full sequence, with a sliding ``window``
     (flash-attn's (left, right), -1 unbounded), a logit ``softcap``, per-head ``sinks``
-    and documents ``bounds``: ``(out, dq, dk, dv, dsinks)`` (dsinks None without sinks)."""
-    q, k, v, dout = (t.double().requires_grad_(True) for t in make_inputs(case))
+    and documents ``bounds``: ``(out, dq, dk, dv, dsinks)`` (dsinks None without sinks).
+    ``in_case_dtype``: the same math in the case's dtype (what fp32 itself can promise)."""
+    upcast = (lambda t: t) if in_case_dtype else (lambda t: t.double())
+    q, k, v, dout = (upcast(t).requires_grad_(True) for t in make_inputs(case))
     group = case.q_heads // case.kv_heads
     scale = case.scale if case.scale is not None else case.head_dim ** -0.5
     scores = q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * scale
@@ -197,7 +205,7 @@ def variant_reference(case: AttentionCase, window=None, softcap=None, sinks=None
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink_param = None
     if sinks is not None:
-        sink_param = sinks.double().requires_grad_(True)
+        sink_param = upcast(sinks).detach().requires_grad_(True)
         column = sink_param[None, :, None, None].expand(case.batch, -1, case.seq, 1)
         probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
     else:
