@@ -33,6 +33,10 @@ def _family(name: str):
                                                                     attention_types=[[["global", "local"], 1]])),
         "mpt": (tf.MptForCausalLM, lambda: tf.MptConfig(**small, d_model=64, n_layers=2, n_heads=4)),
         "bloom": (tf.BloomForCausalLM, lambda: tf.BloomConfig(**small, hidden_size=64, n_layer=2, n_head=4)),
+        "deepseek_v32": (tf.DeepseekV32ForCausalLM, lambda: tf.DeepseekV32Config(
+            **small, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32)),
         "doge": (tf.DogeForCausalLM, lambda: tf.DogeConfig(**small, hidden_size=64, num_hidden_layers=2,
                                                             num_attention_heads=4, num_key_value_heads=2,
                                                             intermediate_size=96)),
@@ -43,6 +47,7 @@ def _family(name: str):
     ("mpt", "MptForCausalLM", "ALiBi"),
     ("bloom", "BloomForCausalLM", "ALiBi"),
     ("doge", "DogeForCausalLM", "dynamic attention mask"),
+    ("deepseek_v32", "DeepseekV32ForCausalLM", "indexer"),
 ])
 def test_building_with_register_names_the_model(name, model, why):
     cls, config = _family(name)

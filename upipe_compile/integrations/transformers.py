@@ -267,12 +267,16 @@ def register() -> str:
 
 
 # Decoder families whose attention register() cannot reach: they compute it in their layer
-# code (ALiBi) or read the mask as a tensor themselves (Doge's dynamic mask). (Falcon and
+# code (ALiBi) or read the mask as a tensor themselves (Doge's dynamic mask, DeepSeek-V3.2's
+# sparse attention). (Falcon and
 # GPT-Neo, which pick their class from a table of their own, get an "upipe" entry there:
 # transformers_own_attention.py.)
 OWN_ATTENTION = {"mpt": "computes its attention (ALiBi) in its layer code",
                  "bloom": "computes its attention (ALiBi) in its layer code",
-                 "doge": "builds its dynamic attention mask from the mask tensor itself"}
+                 "doge": "builds its dynamic attention mask from the mask tensor itself",
+                 # sparse attention: a learned indexer picks each query's keys from the mask tensor
+                 "deepseek_v32": "picks each query's keys with its indexer, from the mask tensor itself",
+                 "axk2": "picks each query's keys with its indexer, from the mask tensor itself"}
 
 
 def _refuse_in_own_attention_tables() -> None:
