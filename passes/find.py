@@ -36,7 +36,7 @@ DOCUMENT_SDPA = torch.ops.upipe.document_sdpa.default
 
 
 def _document_sdpa_signature(q, k, v, cu_seqlens, is_causal, scale, window_left=-1, window_right=-1, softcap=0.0,
-                             sinks=None):
+                             sinks=None, alibi_slopes=None):
     pass
 
 
@@ -66,6 +66,8 @@ class AttentionMatch:
     softcap: Any = 0.0
     sinks: Any = None
     """Per-query-head sink logits ``[Hq]`` (an FX node), or None."""
+    alibi_slopes: Any = None
+    """Per-query-head ALiBi slopes ``[Hq]`` (an FX node), or None."""
 
     @property
     def source_line(self) -> str:
@@ -78,8 +80,9 @@ class AttentionMatch:
 
     @property
     def has_variant(self) -> bool:
-        """A window, softcap or sinks: attention SDPA itself cannot express."""
-        return (self.window_left, self.window_right, self.softcap) != (-1, -1, 0.0) or self.sinks is not None
+        """A window, softcap, sinks or ALiBi: attention SDPA itself cannot express."""
+        return ((self.window_left, self.window_right, self.softcap) != (-1, -1, 0.0) or self.sinks is not None
+                or self.alibi_slopes is not None)
 
 
 def find_attention(gm: fx.GraphModule) -> list[AttentionMatch]:
@@ -121,7 +124,7 @@ def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
                 graph_module=gm, node=node, query=args["q"], key=args["k"], value=args["v"], attn_mask=None,
                 dropout_p=0.0, is_causal=args["is_causal"], scale=args["scale"], enable_gqa=True,
                 cu_seqlens=args["cu_seqlens"], window_left=args["window_left"], window_right=args["window_right"],
-                softcap=args["softcap"], sinks=args["sinks"],
+                softcap=args["softcap"], sinks=args["sinks"], alibi_slopes=args["alibi_slopes"],
             )
 
 

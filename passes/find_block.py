@@ -310,6 +310,11 @@ def _find_block(match: AttentionMatch) -> BlockMatch:
             raise NotSeparable(match.sinks, "the attention sinks depend on the block's own projections")
         if match.sinks not in extras:
             extras.append(match.sinks)
+    if match.alibi_slopes is not None:  # per-head slopes: sliced like the sinks
+        if match.alibi_slopes is x or match.alibi_slopes in _ancestors_of(match.query):
+            raise NotSeparable(match.alibi_slopes, "the ALiBi slopes depend on the block's own projections")
+        if match.alibi_slopes not in extras:
+            extras.append(match.alibi_slopes)
     out_nodes, out_linear, wo, bo, value_dim = _output_side(match, q_heads, head_dim)
     projection_inputs = tuple(-1 if role_inputs[role] is x else extras.index(role_inputs[role]) for role in ROLES)
     block = BlockMatch(match, x, projections, chains, extras, out_nodes, out_linear, wo, bo, q_heads, kv_heads,

@@ -25,7 +25,8 @@ def rewrite_attention(match: AttentionMatch, heads_per_stage: int, world_size: i
         settings = StageLoopSettings(match.is_causal, scale, heads_per_stage, world_size, group_name, prefetch,
                                      int(match.window_left), int(match.window_right), float(match.softcap),
                                      ring_group_name)
-        op = graph.call_function(UPIPE_ATTENTION, op_arguments(q, k, v, settings, match.cu_seqlens, match.sinks))
+        op = graph.call_function(UPIPE_ATTENTION, op_arguments(q, k, v, settings, match.cu_seqlens, match.sinks,
+                                                                match.alibi_slopes))
         # SDPA returns the output; document_sdpa returns (out, lse) like the op, and its
         # users take item 0 (its lse is for its own backward only; it pads head dims itself).
         out = op if match.returns_lse else graph.call_function(operator.getitem, (op, 0))

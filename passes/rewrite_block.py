@@ -51,7 +51,8 @@ def block_region(block: BlockMatch) -> BlockRegion:
                        (int(match.window_left), int(match.window_right)), float(match.softcap),
                        -1 if match.sinks is None else block.extras.index(match.sinks),
                        0 if block.value_dim == block.head_dim else block.value_dim, block.projection_inputs,
-                       _attention_dtype(block))
+                       _attention_dtype(block),
+                       -1 if match.alibi_slopes is None else block.extras.index(match.alibi_slopes))
 
 
 def _attention_dtype(block: BlockMatch):

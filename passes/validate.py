@@ -47,9 +47,14 @@ def unsupported_reasons(match: AttentionMatch, world: int, heads_per_stage: int)
     sinks = _example(match.sinks) if isinstance(match.sinks, fx.Node) else None
     if match.sinks is not None and not isinstance(match.sinks, fx.Node):
         reasons.append(f"sinks must be a tensor of one logit per query head, got {match.sinks!r}")
+    alibi_slopes = _example(match.alibi_slopes) if isinstance(match.alibi_slopes, fx.Node) else None
+    if match.alibi_slopes is not None and not isinstance(match.alibi_slopes, fx.Node):
+        reasons.append(f"alibi_slopes must be a tensor of one slope per query head, got {match.alibi_slopes!r}")
+    elif match.alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        reasons.append("the ALiBi slopes' shape is unknown in this graph (no example value)")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         reasons.append("the shapes of q, k, v are unknown in this graph (no example values)")
         return reasons
     call = AttentionCall.of(q, k, v, enable_gqa=match.enable_gqa is not False, window=window, softcap=softcap,
-                            sinks=sinks)
+                            sinks=sinks, alibi_slopes=alibi_slopes)
     return reasons + attention_problems(call, world, heads_per_stage)

@@ -13,6 +13,12 @@ flash's semantics (``causal`` also makes the window's right edge 0), and check w
 real kernels check: last-dimension-contiguous inputs, preallocated contiguous dq/dk/dv of
 the right shapes, head_dim a multiple of 8, no dropout, int window edges >= -1, softcap
 >= 0. Each module records the keyword values it was called with in ``calls``.
+
+``alibi_slopes`` (every release: float32 ``[H]`` or ``[B, H]``) is applied as flash applies
+it: ``-slope * |i + Sk - Sq - j|``, except where flash's ``params.is_causal`` holds (after its
+clamps, no left edge and a right edge 0), where flash adds ``slope * j``: the same softmax, a
+log-sum-exp larger by ``slope * (i + Sk - Sq)``, which the stand-ins return (and take back
+in backward) as flash does, so an adapter that lets flash run that form is caught.
 """
 
 from __future__ import annotations
@@ -40,28 +46,76 @@ def _check_variant(window, softcap):
     return (left, right) != (-1, -1) or softcap > 0.0
 
 
-def _forward(q, k, v, dropout_p, softmax_scale, causal, window=(-1, -1), softcap=0.0):
+def _check_alibi(alibi_slopes, q):
+    """Flash's checks of ``alibi_slopes``: float32 ``[H]`` or ``[B, H]``, last dim contiguous, on q's device."""
+    if alibi_slopes is None:
+        return
+    batch, _, heads, _ = q.shape
+    assert alibi_slopes.dtype == torch.float32, f"ALiBi slopes must be float32, got {alibi_slopes.dtype}"
+    assert alibi_slopes.stride(-1) == 1 and alibi_slopes.device == q.device
+    assert tuple(alibi_slopes.shape) in ((heads,), (batch, heads)), f"alibi_slopes {tuple(alibi_slopes.shape)}"
+
+
+def _col_form_shift(alibi_slopes, causal, window, q_len, k_len, clamp_k):
+    """``[B or 1, H, Sq]``: how much flash's log-sum-exp exceeds the true one (``slope * (i + Sk -
+    Sq)`` where flash runs ALiBi in its causal form, see the module doc), or None (zero).
+    ``clamp_k``: the key length flash clamps the window edges at (max_seqlen_k when varlen)."""
+    if alibi_slopes is None:
+        return None
+    left, right = window
+    if left >= clamp_k:
+        left = -1
+    if right >= clamp_k:
+        right = -1
+    if causal:
+        right = 0
+    if not (left < 0 and right == 0):
+        return None
+    slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0)
+    rows = torch.arange(q_len, dtype=torch.float32) + (k_len - q_len)
+    return slopes[:, :, None] * rows
+
+
+def _blocked_rows(fn, alibi_slopes, *args, **kwargs):
+    """``fn`` (a blocked kernel) with ``[H]`` slopes, per batch row where they are ``[B, H]``."""
+    if alibi_slopes is None or alibi_slopes.dim() == 1:
+        return fn(*args, alibi_slopes=alibi_slopes, **kwargs)
+    rows = [fn(*(a[b:b + 1] if isinstance(a, torch.Tensor) else a for a in args), alibi_slopes=alibi_slopes[b],
+               **kwargs) for b in range(alibi_slopes.shape[0])]
+    return tuple(torch.cat(parts) for parts in zip(*rows))
+
+
+def _forward(q, k, v, dropout_p, softmax_scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+             clamp_k=None):
     """q/k/v ``[B, S, H, D]`` -> out ``[B, S, H, D]`` (contiguous, as flash returns it), lse ``[B, H, S]``."""
     _check(q, k, v)
+    _check_alibi(alibi_slopes, q)
     assert dropout_p == 0.0
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    if _check_variant(window, softcap):
-        out, lse = blocked_kernel.forward(*args, causal, softmax_scale, window, softcap, block_rows=16)
+    if _check_variant(window, softcap) or alibi_slopes is not None:
+        out, lse = _blocked_rows(blocked_kernel.forward, alibi_slopes, *args, causal, softmax_scale, window, softcap,
+                                 block_rows=16)
+        shift = _col_form_shift(alibi_slopes, causal, window, q.shape[1], k.shape[1], clamp_k or k.shape[1])
+        if shift is not None:
+            lse = lse + shift
     else:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(*args, 0.0, causal, scale=softmax_scale)[:2]
     return out.transpose(1, 2).contiguous(), lse
 
 
 def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window=(-1, -1),
-              softcap=0.0):
+              softcap=0.0, alibi_slopes=None, clamp_k=None):
     _check(dout, q, k, v, out)
+    _check_alibi(alibi_slopes, q)
     for grad, like in ((dq, q), (dk, k), (dv, v)):
         assert grad.is_contiguous() and grad.shape == like.shape, "dq/dk/dv must be preallocated like q/k/v"
     assert dropout_p == 0.0
+    shift = _col_form_shift(alibi_slopes, causal, window, q.shape[1], k.shape[1], clamp_k or k.shape[1])
     args = (dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
-            softmax_lse)
-    if _check_variant(window, softcap):
-        grads = blocked_kernel.backward(*args, causal, softmax_scale, window, softcap, block_rows=16)
+            softmax_lse if shift is None else softmax_lse - shift)
+    if _check_variant(window, softcap) or alibi_slopes is not None:
+        grads = _blocked_rows(blocked_kernel.backward, alibi_slopes, *args, causal, softmax_scale, window, softcap,
+                              block_rows=16)
     else:
         grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, causal, scale=softmax_scale)
     for dest, grad in zip((dq, dk, dv), grads):
@@ -81,7 +135,7 @@ def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 
 
 def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    causal, padded_lse: bool, window=(-1, -1), softcap=0.0):
+                    causal, padded_lse: bool, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Per document through ``_forward``: out ``[total, H, D]``, lse packed or padded."""
     spans = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = torch.empty_like(q)
@@ -90,7 +144,7 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
            else q.new_empty((heads, q.shape[0]), dtype=torch.float32))
     for i, (a, b) in enumerate(spans):
         out_doc, lse_doc = _forward(*(x[a:b].unsqueeze(0) for x in (q, k, v)), dropout_p, softmax_scale, causal,
-                                    window, softcap)
+                                    window, softcap, alibi_slopes, clamp_k=max_seqlen_k)
         out[a:b] = out_doc[0]
         if padded_lse:
             lse[i, :, : b - a] = lse_doc[0]
@@ -100,7 +154,8 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse: bool, window=(-1, -1), softcap=0.0):
+                     max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse: bool, window=(-1, -1), softcap=0.0,
+                     alibi_slopes=None):
     spans = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     heads = q.shape[1]
     expected = (len(spans), heads, max_seqlen_q) if padded_lse else (heads, q.shape[0])
@@ -109,7 +164,7 @@ def _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, 
         lse_doc = softmax_lse[i, :, : b - a] if padded_lse else softmax_lse[:, a:b]
         grads = [x.new_empty((1, b - a, *x.shape[1:])) for x in (q, k, v)]
         _backward(*(x[a:b].unsqueeze(0) for x in (dout, q, k, v, out)), lse_doc.unsqueeze(0).contiguous(), *grads,
-                  dropout_p, softmax_scale, causal, window, softcap)
+                  dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, clamp_k=max_seqlen_k)
         for dest, grad in zip((dq, dk, dv), grads):
             dest[a:b] = grad[0]
     return q.new_empty((heads, q.shape[0] + 128 * len(spans)), dtype=torch.float32)  # softmax_d
@@ -120,35 +175,38 @@ def interface_2_5():
     calls = []
 
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
-        calls.append(dict(window_size=window_size, alibi_slopes=alibi_slopes, return_softmax=return_softmax))
-        assert alibi_slopes is None and not return_softmax
-        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, tuple(window_size))
+        calls.append(dict(window_size=window_size, causal=causal, alibi_slopes=alibi_slopes,
+                          return_softmax=return_softmax))
+        assert not return_softmax
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, tuple(window_size), alibi_slopes=alibi_slopes)
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                              window_size, alibi_slopes, deterministic, rng_state=None):
-        calls.append(dict(window_size=window_size, deterministic=deterministic, rng_state=rng_state))
-        assert alibi_slopes is None
+        calls.append(dict(window_size=window_size, causal=causal, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic, rng_state=rng_state))
         softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                              tuple(window_size))
+                              tuple(window_size), alibi_slopes=alibi_slopes)
         return dq, dk, dv, softmax_d
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size, alibi_slopes, return_softmax, block_table):
-        calls.append(dict(varlen=True, window_size=window_size, block_table=block_table))
-        assert alibi_slopes is None and not return_softmax and block_table is None
+        calls.append(dict(varlen=True, window_size=window_size, causal=causal, alibi_slopes=alibi_slopes,
+                          block_table=block_table))
+        assert not return_softmax and block_table is None
         out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, padded_lse=True, window=tuple(window_size))
+                                   softmax_scale, causal, padded_lse=True, window=tuple(window_size),
+                                   alibi_slopes=alibi_slopes)
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                     alibi_slopes, deterministic, rng_state=None):
-        calls.append(dict(varlen=True, window_size=window_size, deterministic=deterministic))
-        assert alibi_slopes is None
+        calls.append(dict(varlen=True, window_size=window_size, causal=causal, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic))
         softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=True,
-                                     window=tuple(window_size))
+                                     window=tuple(window_size), alibi_slopes=alibi_slopes)
         return dq, dk, dv, softmax_d
 
     return _module("2.5.9", calls, _flash_attn_forward, _flash_attn_backward,
@@ -161,37 +219,40 @@ def interface_2_6():
 
     def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                             return_softmax):
-        calls.append(dict(window_size=window_size, softcap=softcap, return_softmax=return_softmax))
-        assert alibi_slopes is None and not return_softmax
-        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, tuple(window_size), softcap)
+        calls.append(dict(window_size=window_size, causal=causal, softcap=softcap, alibi_slopes=alibi_slopes,
+                          return_softmax=return_softmax))
+        assert not return_softmax
+        out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, tuple(window_size), softcap, alibi_slopes)
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                              window_size, softcap, alibi_slopes, deterministic, rng_state=None):
-        calls.append(dict(window_size=window_size, softcap=softcap, deterministic=deterministic))
-        assert alibi_slopes is None
+        calls.append(dict(window_size=window_size, causal=causal, softcap=softcap, alibi_slopes=alibi_slopes,
+                          deterministic=deterministic))
         softmax_d = _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                              tuple(window_size), softcap)
+                              tuple(window_size), softcap, alibi_slopes)
         return dq, dk, dv, softmax_d
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                    softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                    return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None):
-        calls.append(dict(varlen=True, window_size=window_size, softcap=softcap))
-        assert alibi_slopes is None and not return_softmax
+        calls.append(dict(varlen=True, window_size=window_size, causal=causal, softcap=softcap,
+                          alibi_slopes=alibi_slopes))
+        assert not return_softmax
         assert block_table is None and leftpad_k is None and seqused_k is None
         out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                   softmax_scale, causal, padded_lse=False, window=tuple(window_size), softcap=softcap)
+                                   softmax_scale, causal, padded_lse=False, window=tuple(window_size), softcap=softcap,
+                                   alibi_slopes=alibi_slopes)
         return out, q, k, v, out, lse, None, None
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                     softcap, alibi_slopes, deterministic, rng_state=None):
-        calls.append(dict(varlen=True, window_size=window_size, softcap=softcap, deterministic=deterministic))
-        assert alibi_slopes is None
+        calls.append(dict(varlen=True, window_size=window_size, causal=causal, softcap=softcap,
+                          alibi_slopes=alibi_slopes, deterministic=deterministic))
         softmax_d = _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False,
-                                     window=tuple(window_size), softcap=softcap)
+                                     window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
         return dq, dk, dv, softmax_d
 
     return _module("2.6.3", calls, _flash_attn_forward, _flash_attn_backward,
@@ -207,9 +268,10 @@ def _flash_attn_forward_2_7(
     window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
     return_softmax: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _CALLS_2_7.append(dict(window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap))
-    assert alibi_slopes is None
-    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap)
+    _CALLS_2_7.append(dict(window_size_left=window_size_left, window_size_right=window_size_right, causal=causal,
+                           softcap=softcap, alibi_slopes=alibi_slopes))
+    out, lse = _forward(q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right), softcap,
+                        alibi_slopes)
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -220,11 +282,11 @@ def _flash_attn_backward_2_7(
     dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
     softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool, rng_state: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _CALLS_2_7.append(dict(window_size_left=window_size_left, window_size_right=window_size_right, softcap=softcap,
-                           deterministic=deterministic, rng_state=rng_state))
-    assert alibi_slopes is None
+    _CALLS_2_7.append(dict(window_size_left=window_size_left, window_size_right=window_size_right, causal=causal,
+                           softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                           rng_state=rng_state))
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                     (window_size_left, window_size_right), softcap)
+                     (window_size_left, window_size_right), softcap, alibi_slopes)
 
 
 @torch.library.custom_op("upipe_test_flash_2_7::_flash_attn_varlen_forward", mutates_args=())
@@ -237,12 +299,11 @@ def _flash_attn_varlen_forward_2_7(
     seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, window_size_right=window_size_right,
-                           softcap=softcap, zero_tensors=zero_tensors))
-    assert alibi_slopes is None
+                           causal=causal, softcap=softcap, alibi_slopes=alibi_slopes, zero_tensors=zero_tensors))
     assert block_table is None and leftpad_k is None and seqused_k is None and not zero_tensors
     out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, padded_lse=False, window=(window_size_left, window_size_right),
-                               softcap=softcap)
+                               softcap=softcap, alibi_slopes=alibi_slopes)
     return out, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -256,11 +317,10 @@ def _flash_attn_varlen_backward_2_7(
     rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False,
 ) -> torch.Tensor:
     _CALLS_2_7.append(dict(varlen=True, window_size_left=window_size_left, window_size_right=window_size_right,
-                           softcap=softcap, deterministic=deterministic))
-    assert alibi_slopes is None
+                           causal=causal, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic))
     return _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, dropout_p, softmax_scale, causal, padded_lse=False,
-                            window=(window_size_left, window_size_right), softcap=softcap)
+                            window=(window_size_left, window_size_right), softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def interface_2_7():

@@ -24,6 +24,7 @@ def upipe_attention(
     cp_mesh=None, heads_per_stage: Optional[int] = None, prefetch: str = DEFAULT_PREFETCH,
     cu_seqlens: Optional[torch.Tensor] = None, window: Optional[tuple[int, int]] = None,
     softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on sequence-sharded inputs.
 
@@ -51,10 +52,14 @@ def upipe_attention(
     ``softcap * tanh(scores / softcap)``); ``sinks`` ``[Hq]``, one learned logit per query
     head joining every row's softmax with no value (GPT-OSS). Each rank's ``sinks.grad`` holds
     the heads that rank computed: sum it over the ranks, as any replicated parameter's.
+    ``alibi_slopes`` ``[Hq]`` (ALiBi: Bloom, MPT): the score of query ``i`` and key ``j``, global
+    positions of the full sequence (within a document with ``cu_seqlens``), gets
+    ``-slope[h] * |i - j|`` added after the softcap (causal: ``-slope * (i - j)``); fixed
+    slopes, no gradient (one that requires grad is refused).
     """
     window_left, window_right, softcap = normalised_variant(window, softcap)
     call = AttentionCall.of(q, k, v, enable_gqa=enable_gqa, window=(window_left, window_right), softcap=softcap,
-                            sinks=sinks)
+                            sinks=sinks, alibi_slopes=alibi_slopes)
     if problems := attention_problems(call, 1, q.shape[1]):  # the call itself, before any process group
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
     group, ring_group = collectives.resolve_groups(cp_mesh)
@@ -64,11 +69,11 @@ def upipe_attention(
     heads_per_stage = resolved_heads_per_stage(heads_per_stage, world)
     if problems := attention_problems(call, world, heads_per_stage):
         raise UnsupportedAttention("upipe_attention: " + "; ".join(problems))
-    plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None
+    plain = (window_left, window_right, softcap) == (-1, -1, 0.0) and sinks is None and alibi_slopes is None
     if world == 1 and ring_group is None and cu_seqlens is None and plain:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     q, k, v, scale, value_dim = one_head_dim(q, k, v, scale)
     settings = StageLoopSettings(is_causal, scale, heads_per_stage, world, group.group_name, prefetch, window_left,
                                  window_right, softcap, "" if ring_group is None else ring_group.group_name)
-    out, _ = attention_op(*op_arguments(q, k, v, settings, cu_seqlens, sinks))
+    out, _ = attention_op(*op_arguments(q, k, v, settings, cu_seqlens, sinks, alibi_slopes))
     return cut_to_value_dim(out, value_dim)

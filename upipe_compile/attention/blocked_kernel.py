@@ -1,8 +1,8 @@
 """Exact attention in plain torch for the variants aten's CPU flash kernel lacks: a
-sliding window and logit soft-capping (flash-attn's conventions).
+sliding window, logit soft-capping and ALiBi (flash-attn's conventions).
 
-``forward(q, k, v, is_causal, scale, window, softcap) -> (out, lse)`` and
-``backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap) -> (dq, dk, dv)``
+``forward(q, k, v, is_causal, scale, window, softcap, alibi_slopes=...) -> (out, lse)`` and
+``backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap, alibi_slopes=...) -> (dq, dk, dv)``
 with the shapes of :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``
 (GQA: query head ``h`` uses KV head ``h // (Hq // Hkv)``), lse ``[B, Hq, S]`` float32.
 
@@ -12,6 +12,11 @@ with the shapes of :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, S, D]``, 
   last query with the last key (flash-attn's convention).
 - ``softcap > 0``: the scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before
   the softmax (Gemma 2); 0 turns it off.
+- ``alibi_slopes`` ``[Hq]`` (float32, or None): query ``i`` and key ``j`` get
+  ``-slope[h] * |i + (Sk - Sq) - j|`` added to their (capped) score before the softmax,
+  flash-attn's ALiBi (:mod:`upipe_compile.attention.alibi`). A slope may be negative (the ring
+  runs a chunk pair's keys after the diagonal with flipped slopes). The bias is a constant of
+  q and k, so the backward's chain rule is unchanged; the slopes take no gradient.
 
 Queries go in blocks of :data:`BLOCK_ROWS` rows, each against only the keys some row of
 the block can see, so the scores held at once are ``B x Hq x block x keys-it-sees``, never
@@ -32,7 +37,7 @@ BLOCK_ROWS = 256
 
 
 def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), softcap: float = 0.0,
-            block_rows: int | None = None):
+            block_rows: int | None = None, alibi_slopes: torch.Tensor | None = None):
     batch, q_heads, seq, dim = q.shape
     kv_heads, group = k.shape[1], q_heads // k.shape[1]
     compute = _compute_dtype(q.dtype)
@@ -41,9 +46,11 @@ def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), soft
     lse = q.new_empty((batch, kv_heads, group, seq), dtype=torch.float32)
     q5 = q.unflatten(1, (kv_heads, group))
     shift = k.shape[2] - seq
+    slopes = _slopes(alibi_slopes, kv_heads, group, compute)
     for rows, keys in _blocks(seq, k.shape[2], is_causal, window, block_rows):
         qb = q5[:, :, :, rows].to(compute)
-        scores, _ = _scores(qb, k[:, :, keys].to(compute), rows, keys, shift, is_causal, window, scale, softcap)
+        scores, _ = _scores(qb, k[:, :, keys].to(compute), rows, keys, shift, is_causal, window, scale, softcap,
+                            slopes)
         lse_b = scores.logsumexp(-1)
         probs = scores.sub_(_finite(lse_b).unsqueeze(-1)).exp_()
         out[:, :, :, rows] = _rows_matmul(probs, v[:, :, keys].to(compute)).to(out.dtype)
@@ -52,7 +59,7 @@ def forward(q, k, v, is_causal: bool, scale: float | None, window=(-1, -1), soft
 
 
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=(-1, -1), softcap: float = 0.0,
-             block_rows: int | None = None):
+             block_rows: int | None = None, alibi_slopes: torch.Tensor | None = None):
     """Flash's backward, one query block at a time: P = exp(s - lse), dP = dO V^T,
     dS = P * (dP - rowsum(dO * O)), through tanh' when soft-capped, then dq = dS K,
     dk += dS^T Q, dv += P^T dO. rowsum(dO * O) comes from the final output, as in flash:
@@ -69,10 +76,11 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, wind
     q5, dout5, lse5 = (t.unflatten(1, (kv_heads, group)) for t in (q, dout, lse))
     delta5 = (dout.to(compute) * out.to(compute)).sum(-1).unflatten(1, (kv_heads, group))  # rowsum(dO * O)
     shift = k.shape[2] - seq
+    slopes = _slopes(alibi_slopes, kv_heads, group, compute)
     for rows, keys in _blocks(seq, k.shape[2], is_causal, window, block_rows):
         qb, dob = q5[:, :, :, rows].to(compute), dout5[:, :, :, rows].to(compute)
         kb, vb = k[:, :, keys].to(compute), v[:, :, keys].to(compute)
-        scores, capped = _scores(qb, kb, rows, keys, shift, is_causal, window, scale, softcap)
+        scores, capped = _scores(qb, kb, rows, keys, shift, is_causal, window, scale, softcap, slopes)
         probs = scores.sub_(_finite(lse5[:, :, :, rows]).unsqueeze(-1)).exp_()
         dprobs = _rows_matmul(dob, vb.transpose(-1, -2))
         dscores = dprobs.sub_(delta5[:, :, :, rows].unsqueeze(-1)).mul_(probs)
@@ -103,15 +111,30 @@ def _blocks(q_len: int, k_len: int, is_causal: bool, window, block_rows: int | N
         yield slice(start, end), slice(lo, hi)
 
 
-def _scores(qb, kb, rows: slice, keys: slice, shift: int, is_causal: bool, window, scale: float, softcap: float):
+def _slopes(alibi_slopes, kv_heads: int, group: int, compute: torch.dtype):
+    """The negated ALiBi slopes as ``[1, Hkv, g, 1, 1]`` in the compute dtype (None: no ALiBi)."""
+    if alibi_slopes is None:
+        return None
+    if tuple(alibi_slopes.shape) != (kv_heads * group,):
+        raise ValueError(f"alibi_slopes must have shape [{kv_heads * group}], got {list(alibi_slopes.shape)}")
+    return alibi_slopes.to(compute).neg().view(1, kv_heads, group, 1, 1)
+
+
+def _scores(qb, kb, rows: slice, keys: slice, shift: int, is_causal: bool, window, scale: float, softcap: float,
+            neg_slopes=None):
     """Masked (with -inf), scaled, soft-capped scores ``[B, Hkv, g, rows, keys]`` (a new
-    tensor), and the tanh the cap applied (None without a cap) for the backward's chain
-    rule. The scale (over the cap) multiplies the q block, smaller than the scores."""
+    tensor) with the ALiBi bias added after the cap (``neg_slopes`` from :func:`_slopes`),
+    and the tanh the cap applied (None without a cap) for the backward's chain rule. The
+    scale (over the cap) multiplies the q block, smaller than the scores."""
     scores = _rows_matmul(qb * (scale / softcap if softcap else scale), kb.transpose(-1, -2))
     capped = None
     if softcap:
         capped = scores.tanh_()
         scores = capped * softcap
+    if neg_slopes is not None:  # scores += -slope * |i + shift - j|, in place
+        i = torch.arange(rows.start, rows.stop, device=scores.device, dtype=scores.dtype).unsqueeze(-1) + shift
+        distance = (i - torch.arange(keys.start, keys.stop, device=scores.device, dtype=scores.dtype)).abs_()
+        scores.addcmul_(neg_slopes, distance)
     hidden = _hidden(rows, keys, shift, is_causal, window, scores.device)
     if hidden is not None:
         scores.masked_fill_(hidden, float("-inf"))

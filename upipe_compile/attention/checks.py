@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from upipe_compile.attention.alibi import check_alibi
 from upipe_compile.attention.kernels import NO_WINDOW, cuda_problems, variant_problems
 from upipe_compile.attention.schedule import shape_problems
 from upipe_compile.attention.sinks import check_sinks
@@ -31,6 +32,7 @@ class AttentionCall:
     window: tuple = NO_WINDOW
     softcap: float = 0.0
     sinks: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **rest) -> "AttentionCall":
@@ -43,7 +45,8 @@ def attention_problems(call: AttentionCall, world: int, heads_per_stage: int) ->
     problems = shape_problems(call.q_shape, call.k_shape, call.v_shape, call.enable_gqa, world, heads_per_stage)
     if len(call.q_shape) == 4:
         problems += check_sinks(call.sinks, int(call.q_shape[1]))
+        problems += check_alibi(call.alibi_slopes, int(call.q_shape[1]))
         if call.device_type == "cuda":  # at the width both are padded to (head_dims.py)
             problems += cuda_problems(call.dtype, max(int(call.q_shape[-1]), int(call.v_shape[-1])))
-    problems += variant_problems(call.device_type, call.window, call.softcap)
+    problems += variant_problems(call.device_type, call.window, call.softcap, call.alibi_slopes is not None)
     return problems

@@ -9,6 +9,9 @@ amount of causal work. :func:`zigzag_chunks` names them; :func:`zigzag_shard` an
 :func:`zigzag_unshard` cut a full-sequence tensor into a rank's share and put the shares back.
 A sliding window (global positions) is shifted to each chunk pair by :func:`_band`. Packed
 documents are cut to each chunk pair by :func:`_document_pairs`, with the window and softcap.
+ALiBi's bias depends on the global ``i - j``; a call whose rows and keys end at different
+global positions is cut by :func:`_alibi_parts` into calls where the kernel's own bias is the
+true one up to a per-head constant, added to their log-sum-exp.
 
 Shapes as :mod:`upipe_compile.attention.kernels`: q ``[B, Hq, s, D]``, k/v ``[B, Hkv, s, D]``
 (``Hkv`` divides ``Hq``), ``s`` this rank's tokens (two chunks of ``s / 2``); ``lse`` is
@@ -173,6 +176,63 @@ def _calls(rank: int, source: int, ring: int, chunk: int, is_causal: bool, windo
             yield pair.qi, pair.kj, pair.rows, pair.keys, pair.is_causal, pair.window, pair.documents
 
 
+@dataclass(frozen=True)
+class AlibiPart:
+    """One kernel call of a chunk pair's call under ALiBi: its rows ``rows`` (of the call's),
+    all its keys, ``is_causal`` and ``window`` in those rows' and keys' indices, the slopes the
+    kernel takes and the per-head constant (None: 0) that turns the kernel's log-sum-exp into
+    the true one."""
+
+    rows: slice
+    is_causal: bool
+    window: tuple[int, int]
+    slopes: Optional[torch.Tensor]
+    constant: Optional[torch.Tensor]
+
+
+def _alibi_parts(q_start: int, k_start: int, rows: int, keys: int, is_causal: bool, window: tuple[int, int],
+                 slopes: Optional[torch.Tensor], queries_after_keys: bool) -> Iterator[AlibiPart]:
+    """The kernel calls that run a call of ``rows`` queries from global position ``q_start``
+    against ``keys`` keys from ``k_start`` (its ``is_causal`` / ``window`` counted from the last
+    row and key, as the kernels count them) with ALiBi's true bias ``-slope * |I - J|``.
+
+    A kernel adds ``-m * |κ|``, ``κ = i + (keys - rows) - j``; globally ``I - J = κ + D`` with
+    ``D`` the distance between the call's last row and last key. ``D = 0`` (a chunk against
+    itself): the kernel's bias is the true one, one call. Otherwise the call pairs two chunks,
+    so ``I - J`` has one sign ``s`` (+1: the queries come after the keys) on all of it, and
+    the true bias is linear, ``-slope * s * (κ + D)``; a kernel gives that where ``κ`` keeps
+    one sign ``σ``, with slopes ``m = slope * s * σ``, up to the constant ``-slope * s * D``.
+    A call whose visible ``κ`` takes both signs runs as two: ``κ >= 0`` (the call's causal part,
+    window ``(left, 0)``) and ``κ < 0``, which without its last row (it sees no key there) is
+    ``κ + 1 <= 0``, window ``(0, right - 1)``; each keeps only the rows that see a key."""
+    distance = (q_start + rows) - (k_start + keys)
+    if slopes is None or distance == 0:
+        yield AlibiPart(slice(0, rows), is_causal, window, slopes, None)
+        return
+    sign = 1.0 if queries_after_keys else -1.0
+    left, right = window
+    if is_causal:
+        right = 0
+    shift = keys - rows
+
+    def part(first: int, last: int, call_window, sigma: float) -> AlibiPart:
+        call_distance = (q_start + last) - (k_start + keys)
+        return AlibiPart(slice(first, last), False, call_window, slopes * (sign * sigma),
+                         slopes * (-sign * call_distance))
+
+    if right == 0:  # every visible key has κ >= 0
+        yield part(0, rows, (left, 0), 1.0)
+    elif left == 0:  # every visible key has κ <= 0
+        yield part(0, rows, (0, right), -1.0)
+    else:
+        first = max(0, -shift)  # rows before it have no key with κ >= 0
+        if first < rows:
+            yield part(first, rows, (left, 0), 1.0)
+        first = max(0, -shift - right) if right >= 0 else 0  # rows before it see no key right of κ = 0
+        if first < rows - 1:
+            yield part(first, rows - 1, (0, right - 1 if right > 0 else -1), -1.0)
+
+
 class _Exchange:
     """A started ring exchange: each of ``sends`` to the next ring rank, ``recvs`` from the
     previous. Started before a step's kernels and finished after them, so the transfer runs
@@ -207,12 +267,33 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
     lse.copy_(merged)
 
 
+def _parts(rank: int, source: int, ring: int, chunk: int, is_causal: bool, window, documents, slopes):
+    """``(qi, kj, rows, keys, is_causal, window, documents, slopes, constant)`` of each kernel
+    call of a step: :func:`_calls`, each cut for ALiBi by :func:`_alibi_parts` (one call
+    without ALiBi)."""
+    for qi, kj, rows, keys, causal, band, docs in _calls(rank, source, ring, chunk, is_causal, window, documents):
+        q_chunk, k_chunk = zigzag_chunks(rank, ring)[qi], zigzag_chunks(source, ring)[kj]
+        for part in _alibi_parts(q_chunk * chunk + rows.start, k_chunk * chunk + keys.start, rows.stop - rows.start,
+                                 keys.stop - keys.start, causal, band, slopes, q_chunk > k_chunk):
+            if part.constant is not None and docs is not None:  # only a chunk against itself has documents
+                raise AssertionError("a chunk pair with packed documents needs no ALiBi cut")
+            part_rows = slice(rows.start + part.rows.start, rows.start + part.rows.stop)
+            yield qi, kj, part_rows, keys, part.is_causal, part.window, docs, part.slopes, part.constant
+
+
+def _per_row(constant: torch.Tensor) -> torch.Tensor:
+    """A per-head constant ``[H]`` broadcast over a log-sum-exp ``[B, H, rows]``."""
+    return constant[None, :, None]
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: Optional[float],
                  group: dist.ProcessGroup, softcap: float = 0.0, window: tuple[int, int] = (-1, -1),
-                 documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 documents: Optional[Documents] = None,
+                 alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of this rank's zigzag share of the queries against the whole ring's keys.
     The next step's K/V share is on its way while this step's chunk pairs run. ``documents``:
-    packed documents' bounds over the whole sequence (attention stays inside each)."""
+    packed documents' bounds over the whole sequence (attention stays inside each).
+    ``alibi_slopes``: the heads' ALiBi slopes (float32 ``[Hq]``), positions global."""
     rank, ring = group.rank(), group.size()
     if q.shape[2] % 2:
         raise ValueError(f"a ring rank's share must hold two equal chunks; it has {q.shape[2]} tokens")
@@ -224,11 +305,13 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         source = (rank - step) % ring
         incoming = _pass_on(kv, group) if step + 1 < ring else None
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-        for qi, kj, rows, keys, causal, band, docs in _calls(rank, source, ring, q_parts[0].shape[2], is_causal,
-                                                              window, documents):
+        for qi, kj, rows, keys, causal, band, docs, slopes, constant in _parts(
+                rank, source, ring, q_parts[0].shape[2], is_causal, window, documents, alibi_slopes):
             part_out, part_lse = kernels.forward(q_parts[qi][:, :, rows], k_parts[kj][:, :, keys],
                                                  v_parts[kj][:, :, keys], causal, scale, docs, window=band,
-                                                 softcap=softcap)
+                                                 softcap=softcap, alibi_slopes=slopes)
+            if constant is not None:
+                part_lse = part_lse + _per_row(constant)
             _merge(out[qi][:, :, rows], lse[qi][:, :, rows], part_out, part_lse)
         del k_parts, v_parts
         if incoming is not None:
@@ -238,8 +321,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, is_causal: bool, scale: Optional[float], group: dist.ProcessGroup,
-                  softcap: float = 0.0, window: tuple[int, int] = (-1, -1),
-                  documents: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  softcap: float = 0.0, window: tuple[int, int] = (-1, -1), documents: Optional[Documents] = None,
+                  alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's share, from what :func:`ring_forward` returned.
 
     Each step: the next K/V share is received while this one's chunk pairs run (their dK/dV
@@ -258,12 +341,14 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         part = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         k_parts, v_parts = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         dk_parts, dv_parts = part[0].chunk(2, dim=2), part[1].chunk(2, dim=2)
-        for qi, kj, rows, keys, causal, band, docs in _calls(rank, source, ring, q_parts[0].shape[2], is_causal,
-                                                              window, documents):
+        for qi, kj, rows, keys, causal, band, docs, slopes, constant in _parts(
+                rank, source, ring, q_parts[0].shape[2], is_causal, window, documents, alibi_slopes):
+            part_lse = lse_parts[qi][:, :, rows]
+            part_lse = part_lse.contiguous() if constant is None else part_lse - _per_row(constant)
             dq_part, dk_part, dv_part = kernels.backward(
                 dout_parts[qi][:, :, rows], q_parts[qi][:, :, rows], k_parts[kj][:, :, keys],
-                v_parts[kj][:, :, keys], out_parts[qi][:, :, rows], lse_parts[qi][:, :, rows].contiguous(), causal,
-                scale, docs, window=band, softcap=softcap)
+                v_parts[kj][:, :, keys], out_parts[qi][:, :, rows], part_lse, causal,
+                scale, docs, window=band, softcap=softcap, alibi_slopes=slopes)
             dq[qi][:, :, rows].add_(dq_part)
             dk_parts[kj][:, :, keys].add_(dk_part)
             dv_parts[kj][:, :, keys].add_(dv_part)

@@ -28,6 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.attention import collectives, kernels, ring
+from upipe_compile.attention.alibi import kernel_slopes
 from upipe_compile.attention.device_constants import made_once
 from upipe_compile.packed.documents import Documents
 from upipe_compile.attention.schedule import Stage, StageSchedule, plan_stages
@@ -108,11 +109,13 @@ def my_heads(stage: Stage, rank: int) -> tuple[int, ...]:
     return stage.q_heads[rank * m:(rank + 1) * m]
 
 
-def stage_sinks(sinks: Optional[torch.Tensor], stage: Stage, rank: int) -> Optional[torch.Tensor]:
-    """This rank's heads' sink logits in ``stage`` (None without sinks)."""
-    if sinks is None:
+def stage_head_values(per_head: Optional[torch.Tensor], stage: Stage, rank: int) -> Optional[torch.Tensor]:
+    """This rank's heads' entries in ``stage`` of a per-query-head tensor ``[Hq]`` (sink
+    logits, ALiBi slopes), in the order of its query heads in the stage buffers (None: None)."""
+    if per_head is None:
         return None
-    return sinks.index_select(0, head_index(my_heads(stage, rank), sinks.device))
+    return per_head.index_select(0, head_index(my_heads(stage, rank), per_head.device))
+
 
 
 def stage_kv(buffers: dict, stage: Stage, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,23 +190,26 @@ class StageAttention:
     def _ring_group(self):
         return collectives.group_from_name(self.ring_group_name) if self.ring_group_name else None
 
-    def forward(self, q, k, v, documents: Optional[Documents]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of a stage's heads over the sequence its buffers hold."""
+    def forward(self, q, k, v, documents: Optional[Documents],
+                alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of a stage's heads over the sequence its buffers hold; ``alibi_slopes``:
+        those heads' ALiBi slopes (:func:`stage_head_values`), or None."""
         ring_group = self._ring_group()
         if ring_group is not None:
             return ring.ring_forward(q, k, v, self.is_causal, self.scale, ring_group, self.softcap, self.window,
-                                     _several(documents))
+                                     _several(documents), alibi_slopes)
         return kernels.forward(q, k, v, self.is_causal, self.scale, documents, window=self.window,
-                               softcap=self.softcap)
+                               softcap=self.softcap, alibi_slopes=alibi_slopes)
 
-    def backward(self, dout, q, k, v, out, lse, documents: Optional[Documents]) -> tuple:
+    def backward(self, dout, q, k, v, out, lse, documents: Optional[Documents],
+                 alibi_slopes: Optional[torch.Tensor] = None) -> tuple:
         """``(dq, dk, dv)`` of a stage, from its output and log-sum-exp."""
         ring_group = self._ring_group()
         if ring_group is not None:
             return ring.ring_backward(dout, q, k, v, out, lse, self.is_causal, self.scale, ring_group, self.softcap,
-                                      self.window, _several(documents))
+                                      self.window, _several(documents), alibi_slopes)
         return kernels.backward(dout, q, k, v, out, lse, self.is_causal, self.scale, documents,
-                                window=self.window, softcap=self.softcap)
+                                window=self.window, softcap=self.softcap, alibi_slopes=alibi_slopes)
 
 
 def _several(documents: Optional[Documents]) -> Optional[Documents]:
@@ -263,16 +269,19 @@ class InputPipeline:
 
 
 def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: StageLoopSettings,
-                       documents: Optional[Documents] = None,
-                       sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       documents: Optional[Documents] = None, sinks: Optional[torch.Tensor] = None,
+                       alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward loop: ``(out, lse)``, lse ``[stages, B, U/P, S]`` (called by the custom op;
     also directly by memory measurements, which run it under FakeTensorMode where the op
     itself would only run its fake kernel). ``documents``: packed-sequence boundaries over
     the full sequence (None: one sequence). ``sinks`` ``[Hq]``: per-head sink logits
-    (:mod:`upipe_compile.attention.sinks`); the saved lse then includes them."""
+    (:mod:`upipe_compile.attention.sinks`); the saved lse then includes them. ``alibi_slopes``
+    ``[Hq]``: ALiBi's per-head slopes (:mod:`upipe_compile.attention.alibi`), each stage's
+    kernel taking its heads' (the saved lse includes the bias)."""
     group_name = settings.group_name
     group = collectives.group_from_name(group_name)
     world = group.size()
+    slopes = kernel_slopes(alibi_slopes, q.device)
     if not is_fake(q):
         collectives.check_same_local_shape((q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]), group)
     schedule = schedule_for(q, k, world, settings.heads_per_stage)
@@ -290,10 +299,11 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
-        out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents)
+        out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents,
+                                                 stage_head_values(slopes, stage, group.rank()))
         del k_stage, v_stage
         if sinks is not None:
-            out_stage, lse_stage = apply_sinks(out_stage, lse_stage, stage_sinks(sinks, stage, group.rank()))
+            out_stage, lse_stage = apply_sinks(out_stage, lse_stage, stage_head_values(sinks, stage, group.rank()))
         lse[index].copy_(lse_stage)
         del lse_stage
         inputs.after_kernel(index)
@@ -304,7 +314,7 @@ def stage_loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settin
 
 def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, settings: StageLoopSettings, documents: Optional[Documents] = None,
-                        sinks: Optional[torch.Tensor] = None) -> tuple:
+                        sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None) -> tuple:
     """The backward loop: ``(dq, dk, dv, dsinks)`` from what the forward saved (q, k, v, out,
     lse). ``dsinks`` (None without sinks) holds this rank's heads' sink gradients, zero
     elsewhere: each head's is complete on the rank that computed it, so the ranks' sum (the
@@ -317,6 +327,7 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     seq = s_local * world
     kv_per_rank = schedule.kv_per_rank
     attention = stage_attention(settings)
+    slopes = kernel_slopes(alibi_slopes, q.device)
 
     dq = q.new_empty(q.shape)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
@@ -350,7 +361,8 @@ def stage_loop_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, q.device)
         dq_stage, dk_stage, dv_stage = attention.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], documents)
+            buffers["dout"], buffers["q"], k_stage, v_stage, buffers["out"], lse[index], documents,
+            stage_head_values(slopes, stage, group.rank()))
         del k_stage, v_stage
         if sinks is not None:
             heads = head_index(my_heads(stage, group.rank()), q.device)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.attention import collectives
+from upipe_compile.attention.alibi import kernel_slopes
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 from upipe_compile.attention.stage_loop import (
     DEFAULT_PREFETCH, Incoming, InputPipeline, StageAttention, head_index, my_heads, prefetches, stage_kv,
@@ -71,6 +72,15 @@ def _stage_sinks(region: BlockRegion, weights: BlockWeights, stage, rank: int) -
         return None
     sinks = weights.extras[region.sinks_extra]
     return sinks.index_select(0, head_index(my_heads(stage, rank), sinks.device))
+
+
+def _stage_alibi(region: BlockRegion, weights: BlockWeights, stage, rank: int) -> Optional[torch.Tensor]:
+    """This rank's heads' ALiBi slopes in ``stage`` (float32; None: the block has no ALiBi)."""
+    if region.alibi_extra < 0:
+        return None
+    slopes = weights.extras[region.alibi_extra]
+    return kernel_slopes(slopes.index_select(0, head_index(my_heads(stage, rank), slopes.device)),
+                         weights.wq.device)
 
 
 def block_schedule(region: BlockRegion, world: int, heads_per_stage: int) -> StageSchedule:
@@ -164,7 +174,8 @@ def block_forward(x, weights: BlockWeights, region: BlockRegion, heads_per_stage
     for index, stage in enumerate(schedule.stages):
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
-        out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents)
+        out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents,
+                                                 _stage_alibi(region, weights, stage, rank))
         del k_stage, v_stage
         if region.sinks_extra >= 0:
             out_stage, lse_stage = apply_sinks(out_stage, lse_stage, _stage_sinks(region, weights, stage, rank))
@@ -386,15 +397,16 @@ def block_backward(dy, x, weights: BlockWeights, o, lse, region: BlockRegion, he
         inputs.before_kernel(index)
         k_stage, v_stage = stage_kv(buffers, stage, device)
         sinks = _stage_sinks(region, weights, stage, rank)
+        slopes = _stage_alibi(region, weights, stage, rank)
         if o is None:
-            out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents)
+            out_stage, lse_stage = attention.forward(buffers["q"], k_stage, v_stage, documents, slopes)
             if sinks is not None:
                 out_stage, _ = apply_sinks(out_stage, lse_stage, sinks)
             del lse_stage
         else:
             out_stage = buffers["out"]
         dq_stage, dk_stage, dv_stage = attention.backward(
-            buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], documents)
+            buffers["dout"], buffers["q"], k_stage, v_stage, out_stage, lse[index], documents, slopes)
         del k_stage, v_stage
         dsinks = grads.dextras[region.sinks_extra] if sinks is not None else None
         if dsinks is not None:  # this rank's heads only: the ranks' gradients sum to the full one

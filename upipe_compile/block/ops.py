@@ -253,8 +253,9 @@ def block_problems(region: BlockRegion, x: Tensor, extras, world: int, heads_per
     q_shape = (batch, region.q_heads, s_local, region.head_dim)
     k_shape = (batch, region.kv_heads, s_local, region.head_dim)
     sinks = extras[region.sinks_extra] if region.sinks_extra >= 0 else None
+    alibi_slopes = extras[region.alibi_extra] if region.alibi_extra >= 0 else None
     call = AttentionCall(q_shape, k_shape, k_shape, x.dtype, x.device.type, window=region.window,
-                         softcap=region.softcap, sinks=sinks)
+                         softcap=region.softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return attention_problems(call, world, heads_per_stage)
 
 

@@ -66,6 +66,10 @@ class BlockRegion:
     attention_dtype: Optional["torch.dtype"] = None
     """The dtype the head fns hand attention where it is not x's (torchtitan 0.3's varlen
     attention casts q, k, v to bf16): the kept output and the output gradient are in it."""
+    alibi_extra: int = -1
+    """Which of ``extras`` holds the per-query-head ALiBi slopes ``[Hq]`` (-1: no ALiBi); as
+    with sinks, the head fns do not read it and the stage loops slice it with each stage's
+    heads. The slopes take no gradient."""
 
     def head_fn(self, role: str) -> HeadFn:
         return {"q": self.q_fn, "k": self.k_fn, "v": self.v_fn}[role]

@@ -35,10 +35,10 @@ def block_twin(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings)
 
 
 def attention_twin(*args):
-    q, k, v, settings, cu_seqlens, sinks = parse_op_arguments(args)
+    q, k, v, settings, cu_seqlens, sinks, alibi_slopes = parse_op_arguments(args)
     if cu_seqlens is not None:
         raise UnsupportedAttention("the memory estimate does not measure packed-document attention (cu_seqlens) yet")
-    return StageLoopFunction.apply(q, k, v, settings, sinks), None
+    return StageLoopFunction.apply(q, k, v, settings, sinks, alibi_slopes), None
 
 
 TWINS = {

@@ -124,16 +124,16 @@ class StageLoopFunction(torch.autograd.Function):
     :func:`~upipe_compile.attention.ops.replay_backward`). One sequence per batch row (no boundaries)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None):
+    def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None, alibi_slopes=None):
         eager_calls["stage-loop op"] += 1
-        out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks)
-        save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks), (out, lse))
+        out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks, alibi_slopes=alibi_slopes)
+        save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks, alibi_slopes=alibi_slopes), (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, dout):
         dq, dk, dv, dsinks = replay_backward(ctx, dout, eager=True)
-        return dq, dk, dv, None, dsinks
+        return dq, dk, dv, None, dsinks, None
 
 
 class SDPAThroughStageLoops(TorchFunctionMode):

@@ -12,7 +12,9 @@ Variants (flash-attn's conventions): ``window=(left, right)`` lets query ``i`` s
 ``is_causal`` the right edge is also 0. Without ``documents`` q may be shorter or longer
 than k (a ring's chunk pair): the window and causal edge are then aligned to the last query
 and the last key, ``i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right``, as flash-attn does. ``softcap > 0`` turns the scaled scores ``s``
-into ``softcap * tanh(s / softcap)`` before the softmax; 0 is off. Values are checked
+into ``softcap * tanh(s / softcap)`` before the softmax; 0 is off. ``alibi_slopes`` (None,
+or float32 ``[Hq]``: the call's query heads' ALiBi slopes) adds ``-slope * |i + (Sk - Sq) - j|``
+to each score after the softcap (:mod:`upipe_compile.attention.alibi`). Values are checked
 here: :func:`variant_problems` (compile time) lists bad values and what the device's
 kernel cannot run, and ``forward``/``backward`` raise ``UnsupportedAttention`` for the same
 (:func:`check_variant` raises for bad values alone). A window that covers the whole
@@ -26,10 +28,11 @@ One document over the whole sequence runs the dense kernel, exactly as without b
 CPU runs the dense kernel once per document on slices of the stage buffers; CUDA runs the
 kernels' variable-length ("varlen") forms on each batch row. No mask is ever built.
 
-The kernel is picked by device: CPU uses aten's flash kernel for CPU, and for a window or
-softcap the exact blocked kernel of :mod:`upipe_compile.attention.blocked_kernel`; CUDA uses
-flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`; softcap needs 2.6+) when it is
-importable, else aten's CUDA flash kernel (windows, no softcap). No dropout, no mask: the
+The kernel is picked by device: CPU uses aten's flash kernel for CPU, and for a window,
+softcap or ALiBi the exact blocked kernel of :mod:`upipe_compile.attention.blocked_kernel`; CUDA
+uses flash-attn (2.5 to 2.8, :class:`FlashAttnKernels`; softcap needs 2.6+; ALiBi through its
+``alibi_slopes``) when it is importable, else aten's CUDA flash kernel (windows; no softcap,
+no ALiBi). No dropout, no mask: the
 passes refuse those before a kernel is ever called.
 
 Under FakeTensorMode (memory measurement) the CPU kernels run, which allocate less than
@@ -97,16 +100,16 @@ def cuda_problems(dtype: torch.dtype, head_dim: int) -> list[str]:
     return _cuda_kernels().input_problems(dtype, head_dim)
 
 
-def variant_problems(device_type: str, window=NO_WINDOW, softcap: float = 0.0) -> list[str]:
-    """Why the attention kernel for ``device_type`` cannot run this window / softcap (empty:
-    it can), bad values included. CPU runs every valid variant; CUDA asks the kernel it
-    would use (:func:`cuda_kernel`)."""
+def variant_problems(device_type: str, window=NO_WINDOW, softcap: float = 0.0, alibi: bool = False) -> list[str]:
+    """Why the attention kernel for ``device_type`` cannot run this window / softcap (with
+    ALiBi where ``alibi``) (empty: it can), bad values included. CPU runs every valid variant;
+    CUDA asks the kernel it would use (:func:`cuda_kernel`)."""
     problems = variant_value_problems(window, softcap)
     if problems:
         return problems
     window, softcap = check_variant(window, softcap)
     if device_type == "cuda":
-        return _cuda_kernels().variant_problems(window, softcap)
+        return _cuda_kernels().variant_problems(window, softcap, alibi)
     return []
 
 
@@ -122,33 +125,38 @@ def kernels_for(q: torch.Tensor) -> AttentionKernel:
     raise UnsupportedAttention(f"no UPipe attention kernel for device type {q.device.type!r} (cpu and cuda are supported)")
 
 
-def forward(q, k, v, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW, softcap: float = 0.0):
+def forward(q, k, v, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW, softcap: float = 0.0,
+            alibi_slopes=None):
     """(out, lse); with ``documents`` (more than one) attention stays inside each."""
-    kernel, is_causal, window, softcap = _prepared(q, k, is_causal, window, softcap)
+    kernel, is_causal, window, softcap = _prepared(q, k, is_causal, window, softcap, alibi_slopes)
     if documents is None or documents.is_single:
-        return kernel.forward(q, k, v, is_causal, scale, window, softcap)
-    return kernel.forward_documents(q, k, v, documents, is_causal, scale, window, softcap)
+        return kernel.forward(q, k, v, is_causal, scale, window, softcap, alibi_slopes)
+    return kernel.forward_documents(q, k, v, documents, is_causal, scale, window, softcap, alibi_slopes)
 
 
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float | None, documents=None, window=NO_WINDOW,
-             softcap: float = 0.0):
-    kernel, is_causal, window, softcap = _prepared(q, k, is_causal, window, softcap)
+             softcap: float = 0.0, alibi_slopes=None):
+    kernel, is_causal, window, softcap = _prepared(q, k, is_causal, window, softcap, alibi_slopes)
     packed = documents is not None and not documents.is_single
     with _backward_workspace(q, k, documents if packed else None):
         if not packed:
-            return kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap)
-        return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap)
+            return kernel.backward(dout, q, k, v, out, lse, is_causal, scale, window, softcap, alibi_slopes)
+        return kernel.backward_documents(dout, q, k, v, out, lse, documents, is_causal, scale, window, softcap,
+                                         alibi_slopes)
 
 
-def _prepared(q, k, is_causal: bool, window, softcap):
+def _prepared(q, k, is_causal: bool, window, softcap, alibi_slopes=None):
     """The kernel for ``q`` and the checked variant in its plainest form (see :func:`_effective`),
     refusing what that kernel cannot run."""
     kernel = kernels_for(q)
     window, softcap = check_variant(window, softcap)
     is_causal, window = effective(is_causal, window, q.shape[2], k.shape[2])
-    problems = kernel.variant_problems(window, softcap)
+    problems = kernel.variant_problems(window, softcap, alibi_slopes is not None)
     if problems:
         raise UnsupportedAttention("; ".join(problems))
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (q.shape[1],):
+        raise UnsupportedAttention(f"alibi_slopes of shape {list(alibi_slopes.shape)} for a call of {q.shape[1]} "
+                                   "query heads: one slope per query head")
     return kernel, is_causal, window, softcap
 
 

@@ -26,7 +26,9 @@ class AtenCudaKernels(VarlenKernels):
     ``window_size_left/right`` (in torch's schemas since before 2.7, so in 2.11 to 2.13;
     still checked on the installed schemas, never dropped), dense as torch's own SDPA calls
     them: ``[B, S, H, D]`` views, no cumulative lengths (None) and the forward's philox
-    markers. aten's flash has no softcap: that needs flash-attn >= 2.6."""
+    markers. aten's flash has no softcap: that needs flash-attn >= 2.6. Nor ALiBi: its forward
+    takes ``alibi_slopes`` but ``aten::_flash_attention_backward`` does not, so the gradients
+    would miss the bias; refused, naming flash-attn."""
 
     name = "aten-flash"
     input_problems = staticmethod(flash_input_problems)
@@ -50,8 +52,14 @@ class AtenCudaKernels(VarlenKernels):
         workspace["out_contiguous"] = ((rows, seq, q_heads, head_dim), dtype)
         return workspace
 
-    def variant_problems(self, window, softcap: float) -> list[str]:
+    def variant_problems(self, window, softcap: float, alibi: bool = False) -> list[str]:
         problems = []
+        if alibi:
+            problems.append(
+                "ALiBi (alibi_slopes): aten's CUDA flash kernel (used because flash-attn is not installed) cannot "
+                "apply it in backward (aten::_flash_attention_backward takes no alibi_slopes); install flash-attn "
+                "2.5 to 2.8 (pip install 'flash-attn>=2.5,<2.9')"
+            )
         if softcap:
             problems.append(
                 f"softcap={softcap}: aten's CUDA flash kernel (used because flash-attn is not installed) has no "
@@ -64,13 +72,14 @@ class AtenCudaKernels(VarlenKernels):
             )
         return problems
 
-    def _check(self, window, softcap: float) -> None:
-        problems = self.variant_problems(window, softcap)
+    def _check(self, window, softcap: float, alibi_slopes=None) -> None:
+        problems = self.variant_problems(window, softcap, alibi_slopes is not None)
         if problems:
             raise UnsupportedAttention("; ".join(problems))
 
-    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
-        self._check(window, softcap)
+    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
+                alibi_slopes=None):
+        self._check(window, softcap, alibi_slopes)
         if window == NO_WINDOW:
             out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
             return out, lse
@@ -82,8 +91,8 @@ class AtenCudaKernels(VarlenKernels):
         return out.transpose(1, 2), lse
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
-                 softcap: float = 0.0):
-        self._check(window, softcap)
+                 softcap: float = 0.0, alibi_slopes=None):
+        self._check(window, softcap, alibi_slopes)
         cum_q, cum_k, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
         q_len, k_len = q.shape[2], k.shape[2]
         if window == NO_WINDOW:
@@ -97,16 +106,16 @@ class AtenCudaKernels(VarlenKernels):
         return tuple(g.transpose(1, 2) for g in grads)
 
     def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
-                            softcap: float = 0.0):
-        self._check(window, softcap)
+                            softcap: float = 0.0, alibi_slopes=None):
+        self._check(window, softcap, alibi_slopes)
         cu, longest = documents.cu_seqlens, documents.max_length
         out, lse, *_ = _aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, is_causal, False,
                                                       scale=scale, **_aten_window(window))
         return out, lse
 
     def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
-                             window=NO_WINDOW, softcap: float = 0.0):
-        self._check(window, softcap)
+                             window=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None):
+        self._check(window, softcap, alibi_slopes)
         _, _, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
         cu, longest = documents.cu_seqlens, documents.max_length
         return _aten._flash_attention_backward(

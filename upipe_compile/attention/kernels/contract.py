@@ -1,6 +1,12 @@
 """What every attention kernel takes and gives: the :class:`AttentionKernel` protocol, and
 the window / softcap values each call is checked and simplified with before a kernel sees
-it. Shapes and conventions are those of :mod:`upipe_compile.attention.kernels`."""
+it. Shapes and conventions are those of :mod:`upipe_compile.attention.kernels`.
+
+ALiBi: ``alibi_slopes`` is None or the call's query heads' slopes ``[Hq]`` (float32, on q's
+device); query ``i`` and key ``j`` get ``-slope * |i + (Sk - Sq) - j|`` added to their score
+after the softcap, and the log-sum-exp a kernel returns includes it (the true one: a kernel
+whose library counts the bias differently corrects it). A kernel that cannot apply it says
+so in :meth:`AttentionKernel.variant_problems` (``alibi=True``)."""
 
 from __future__ import annotations
 
@@ -28,20 +34,23 @@ class AttentionKernel(Protocol):
     name: str
     """Its name in :data:`upipe_compile.attention.kernels.CUDA_KERNELS` (``aten-cpu`` on CPU)."""
 
-    def forward(self, q, k, v, is_causal: bool, scale: Optional[float], window=NO_WINDOW,
-                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(self, q, k, v, is_causal: bool, scale: Optional[float], window=NO_WINDOW, softcap: float = 0.0,
+                alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: Optional[float], window=NO_WINDOW,
-                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+                 softcap: float = 0.0,
+                 alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def forward_documents(self, q, k, v, documents, is_causal: bool, scale: Optional[float], window=NO_WINDOW,
-                          softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]: ...
+                          softcap: float = 0.0,
+                          alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: Optional[float],
-                           window=NO_WINDOW, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+                           window=NO_WINDOW, softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def variant_problems(self, window, softcap: float) -> list[str]:
-        """Why it cannot run this (valid) window / softcap; empty when it can."""
+    def variant_problems(self, window, softcap: float, alibi: bool = False) -> list[str]:
+        """Why it cannot run this (valid) window / softcap, with ALiBi where ``alibi``; empty when it can."""
         ...
 
     @staticmethod

@@ -28,6 +28,14 @@ class FlashAttnKernels(VarlenKernels):
     softcap the installed functions have no parameter for (softcap in 2.5) is refused,
     naming the release that has it, rather than left out.
 
+    ALiBi goes in as ``alibi_slopes`` (float32 ``[Hq]``; every release from 2.5 has it). Under
+    causal attention (flash's ``params.is_causal``: no left edge within the keys, right edge
+    0) flash adds ``slope * j`` instead of ``-slope * |i + Sk - Sq - j|``: the same softmax,
+    but a log-sum-exp larger by ``slope * (i + Sk - Sq)``, which the stage loop's sinks and
+    ring merges would read, and whose fp32 scores grow with the position. So a causal call
+    with ALiBi goes in as the same mask spelled as a window, ``(Sk - 1, 0)`` without
+    ``causal``, which flash runs on its local path with the ``|i - j|`` bias.
+
     The kernels need only ``stride(-1) == 1``, so the ``[B, H, S, D]`` stage buffers are
     passed as ``[B, S, H, D]`` views, without copies; GQA is native.
     """
@@ -54,18 +62,18 @@ class FlashAttnKernels(VarlenKernels):
         self._varlen_forward_params = None if self._varlen_forward is None else _parameters(self._varlen_forward)
         self._varlen_backward_params = None if self._varlen_backward is None else _parameters(self._varlen_backward)
 
-    def variant_problems(self, window, softcap: float) -> list[str]:
-        if window == NO_WINDOW and not softcap:
+    def variant_problems(self, window, softcap: float, alibi: bool = False) -> list[str]:
+        if window == NO_WINDOW and not softcap and not alibi:
             return []
         return self._variant_gaps(
             [("_flash_attn_forward", self._forward_params), ("_flash_attn_backward", self._backward_params),
              ("_flash_attn_varlen_forward", self._varlen_forward_params),
-             ("_flash_attn_varlen_backward", self._varlen_backward_params)], window, softcap)
+             ("_flash_attn_varlen_backward", self._varlen_backward_params)], window, softcap, alibi)
 
-    def _variant_gaps(self, functions, window, softcap: float) -> list[str]:
+    def _variant_gaps(self, functions, window, softcap: float, alibi: bool = False) -> list[str]:
         """Per requested variant, the functions (``(name, parameters)``; None: absent) that
         have no parameter for it."""
-        no_window, no_softcap = [], []
+        no_window, no_softcap, no_alibi = [], [], []
         for what, params in functions:
             if params is None:
                 continue
@@ -75,6 +83,8 @@ class FlashAttnKernels(VarlenKernels):
                 no_window.append(what)
             if softcap and "softcap" not in names:
                 no_softcap.append(what)
+            if alibi and "alibi_slopes" not in names:
+                no_alibi.append(what)
         version = _flash_attn_version(self.interface)
         gaps = []
         if no_window:
@@ -84,17 +94,21 @@ class FlashAttnKernels(VarlenKernels):
             gaps.append(f"softcap={softcap}: the installed flash-attn {version} has no softcap parameter in "
                         f"{', '.join(no_softcap)} (logit soft-capping came in flash-attn 2.6); upgrade to "
                         "flash-attn >= 2.6 (pip install -U 'flash-attn>=2.6')")
+        if no_alibi:
+            gaps.append(f"ALiBi (alibi_slopes): the installed flash-attn {version} has no alibi_slopes parameter in "
+                        f"{', '.join(no_alibi)}; install flash-attn 2.5 to 2.8 (pip install 'flash-attn>=2.5,<2.9')")
         return gaps
 
     def _run(self, fn, params, values: dict, what: str, window, softcap: float):
-        """``_call``, after refusing a requested window/softcap ``fn`` has no parameter for."""
-        gaps = self._variant_gaps([(what, params)], window, softcap)
+        """``_call``, after refusing a requested window/softcap/ALiBi ``fn`` has no parameter for."""
+        gaps = self._variant_gaps([(what, params)], window, softcap, values.get("alibi_slopes") is not None)
         if gaps:
             raise UnsupportedAttention("; ".join(gaps))
         return _call(fn, params, values, what)
 
-    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0):
-        values = self._common(q, is_causal, scale, window, softcap)
+    def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
+                alibi_slopes=None):
+        values = self._common(q, is_causal, scale, window, softcap, alibi_slopes, k.shape[2])
         values.update(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), return_softmax=False)
         result = self._run(self._forward, self._forward_params, values, "_flash_attn_forward", window, softcap)
         # 2.5/2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state); 2.7+: (out, lse, S_dmask, rng_state)
@@ -110,10 +124,10 @@ class FlashAttnKernels(VarlenKernels):
         return out.transpose(1, 2), lse
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, alibi_slopes=None):
         # flash writes dq/dk/dv in place; allocated [B, S, H, D] as it wants them.
         dq, dk, dv = (torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format) for t in (q, k, v))
-        values = self._common(q, is_causal, scale, window, softcap)
+        values = self._common(q, is_causal, scale, window, softcap, alibi_slopes, k.shape[2])
         values.update(
             dout=dout.transpose(1, 2), q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2),
             out=out.transpose(1, 2), softmax_lse=lse, dq=dq, dk=dk, dv=dv,
@@ -123,8 +137,8 @@ class FlashAttnKernels(VarlenKernels):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
-                            softcap: float = 0.0):
-        values = self._common(q, is_causal, scale, window, softcap)
+                            softcap: float = 0.0, alibi_slopes=None):
+        values = self._common(q, is_causal, scale, window, softcap, alibi_slopes, documents.max_length)
         values.update(q=q, k=k, v=v, return_softmax=False, **self._varlen_values(documents))
         result = self._run(self._require(self._varlen_forward), self._varlen_forward_params, values,
                            "_flash_attn_varlen_forward", window, softcap)
@@ -132,9 +146,9 @@ class FlashAttnKernels(VarlenKernels):
         return (result[0], result[5]) if len(result) == 8 else (result[0], result[1])
 
     def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
-                             window=NO_WINDOW, softcap: float = 0.0):
+                             window=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None):
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-        values = self._common(q, is_causal, scale, window, softcap)
+        values = self._common(q, is_causal, scale, window, softcap, alibi_slopes, documents.max_length)
         values.update(
             dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             deterministic=torch.are_deterministic_algorithms_enabled(), rng_state=None,
@@ -161,7 +175,12 @@ class FlashAttnKernels(VarlenKernels):
         return fn
 
     @staticmethod
-    def _common(q, is_causal, scale, window=NO_WINDOW, softcap: float = 0.0) -> dict:
+    def _common(q, is_causal, scale, window=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None,
+                k_len: int | None = None) -> dict:
+        """The arguments every call shares; ``k_len``: the keys' length as flash sees it (the
+        longest document's in varlen calls), for ALiBi's causal spelling."""
+        if alibi_slopes is not None:
+            is_causal, window = _alibi_window(is_causal, window, k_len)
         left, right = window
         return {
             "dropout_p": 0.0,
@@ -171,8 +190,23 @@ class FlashAttnKernels(VarlenKernels):
             "window_size_left": left,
             "window_size_right": right,
             "softcap": float(softcap),
-            "alibi_slopes": None,
+            "alibi_slopes": alibi_slopes,
         }
+
+
+def _alibi_window(is_causal: bool, window, k_len: int) -> tuple[bool, tuple[int, int]]:
+    """``(causal, window)`` for a call with ALiBi that flash never runs as causal: where flash
+    would set ``params.is_causal`` (a left edge clamped away at ``k_len`` or absent, and a right
+    edge 0), the same mask as the window ``(k_len - 1, 0)`` without ``causal``, so that flash
+    applies ``-slope * |i + Sk - Sq - j|`` (its local path) rather than ``slope * j``."""
+    left, right = window
+    if left >= k_len:
+        left = -1
+    if is_causal:
+        right = 0
+    if left < 0 and right == 0:
+        return False, (k_len - 1, 0)
+    return is_causal, tuple(window)
 
 
 def _flash_attn_version(interface) -> str:

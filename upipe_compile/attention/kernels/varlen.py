@@ -19,14 +19,14 @@ class VarlenKernels:
     lse_padded: bool | None = None  # learned from the first forward
 
     def forward_documents(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
-                          softcap: float = 0.0):
+                          softcap: float = 0.0, alibi_slopes=None):
         batch, heads, seq, dim = q.shape
         lse = q.new_empty((batch, heads, seq), dtype=torch.float32)
         out = None if batch == 1 else q.new_empty((batch, seq, heads, dim))
         for row in range(batch):
             out_row, lse_row = self._varlen_forward_row(
                 q[row].transpose(0, 1), k[row].transpose(0, 1), v[row].transpose(0, 1), documents, is_causal, scale,
-                window, softcap,
+                window, softcap, alibi_slopes,
             )
             self.lse_padded = lse_row.dim() == 3
             lse[row].copy_(_packed_lse(lse_row, documents) if self.lse_padded else lse_row)
@@ -37,7 +37,7 @@ class VarlenKernels:
         return out.transpose(1, 2), lse
 
     def backward_documents(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
-                           window=NO_WINDOW, softcap: float = 0.0):
+                           window=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None):
         """One varlen call per group of documents (:func:`varlen_backward_groups`): each
         call's padded workspace stays within the dense kernel's, and documents do not
         interact, so each group's gradients are exact on their own."""
@@ -53,7 +53,8 @@ class VarlenKernels:
                 if self.lse_padded:
                     lse_group = _padded_lse(lse_group, group)
                 results = self._varlen_backward_row(
-                    *(t[start:end] for t in tensors), lse_group, group, is_causal, scale, window, softcap)
+                    *(t[start:end] for t in tensors), lse_group, group, is_causal, scale, window, softcap,
+                    alibi_slopes)
                 for full, part in zip(grads, results):
                     full[row, start:end].copy_(part)
                 del results
