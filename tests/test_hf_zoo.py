@@ -38,6 +38,8 @@ def test_numbers_that_differ_are_silent_and_name_the_worst_gradient():
     ("llama", "default", "match"),
     ("llama", "off", "match"),
     ("doge", "default", "refused"),
+    ("lfm3", "default", "match"),  # its short conv routed to a stage loop
+    ("lara_mini", "default", "match"),  # short conv and gated delta rule routed
 ])
 def test_family_verdict(rank_pools, family, use_cache, verdict):
     row = hf_zoo.run_family(family, rank_pools(hf_zoo.WORLD), use_cache)

@@ -30,8 +30,13 @@ FAMILIES = {
     "qwen3_5": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
     "qwen3_5_moe": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
     "olmo_hybrid": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
+    "lara_mini": {"causal_conv1d_fn": "causal_conv1d", "torch_chunk_gated_delta_rule": "gated_delta_rule"},
     "lfm2": {"causal_conv1d_fn": "causal_conv1d"},
     "lfm2_moe": {"causal_conv1d_fn": "causal_conv1d"},
+    "lfm3": {"causal_conv1d_fn": "causal_conv1d"},
+    "inkling": {"causal_conv1d_fn": "causal_conv1d"},
+    "inkling2": {"causal_conv1d_fn": "causal_conv1d"},
+    "inkling2_loop": {"causal_conv1d_fn": "causal_conv1d"},
 }
 # Mamba2 hybrids (Bamba, Falcon-H1, Granite-4 hybrid, Nemotron-H, Zamba2) and Mamba (Jamba,
 # Zamba): the conv and the scan are routed; the fused kernel (conv + scan + norm + out_proj in
