@@ -290,7 +290,9 @@ def register() -> str:
 OWN_ATTENTION = {"doge": "builds its dynamic attention mask from the mask tensor itself",
                  # sparse attention: a learned indexer picks each query's keys from the mask tensor
                  "deepseek_v32": "picks each query's keys with its indexer, from the mask tensor itself",
-                 "axk2": "picks each query's keys with its indexer, from the mask tensor itself"}
+                 "axk2": "picks each query's keys with its indexer, from the mask tensor itself",
+                 "glm_moe_dsa": "picks each query's keys with its indexer, from the mask tensor itself",
+                 "hy_v4": "picks each query's keys with its indexer, from the mask tensor itself"}
 
 
 def _refuse_in_own_attention_tables() -> None:
@@ -326,9 +328,12 @@ def _refusal(family: str, why: str, model: str | None = None):
     def refuse(config, *args, **kwargs):
         from upipe_compile.errors import UnsupportedAttention
 
+        import importlib
+
         name = _model_being_built() or model or f"the {family} model"
+        source = importlib.import_module(f"transformers.models.{family}.modeling_{family}").__file__
         raise UnsupportedAttention(
-            f"{name} {why}, not through transformers' attention interface, so upipe's attention (register()) "
+            f"{name} ({source}) {why}, not through transformers' attention interface, so upipe's attention (register()) "
             "cannot reach it, and its own attention is refused under context parallelism. upipe cannot run "
             f"{family} with context parallelism: train it without backend='upipe', or pick a family that uses the "
             "interface (Llama, Mistral, Qwen, Gemma, ...)")
