@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 SEQUENCE_FIX = ("upipe runs every op but attention on this rank's shard of the sequence; run this layer "
                 "without context parallelism, or express it as scaled_dot_product_attention")
 
+_CACHE_SOURCE = "transformers/cache_utils.py"
+CACHE_FIX = ("this is the cache transformers fills when use_cache is on, which would hold this rank's shard: "
+             "build the model after calling upipe_compile.integrations.transformers.register() (its models run "
+             "without a cache under context parallelism), or call it with use_cache=False")
+
 _SHARDED_DIM_ATTR = "_upipe_sequence_dim"
 """Set by ``shard_sequence`` / ``global_positions`` on the tensors they return."""
 
@@ -123,7 +128,8 @@ class TokenMixing:
     @property
     def reason(self) -> str:
         where = f" (the reduction over tokens at {self.reduction_line})" if self.reduction_line else ""
-        return f"{self.op} {self.why}{where}; {SEQUENCE_FIX}"
+        fix = CACHE_FIX if _CACHE_SOURCE in self.source_line else SEQUENCE_FIX
+        return f"{self.op} {self.why}{where}; {fix}"
 
 
 @dataclass

@@ -234,3 +234,22 @@ def past_refusal_case(family: str, keyword: str) -> str:
     except UnsupportedAttention as error:
         return str(error)
     raise AssertionError(f"{family} ran with {keyword}= under context parallelism")
+
+
+def cache_refusal_case(family: str) -> str:
+    """A sliding-window model that missed register()'s cache hook (built before register(),
+    switched to its attention later) called with its cache on under context parallelism:
+    the refusal's message (it must be raised)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    torch._dynamo.reset()
+    model = build_model(family, UPIPE_SDPA, as_shipped=True)
+    for module in model.modules():  # as a model built before register() has none
+        module._forward_pre_hooks.clear()
+    ids = upipe_compile.shard_sequence(make_inputs(dist.get_world_size())[0], dim=1)
+    compiled = torch.compile(model, backend="upipe", options={"inner_backend": "aot_eager"})
+    try:
+        compiled(input_ids=ids, position_ids=upipe_compile.global_positions(SEQ_LOCAL))
+    except BackendCompilerFailed as error:
+        return str(error.inner_exception)
+    raise AssertionError(f"{family} filled its sliding-window cache under context parallelism")

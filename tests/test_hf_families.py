@@ -68,6 +68,14 @@ def _assert_as_accurate_as_eager(shards, family: str, world: int) -> None:
         check(name, sum(shard[1][name] for shard in shards), eager[name], truth)
 
 
+def test_a_cache_filled_without_registers_hook_is_refused_naming_the_fix(rank_pools):
+    """The sliding-window cache's update reads the sequence: refused, naming the cache and
+    the fix that works (register() before the model is built, or use_cache=False)."""
+    for message in rank_pools(2).run(jobs.cache_refusal_case, "mistral"):
+        assert "cache_utils.py" in message and "build the model after calling" in message, message
+        assert "use_cache=False" in message and "express it as scaled_dot_product_attention" not in message, message
+
+
 @pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
 def test_a_forward_handed_a_past_is_refused_on_every_rank(rank_pools, keyword):
     messages = rank_pools(2).run(jobs.past_refusal_case, "mistral", keyword)

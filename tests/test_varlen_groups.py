@@ -23,19 +23,21 @@ class StandInVarlen(kernels.VarlenKernels):
     def __init__(self, lse_padded: bool):
         self.cpu, self.lse_padded, self.calls = kernels.CpuKernels(), lse_padded, []
 
-    def _varlen_forward_row(self, q, k, v, documents, is_causal, scale, window=(-1, -1), softcap=0.0):
+    def _varlen_forward_row(self, q, k, v, documents, is_causal, scale, window=(-1, -1), softcap=0.0,
+                            alibi_slopes=None):
         out, lse = self.cpu.forward_documents(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), documents,
-                                              is_causal, scale, window, softcap)
+                                              is_causal, scale, window, softcap, alibi_slopes)
         lse = lse[0]
         return out[0].transpose(0, 1), (varlen._padded_lse(lse, documents) if self.lse_padded else lse)
 
     def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal, scale, window=(-1, -1),
-                             softcap=0.0):
+                             softcap=0.0, alibi_slopes=None):
         self.calls.append(len(documents.spans))
         if self.lse_padded:
             lse = varlen._packed_lse(lse, documents)
         as_bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (dout, q, k, v, out)]
-        grads = self.cpu.backward_documents(*as_bhsd, lse.unsqueeze(0), documents, is_causal, scale, window, softcap)
+        grads = self.cpu.backward_documents(*as_bhsd, lse.unsqueeze(0), documents, is_causal, scale, window, softcap,
+                                            alibi_slopes)
         return tuple(g[0].transpose(0, 1) for g in grads)
 
 
