@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests_support import AttentionCase, TinyVariantAttention, make_inputs, make_sinks
+from tests_support import AttentionCase, TinyVariantAttention, make_inputs, make_sinks, variant_math
 
 
 def make_slopes(case: AttentionCase, kind: str = "geometric") -> torch.Tensor:
@@ -23,34 +23,11 @@ def make_slopes(case: AttentionCase, kind: str = "geometric") -> torch.Tensor:
 
 
 def alibi_math(q, k, v, *, is_causal, scale, slopes, window=None, softcap=None, sinks=None, bounds=None):
-    """Attention written out on the whole sequence (differentiable, in q's dtype): scores,
-    softcap, then ALiBi's ``-slope[h] * |i - j|`` for global positions ``i``, ``j``, the
-    causal / window / document mask, softmax (with sinks), values."""
-    group = q.shape[1] // k.shape[1]
-    seq = q.shape[2]
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = q @ k.repeat_interleave(group, dim=1).transpose(-1, -2) * scale
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    i = torch.arange(seq)[:, None]
-    j = torch.arange(seq)[None, :]
-    scores = scores - slopes.to(scores.dtype)[:, None, None] * (i - j).abs().to(scores.dtype)
-    allowed = (j <= i) if is_causal else torch.ones(seq, seq, dtype=torch.bool)
-    if window is not None:
-        if window[0] >= 0:
-            allowed = allowed & (j >= i - window[0])
-        if window[1] >= 0:
-            allowed = allowed & (j <= i + window[1])
-    if bounds is not None:
-        doc = torch.bucketize(torch.arange(seq), torch.tensor(bounds[1:-1]), right=True)
-        allowed = allowed & (doc[:, None] == doc[None, :])
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        column = sinks.to(scores.dtype)[None, :, None, None].expand(q.shape[0], -1, seq, 1)
-        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return probs @ v.repeat_interleave(group, dim=1)
+    """Attention written out on the whole sequence (differentiable): scores, softcap, then
+    ALiBi's ``-slope[h] * |i - j|`` for global positions ``i``, ``j``, the causal / window /
+    document mask, softmax (with sinks), values (:func:`tests_support.variant_math`)."""
+    return variant_math(q, k, v, is_causal=is_causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                        slopes=slopes, bounds=bounds)
 
 
 def alibi_reference(case: AttentionCase, slopes, window=None, softcap=None, sinks=None, bounds=None):

@@ -220,8 +220,10 @@ def make_sinks(case: AttentionCase) -> torch.Tensor:
     return (torch.randn(case.q_heads, generator=gen) * 2).to(DTYPES[case.dtype])
 
 
-def variant_math(q, k, v, *, is_causal, scale, window=None, softcap=None, sinks=None):
-    """Attention with a window / softcap / sinks written out (the reference's math), differentiable."""
+def variant_math(q, k, v, *, is_causal, scale, window=None, softcap=None, sinks=None, slopes=None, bounds=None):
+    """Attention with a window / softcap / sinks / ALiBi ``slopes`` (``-slope[h] * |i - j|``
+    after the softcap) and documents ``bounds`` written out on the whole sequence (the
+    reference's math), differentiable."""
     group = q.shape[1] // k.shape[1]
     seq = q.shape[2]
     scale = scale if scale is not None else q.shape[-1] ** -0.5
@@ -229,12 +231,17 @@ def variant_math(q, k, v, *, is_causal, scale, window=None, softcap=None, sinks=
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    if slopes is not None:
+        scores = scores - slopes.to(scores.dtype)[:, None, None] * (i - j).abs().to(scores.dtype)
     allowed = (j <= i) if is_causal else torch.ones(seq, seq, dtype=torch.bool)
     if window is not None:
         if window[0] >= 0:
             allowed = allowed & (j >= i - window[0])
         if window[1] >= 0:
             allowed = allowed & (j <= i + window[1])
+    if bounds is not None:
+        doc = torch.bucketize(torch.arange(seq), torch.tensor(bounds[1:-1]), right=True)
+        allowed = allowed & (doc[:, None] == doc[None, :])
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         column = sinks.to(scores.dtype)[None, :, None, None].expand(q.shape[0], -1, seq, 1)
