@@ -26,24 +26,6 @@ from typing import Optional
 import torch
 
 
-def check_alibi(alibi_slopes, q_heads: int) -> list[str]:
-    """Why ``alibi_slopes`` cannot be ALiBi's slopes for ``q_heads`` query heads (empty: it can)."""
-    if alibi_slopes is None:
-        return []
-    if not isinstance(alibi_slopes, torch.Tensor):
-        return [f"alibi_slopes must be a tensor of one slope per query head, got {type(alibi_slopes).__name__}"]
-    problems = []
-    if tuple(alibi_slopes.shape) != (q_heads,):
-        problems.append(f"alibi_slopes must have shape [{q_heads}] (one slope per query head), "
-                        f"got {list(alibi_slopes.shape)}")
-    if not alibi_slopes.dtype.is_floating_point:
-        problems.append(f"alibi_slopes must be a floating-point tensor, got {alibi_slopes.dtype}")
-    if alibi_slopes.requires_grad:
-        problems.append("alibi_slopes requires grad: upipe applies ALiBi with fixed slopes and gives them no "
-                        "gradient (ALiBi's slopes are not trained); pass alibi_slopes.detach()")
-    return problems
-
-
 def kernel_slopes(alibi_slopes: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
     """The slopes as every kernel takes them: float32, contiguous, on ``device`` (None: no ALiBi)."""
     if alibi_slopes is None:

@@ -20,20 +20,6 @@ _ROWS_PER_CHUNK = 16384
 """Sequence rows per fp32 chunk of ``rowsum(dout * out)``: bounds its temporaries."""
 
 
-def check_sinks(sinks, q_heads: int) -> list[str]:
-    """Why ``sinks`` cannot be a query-head sink vector for ``q_heads`` heads (empty: it can)."""
-    if sinks is None:
-        return []
-    if not isinstance(sinks, torch.Tensor):
-        return [f"sinks must be a tensor of one logit per query head, got {type(sinks).__name__}"]
-    problems = []
-    if tuple(sinks.shape) != (q_heads,):
-        problems.append(f"sinks must have shape [{q_heads}] (one logit per query head), got {list(sinks.shape)}")
-    if not sinks.dtype.is_floating_point:
-        problems.append(f"sinks must be a floating-point tensor, got {sinks.dtype}")
-    return problems
-
-
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out', lse')`` for out ``[B, H, S, D]``, lse ``[B, H, S]`` (fp32) and the H heads'
     sinks ``[H]``."""
