@@ -30,7 +30,7 @@ from upipe_compile.integrations.torchtitan.release import python_configs
 from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step
-from upipe_compile.estimate.step_time import H100, ModelShape, Setup, shape_of, step_time, ulysses
+from upipe_compile.estimate.step_time import H100, ModelShape, Setup, model_flops, shape_of, step_time, ulysses
 
 H100_80GB_GIB = 79.1
 """What torch reports as the total memory of an "80 GB" H100."""
@@ -198,7 +198,7 @@ def _step_time(job_config, shape: ModelShape, heads_per_stage: int, ring_degree:
         "upipe_keep": step_time(shape, replace(setup, keep_attention=setup.full_ac)).total,
     }
     return {"device": H100.name, "shape": asdict(shape), "seconds": _round(this.total),
-            "tokens_per_s": round(this.tokens_per_s(setup), 1),
+            "tokens_per_s": round(this.tokens_per_s(setup), 1), "model_flops": model_flops(shape, setup),
             "phases": {k: _round(v) for k, v in asdict(this).items()},
             "methods_seconds": {k: _round(v) for k, v in seconds.items()}}
 

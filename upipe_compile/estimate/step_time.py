@@ -167,6 +167,16 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
                     all_to_all=layers * per_layer_a2a, ring=layers * per_layer_ring, offload=layers * per_layer_offload, head_and_loss=head)
 
 
+def model_flops(shape: ModelShape, setup: Setup) -> float:
+    """One rank's model FLOPs of one step, what model FLOPs utilization divides by the step's
+    seconds: the layers' matmuls forward and backward (``6 n W``), attention forward and
+    backward (1 + 2.5 x its forward, as above) and the output head with its loss (``6 n V
+    dim``). Recomputation (activation checkpointing, keep_attention's rerun) is not counted."""
+    n = setup.batch * setup.seq_len / setup.cp
+    per_layer = 6.0 * n * shape.layer_weights + 3.5 * attention_forward_flops(shape, setup)
+    return shape.n_layers * per_layer + 6.0 * n * shape.vocab_size * shape.dim
+
+
 def ulysses(setup: Setup, shape: ModelShape) -> Setup:
     """The same step with one stage of all heads."""
     return replace(setup, heads_per_stage=shape.q_heads, ring_degree=1)
