@@ -248,6 +248,41 @@ def test_rms_norm_counted_as_the_fused_gpu_kernel():
     assert fused_peak < plain_peak
 
 
+def test_embedding_backward_counts_cudas_two_pass_buffers():
+    """CUDA's embedding backward sums rows per token id through an fp32 buffer of n / 10 +
+    min(n, V) rows beside the [V, D] gradient; the estimate's fake embedding allocates both
+    at once (and int64 index buffers), and its gradient is the plain one's shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from upipe_compile.estimate.plain_loops import cuda_embedding_backward
+    from upipe_compile.measure.memory import tracker_peak_bytes
+
+    vocab, dim, n = 5000, 256, 20000
+
+    def backward_rise(cuda: bool):
+        with FakeTensorMode():
+            embedding = torch.nn.Embedding(vocab, dim, dtype=torch.bfloat16)
+            ids = torch.empty(1, n, dtype=torch.int64)
+            tracker = MemTracker()
+            tracker.track_external(embedding, ids)
+            with tracker, (cuda_embedding_backward() if cuda else contextlib.nullcontext()):
+                out = embedding(ids)
+                grad = torch.empty_like(out)
+                before = tracker_peak_bytes(tracker)
+                out.backward(grad)
+                rise = tracker_peak_bytes(tracker) - before
+            return embedding.weight.grad, rise
+
+    grad, rise = backward_rise(True)
+    plain_grad, plain_rise = backward_rise(False)
+    assert (grad.shape, grad.dtype) == (plain_grad.shape, plain_grad.dtype)
+    partials = n // 10 + min(n, vocab)
+    workspace = partials * dim * 4 + (3 * n + 2 * min(n, vocab) + partials) * 8
+    assert plain_rise >= vocab * dim * 2
+    assert rise - plain_rise == workspace
+
+
 def test_llama3_rope_counted_as_a_fused_kernel():
     """Eager, torchtitan's RoPE makes fp32 copies and complex products of q and k; the
     estimate counts a fused kernel instead: the rotated q and k only (same shapes, dtypes)."""

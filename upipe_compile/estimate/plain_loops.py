@@ -11,6 +11,14 @@ their complex products and the casts back (about five q-sized bf16 units beyond 
 compiled block fuses it into one kernel that writes the rotated q and k (and in backward
 their gradients). While :func:`fused_rope` is active, fake-tensor RoPE allocates that.
 
+Embedding backward: on CPU ``embedding_dense_backward`` adds each token's gradient row into
+the ``[V, D]`` weight gradient. CUDA's kernel (aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu,
+torch 2.11 to 2.14) sorts the token ids and sums rows per id in two passes, through an fp32
+buffer of ``n / 10 + min(n, V)`` rows of ``D`` (n tokens, ``NROWS_PER_THREAD`` = 10; sized
+before it knows how many ids are distinct) beside the gradient, plus int64 index buffers.
+Llama3-8B at 131,072 tokens per rank: 2.16 GiB; at 655,360: 2.96 GiB. While
+:func:`cuda_embedding_backward` is active, fake-tensor embeddings' backward allocates that.
+
 The long-context stack's loops:
 
 The tiled MLP and the chunked loss are custom ops (``upipe::tiled_swiglu``,
@@ -140,3 +148,53 @@ def fused_rope():
         yield
     finally:
         llama3.apply_rotary_emb = original
+
+
+EMBEDDING_ROWS_PER_THREAD = 10
+"""CUDA embedding backward's ``NROWS_PER_THREAD``: rows summed per partial segment."""
+
+
+class CudaEmbeddingFunction(torch.autograd.Function):
+    """``F.embedding`` whose backward allocates what CUDA's ``embedding_dense_backward`` does
+    (see the module doc), on fake tensors."""
+
+    @staticmethod
+    def forward(ctx, weight, indices):
+        ctx.save_for_backward(indices)
+        ctx.weight_shape = weight.shape
+        return torch.embedding(weight, indices)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (indices,) = ctx.saved_tensors
+        vocab, dim = ctx.weight_shape
+        n = indices.numel()
+        segments = min(n, vocab)
+        partials = n // EMBEDDING_ROWS_PER_THREAD + segments
+        grad_weight = grad_out.new_zeros((vocab, dim))
+        # sorted and original ids, segment offsets; partials per segment and their offsets;
+        # partial segment offsets: int64 each
+        index_buffers = indices.new_empty(3 * n + 2 * segments + partials, dtype=torch.int64)
+        per_segment = grad_out.new_empty((partials, dim), dtype=torch.float32)
+        del index_buffers, per_segment
+        return grad_weight, None
+
+
+@contextmanager
+def cuda_embedding_backward():
+    """Fake-tensor embeddings' backward allocates what CUDA's kernel does (module doc). Swapped
+    like ``F.rms_norm`` above, for the same reason."""
+    original = F.embedding
+
+    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False):
+        plain = padding_idx is None and max_norm is None and not scale_grad_by_freq and not sparse
+        if torch.compiler.is_compiling() or not is_fake(weight) or not plain or not weight.requires_grad:
+            return original(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        return CudaEmbeddingFunction.apply(weight, input)
+
+    F.embedding = embedding
+    try:
+        yield
+    finally:
+        F.embedding = original

@@ -20,7 +20,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from upipe_compile.estimate.job import Job
-from upipe_compile.estimate.plain_loops import fused_rms_norm, fused_rope
+from upipe_compile.estimate.plain_loops import cuda_embedding_backward, fused_rms_norm, fused_rope
 
 DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
 HOST = torch.device("meta")  # where offloaded activations are packed while measuring
@@ -183,13 +183,13 @@ class _SavedOnDevice:
 
 def run_step(job: Job, fake_mode, fused_kernels: bool = True) -> StepMemory:
     """One training step measured with the optimizer state already there, as in every step of
-    a real run but the first. ``fused_kernels``: RMSNorm and RoPE allocate what the GPU's
-    fused kernels do (plain_loops.py); off, what eager CPU torch allocates."""
+    a real run but the first. ``fused_kernels``: RMSNorm, RoPE and the embedding's backward
+    allocate what the GPU's kernels do (plain_loops.py); off, what eager CPU torch allocates."""
     with fake_mode:
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
-        fused = (fused_rms_norm(), fused_rope()) if fused_kernels else (nullcontext(), nullcontext())
-        with fused[0], fused[1], tracker:
+        gpu = (fused_rms_norm(), fused_rope(), cuda_embedding_backward()) if fused_kernels else (nullcontext(),) * 3
+        with gpu[0], gpu[1], gpu[2], tracker:
             measured = _train_step(job, tracker)
     return measured
 
