@@ -3,14 +3,15 @@
     python benchmarks/kernel_check.py                 # CPU, and CUDA kernels if a GPU is visible
 
 For each kernel pair (CPU: aten's CPU flash, and the blocked kernel for variants; CUDA:
-aten's flash and, if installed, flash-attn through upipe_compile.attention.kernels.FlashAttnKernels),
+every kernel of upipe_compile.attention.kernels.CUDA_KERNELS that is installed and usable on
+this GPU: FlashAttention-3 and -4, cuDNN attention (sm90+), flash-attn, aten's flash),
 on GQA and MHA shapes, causal and not, bf16, dense and with each attention variant (a
 sliding window of S/8 either side, softcap 30), and with fewer or more queries than keys (a
 ring's chunk pair under packed documents: the window aligned at the last query and key):
 forward output, log-sum-exp and dq/dk/dv against the attention math in float32 (masked,
 soft-capped scores, autograd). A variant
-the kernel refuses (aten's CUDA flash has no softcap) is listed as refused, with the
-reason. Exits non-zero when any relative error passes the bf16 tolerance, so a GPU
+the kernel refuses (aten's CUDA flash has no softcap; cuDNN has no window or softcap) is
+listed as refused, with the reason. Exits non-zero when any relative error passes the bf16 tolerance, so a GPU
 session's first command shows whether the CUDA path works.
 """
 

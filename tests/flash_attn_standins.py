@@ -343,3 +343,186 @@ def _module(version, calls, forward, backward, varlen_forward, varlen_backward):
     module._flash_attn_forward = forward
     module._flash_attn_backward = backward
     return module
+
+
+# --- Hopper kernels: cuDNN through aten, FlashAttention-3, FlashAttention-4 ------------------
+#
+# Each stand-in has its library's real signature (torch 2.13's aten schemas; flash-attention's
+# hopper/flash_attn_interface.py; flash-attn-4 4.0.0b36's flash_attn/cute/interface.py),
+# returns the real layouts, checks what the real kernels check, and computes with the
+# helpers above (flash's semantics: a window aligned at the last query and key).
+
+import contextlib  # noqa: E402
+
+
+@contextlib.contextmanager
+def cudnn_aten_standin():
+    """CPU kernels for ``aten::_scaled_dot_product_cudnn_attention`` and its backward,
+    registered on the real ops for the duration (so the dispatcher checks the arguments
+    against torch's own schemas). Causal is top-left aligned, as cuDNN's dense path is; a
+    single key is refused, as ``check_cudnn_tensor_shapes`` does. Yields the list of calls."""
+    calls = []
+
+    def check(q, k, v):
+        assert q.dim() == k.dim() == v.dim() == 4, "cuDNN SDPA takes [B, H, S, D]"
+        assert all(t.stride(-1) == 1 for t in (q, k, v)), "cuDNN needs a contiguous last dimension"
+        assert q.shape[-1] % 8 == 0, f"head_dim {q.shape[-1]} is not a multiple of 8"
+        assert q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
+        if k.shape[2] == 1:
+            raise RuntimeError("cudnn SDPA does not support key/value sequence length 1.")
+
+    def forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                return_debug_mask=False, *, scale=None):
+        calls.append(dict(op="forward", is_causal=is_causal, scale=scale, attn_bias=attn_bias))
+        check(query, key, value)
+        assert attn_bias is None and dropout_p == 0.0 and compute_log_sumexp and not return_debug_mask
+        out, lse = _forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0.0, scale, is_causal)
+        seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        # out in q's memory layout (alloc_with_matching_layout); lse [B, H, S, 1], contiguous
+        return (out.transpose(1, 2), lse.unsqueeze(-1).contiguous(), None, None, query.shape[2], key.shape[2], seed,
+                offset, None)
+
+    def backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q,
+                 cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+        calls.append(dict(op="backward", is_causal=is_causal, scale=scale))
+        check(query, key, value)
+        assert attn_bias is None and cum_seq_q is None and cum_seq_k is None and dropout_p == 0.0
+        assert philox_seed is not None and philox_offset is not None, "the forward's seed/offset are read back"
+        batch, heads, seq, _ = query.shape
+        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (batch, heads, seq, 1)
+        assert logsumexp.is_contiguous(), "the dense path's stats are [B, H, S, 1] contiguous"
+        assert (max_q, max_k) == (seq, key.shape[2]) and grad_out.stride(-1) == 1
+        grads = [torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format)
+                 for t in (query, key, value)]
+        _backward(*(t.transpose(1, 2) for t in (grad_out, query, key, value, out)), logsumexp.squeeze(-1), *grads,
+                  0.0, scale, is_causal)
+        return tuple(g.transpose(1, 2) for g in grads)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_dot_product_cudnn_attention", forward, "CPU")
+    lib.impl("_scaled_dot_product_cudnn_attention_backward", backward, "CPU")
+    try:
+        yield calls
+    finally:
+        lib._destroy()
+
+
+_CALLS_FA3: list = []
+
+
+@torch.library.custom_op("upipe_test_fa3::_flash_attn_forward", mutates_args=())
+def _fa3_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None, out_: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None, seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+    page_table: Optional[torch.Tensor] = None, kv_batch_idx: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None, rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None, seqlens_rotary: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None, causal: bool = False,
+    window_size_left: int = -1, window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0,
+    rotary_interleaved: bool = True, scheduler_metadata: Optional[torch.Tensor] = None, num_splits: int = 1,
+    pack_gqa: Optional[bool] = None, sm_margin: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _CALLS_FA3.append(dict(op="forward", causal=causal, window=(window_size_left, window_size_right),
+                           softcap=softcap, varlen=cu_seqlens_q is not None))
+    window = (window_size_left, window_size_right)
+    if cu_seqlens_q is None:
+        out, lse = _forward(q, k, v, 0.0, softmax_scale, causal, window, softcap)
+    else:
+        out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
+                                   causal, padded_lse=False, window=window, softcap=softcap)
+    return out, lse, q.new_empty(0), q.new_empty(0)
+
+
+@torch.library.custom_op("upipe_test_fa3::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def _fa3_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    softmax_lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None, sequed_q: Optional[torch.Tensor] = None,
+    sequed_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+    dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
+    window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
+) -> torch.Tensor:
+    _CALLS_FA3.append(dict(op="backward", causal=is_causal, window=(window_size_left, window_size_right),
+                           softcap=softcap, deterministic=deterministic, varlen=cu_seqlens_q is not None))
+    assert dq is not None and dk is not None and dv is not None, "a custom op returns only softmax_d: pass dq/dk/dv"
+    window = (window_size_left, window_size_right)
+    if cu_seqlens_q is None:
+        return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, 0.0, softmax_scale, is_causal, window, softcap)
+    return _varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, 0.0, softmax_scale, is_causal, padded_lse=False, window=window,
+                            softcap=softcap)
+
+
+def flash_attn_3_interface():
+    """``flash_attn_3.flash_attn_interface`` as built from flash-attention's ``hopper/``."""
+    _CALLS_FA3.clear()
+    module = types.ModuleType("flash_attn_3_interface_standin")
+    module._flash_attn_forward, module._flash_attn_backward = _fa3_forward, _fa3_backward
+    module.calls = _CALLS_FA3
+    return module
+
+
+def _fa4_window(left, right):
+    """FA4's edges: None (unbounded) or >= 0; -1 is not its spelling (a one-sided -1 would run a
+    window of -1), so a stand-in given one fails."""
+    assert all(edge is None or (isinstance(edge, int) and edge >= 0) for edge in (left, right)), (left, right)
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
+def flash_attn_4_interface():
+    """``flash_attn.cute.interface`` of flash-attn-4 4.0.0b36."""
+    calls = []
+
+    def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None, softmax_scale=None,
+                        causal=False, softcap=None, window_size_left=None, window_size_right=None,
+                        learnable_sink=None, tile_mn=None, mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384,
+                        num_splits=1, pack_gqa=None, _arch=None, score_mod=None, mask_mod=None,
+                        block_sparse_tensors=None, return_lse=False, out=None, lse=None, aux_tensors=None,
+                        aux_scalars=None, q_descale=None, k_descale=None, v_descale=None, gather_kv_indices=None,
+                        scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False,
+                        gather_bwd_recompute_p=False):
+        calls.append(dict(op="forward", causal=causal, window=(window_size_left, window_size_right), softcap=softcap,
+                          return_lse=return_lse, varlen=cu_seqlens_q is not None))
+        window = _fa4_window(window_size_left, window_size_right)
+        softcap = 0.0 if softcap is None else softcap
+        if cu_seqlens_q is None:
+            out, lse = _forward(q, k, v, 0.0, softmax_scale, causal, window, softcap)
+        else:
+            out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                       softmax_scale, causal, padded_lse=False, window=window, softcap=softcap)
+        # lse is allocated only when asked for (or when an input requires grad)
+        return out, (lse if return_lse else None), None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                        window_size_left=None, window_size_right=None, m_block_size=64, n_block_size=128,
+                        num_threads=256, pack_gqa=False, num_stages_Q=2, num_stages_dO=2, SdP_swapAB=False,
+                        dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=2, AtomLayoutNdKV=2, AtomLayoutMdQ=2,
+                        V_in_regs=False, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None,
+                        score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
+                        block_sparse_tensors=None, dlse=None, learnable_sink=None):
+        calls.append(dict(op="backward", causal=causal, window=(window_size_left, window_size_right),
+                          softcap=softcap, deterministic=deterministic, varlen=cu_seqlens_q is not None))
+        window = _fa4_window(window_size_left, window_size_right)
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        if cu_seqlens_q is None:
+            assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]), "dense lse is [B, H, S]"
+            _backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, softmax_scale, causal, window, softcap)
+        else:
+            _varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, 0.0, softmax_scale, causal, padded_lse=False, window=window,
+                             softcap=softcap)
+        return dq, dk, dv
+
+    module = types.ModuleType("flash_attn_cute_interface_standin")
+    module._flash_attn_fwd, module._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    module.calls = calls
+    return module

@@ -31,6 +31,7 @@ class AtenCudaKernels(VarlenKernels):
     would miss the bias; refused, naming flash-attn."""
 
     name = "aten-flash"
+    checked_on_device = True  # by benchmarks/kernel_check.py on an H100 and an H200
     input_problems = staticmethod(flash_input_problems)
 
     @classmethod

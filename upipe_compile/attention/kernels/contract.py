@@ -34,6 +34,11 @@ class AttentionKernel(Protocol):
     name: str
     """Its name in :data:`upipe_compile.attention.kernels.CUDA_KERNELS` (``aten-cpu`` on CPU)."""
 
+    checked_on_device: bool
+    """Whether it has been checked on a GPU (benchmarks/kernel_check.py); a kernel that has not
+    runs a small forward and backward against float64 before its first use, and is passed over
+    if it disagrees."""
+
     def forward(self, q, k, v, is_causal: bool, scale: Optional[float], window=NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 

@@ -20,6 +20,7 @@ class CpuKernels(PerDocumentKernels):
     the blocked kernel's per-block scores are no model of a fused GPU kernel."""
 
     name = "aten-cpu"
+    checked_on_device = True  # the reference every test compares with
 
     def variant_problems(self, window, softcap: float, alibi: bool = False) -> list[str]:
         return []

@@ -41,6 +41,7 @@ class FlashAttnKernels(VarlenKernels):
     """
 
     name = "flash-attn"
+    checked_on_device = True  # by benchmarks/kernel_check.py on an H100 and an H200
     input_problems = staticmethod(flash_input_problems)
     backward_workspace = staticmethod(flash_backward_workspace)
 
