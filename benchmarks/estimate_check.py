@@ -27,8 +27,22 @@ in the real step, where they are reused from the warm-up step).
 
     python benchmarks/estimate_check.py            # the documented size (a few minutes)
     python benchmarks/estimate_check.py --small    # the test's size
+    python benchmarks/estimate_check.py --inner-backend inductor   # the real step's blocks via inductor
 
-Writes benchmarks/results/estimate_check.md (not with --small or --no-write).
+``--inner-backend`` sets the real step's ``--upipe.inner_backend`` (what compiles each block
+after the UPipe rewrite, and the loss): aot_eager (the default: AOTAutograd's default
+partitioner, eager kernels), aot_eager_decomp_partition (torch's backend with inductor's
+decompositions and the min-cut rematerialization partitioner, eager kernels: the
+partitioner's effect without inductor's) or inductor (min-cut partitioner, C++ codegen,
+inductor's scheduling, fusion and buffer reuse). The estimate is the same for all three: it
+runs blocks through eager twins and never reads the inner backend.
+
+Writes benchmarks/results/estimate_check.md (not with --small or --no-write); a run given
+--inner-backend (aot_eager too) writes its section of
+benchmarks/results/estimate_check_backends.md instead (the other sections and the account kept).
+Each profiled step also reports the most live bytes during each block's attention recompute,
+MLP backward and attention backward ("phase_peaks"), and the live set at the attention
+backward's peak.
 """
 
 from __future__ import annotations
@@ -50,6 +64,8 @@ import torch  # noqa: E402
 DEBUG_TOML = os.path.join(ROOT, "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
 FLAVOR = "estimate_check"
 GIB = 1024 ** 3
+DEFAULT_INNER_BACKEND = "aot_eager"  # debug_model_upipe_cpu.toml's [upipe] inner_backend
+INNER_BACKENDS = ("aot_eager", "aot_eager_decomp_partition", "inductor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,20 +113,24 @@ def register_flavor(size: Size) -> None:
                                        max_seq_len=max(size.seq_len, 2048))
 
 
-def job_config(size: Size):
+def job_config(size: Size, inner_backend: str | None = None):
+    """The job; ``inner_backend`` (None: the TOML's, aot_eager) overrides [upipe] inner_backend."""
     from upipe_compile.estimate.job import load_job_config
 
     register_flavor(size)
-    return load_job_config(DEBUG_TOML, size.overrides())
+    overrides = size.overrides() + ([f"--upipe.inner_backend={inner_backend}"] if inner_backend else [])
+    return load_job_config(DEBUG_TOML, overrides)
 
 
 # --- (a) the estimate -------------------------------------------------------------------------
 
-def estimated(size: Size) -> dict:
-    """The estimate with CPU kernels, in bytes: device peak, host, and the step-constant terms."""
+def estimated(size: Size, inner_backend: str | None = None) -> dict:
+    """The estimate with CPU kernels, in bytes: device peak, host, and the step-constant terms.
+    With inductor inside, RMSNorm and RoPE are counted as fused kernels (what inductor makes
+    of them on CPU as on a GPU), as the GPU estimate counts them."""
     from upipe_compile.estimate import estimate
 
-    result = estimate(job_config(size), cuda_kernel=None)
+    result = estimate(job_config(size), cuda_kernel=None, fused_kernels=inner_backend == "inductor")
     b = result.breakdown
     constant = (b["sharded_params"] + b["optimizer_state"] + b["model_buffers"]) * GIB
     return {"device": result.peak_device_gib * GIB, "host": result.host_gib_per_rank * GIB, "constant": constant,
@@ -145,13 +165,22 @@ def live_bytes_timeline(prof) -> list[tuple[int, int]]:
     return timeline
 
 
+INDUCTOR_GRAPH = "## Call CompiledFxGraph"  # inductor's record around a compiled graph's call (name + hash)
+
+
 def _path(event, depth: int = 4) -> str:
-    """The names of the ops around an allocation, outermost first (up to ``depth`` of them)."""
+    """The names of the ops around an allocation, outermost first (up to ``depth`` of them).
+    Inductor's record around a compiled graph's call is left out (its hash differs from run to
+    run, and it would push the op that allocated out of the path); an allocation its wrapper
+    code makes itself (``empty_strided_cpu``, no op around it) ends in "inductor buffer"."""
     names = []
     while event is not None:
         names.append(event.name)
         event = event.parent
     names = [n for n in reversed(names) if n]
+    if names and names[-1].startswith(INDUCTOR_GRAPH):
+        names.append("inductor buffer")
+    names = [n for n in names if not n.startswith(INDUCTOR_GRAPH)]
     return " > ".join(names[:depth]) + (f" > ... > {names[-1]}" if len(names) > depth else "")
 
 
@@ -199,6 +228,49 @@ def corrected_timeline(prof) -> list[tuple[int, int]]:
     return timeline
 
 
+# The ops whose spans bound a block's backward phases: (op name, in backward only) -> label.
+PHASE_OPS = {("upipe::attention_block", True): "attention recompute",
+             ("upipe::tiled_swiglu_backward", False): "mlp backward",
+             ("upipe::attention_block_backward", False): "attention backward"}
+
+
+def op_spans(prof) -> dict[str, list[tuple[int, int]]]:
+    """(start, end) ns of every call of the PHASE_OPS, by label (outermost calls only)."""
+    stack, spans = list(prof.profiler.kineto_results.experimental_event_tree()), {}
+    while stack:
+        event = stack.pop()
+        ancestors, parent = [], event.parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.parent
+        in_backward = any("CompiledFunctionBackward" in name for name in ancestors)
+        label = PHASE_OPS.get((event.name, True)) if in_backward else None
+        label = label or PHASE_OPS.get((event.name, False))
+        if label and event.name not in ancestors:
+            spans.setdefault(label, []).append((event.start_time_ns, event.end_time_ns))
+            continue
+        stack.extend(event.children)
+    return spans
+
+
+def phase_peaks(timeline: list[tuple[int, int]], spans: dict) -> dict[str, tuple[int, int]]:
+    """The most live bytes (relative to the step's start) while any call of each phase's op
+    runs, and when: label -> (bytes, time ns)."""
+    import bisect
+
+    times = [t for t, _ in timeline]
+    peaks = {}
+    for label, windows in spans.items():
+        best = (0, None)
+        for start, end in windows:
+            i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+            entering = [(timeline[i - 1][1], start)] if i else []
+            for live, t in entering + [(live, t) for t, live in timeline[i:j]]:
+                best = max(best, (live, t), key=lambda b: b[0])
+        peaks[label] = best
+    return peaks
+
+
 def by_op(allocations: dict) -> dict[str, int]:
     groups: dict[str, int] = {}
     for size, path in allocations.values():
@@ -228,7 +300,7 @@ def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
     return terms
 
 
-def measure_step(size: Size, explain: bool = False) -> dict:
+def measure_step(size: Size, explain: bool = False, inner_backend: str | None = None) -> dict:
     """On every rank of the pool: build the job as the Trainer does, one warm-up step, then one
     profiled step. Returns bytes at the step's start (by kind), the step's rise, and more."""
     import torch.distributed as dist
@@ -239,7 +311,8 @@ def measure_step(size: Size, explain: bool = False) -> dict:
     from upipe_compile.estimate.job import build_real_job
 
     torch._dynamo.reset()
-    config = job_config(size)
+    config = job_config(size, inner_backend)
+    compiled_before = _inductor_kernels()
     torch.manual_seed(0)
     job = build_real_job(config, torch.device("cpu"), dist.get_world_size())
     dims, model_args, model = job.parallel_dims, job.model_args, job.model
@@ -268,6 +341,7 @@ def measure_step(size: Size, explain: bool = False) -> dict:
     start = time.time()
     train_step(1)  # compiles; creates the optimizer state and the host buffers
     warmup_s = time.time() - start
+    compiled = {k: v - compiled_before.get(k, 0) for k, v in _inductor_kernels().items()}
     optimizers.zero_grad()  # the gradients of step 1 go, as the next step's zero_grad does
     gc.collect()
     params = list(model.parameters())
@@ -294,28 +368,46 @@ def measure_step(size: Size, explain: bool = False) -> dict:
     uncorrected = max((live for _, live in timeline), default=0)
     grads = _storages_bytes([q.grad for q in params])
     at_peak, at_end = live_allocations(prof, peak_ns), live_allocations(prof, None)
+    phases = phase_peaks(corrected, op_spans(prof))
     explained = {"at peak": by_op(at_peak), "at end": by_op(at_end)} if explain else {}
+    if explain and phases.get("attention backward", (0, None))[1] is not None:
+        explained["at the attention backward's peak"] = by_op(live_allocations(prof, phases["attention backward"][1]))
     return {"explain": explained, "terms": terms_at_peak(at_peak, at_end), "running_sum_rise": uncorrected,
             "start": start_bytes, "rise": rise, "end": corrected[-1][1] if corrected else 0, "grads": grads,
             "events": len(timeline), "loss": loss, "warmup_s": round(warmup_s, 1), "step_s": round(step_s, 1),
-            "offloaded": offloader.offloaded_bytes_last_step}
+            "offloaded": offloader.offloaded_bytes_last_step, "inner_backend": config.upipe.inner_backend,
+            "inductor_kernels": compiled, "phase_peaks": {k: v[0] for k, v in phases.items()}}
 
 
-def measured(size: Size, pool=None, explain: bool = False) -> list[dict]:
+def _inductor_kernels() -> dict[str, int]:
+    """Inductor's counts of the kernels it generated in this process (C++ on CPU), and of the
+    graphs it compiled: whether the inner backend really compiled the blocks."""
+    import torch._inductor.metrics as metrics
+    from torch._dynamo.utils import counters
+
+    return {"generated_kernel_count": metrics.generated_kernel_count,
+            "generated_cpp_vec_kernel_count": metrics.generated_cpp_vec_kernel_count,
+            "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"]}
+
+
+def measured(size: Size, pool=None, explain: bool = False, inner_backend: str | None = None) -> list[dict]:
     from upipe_compile.launch import RankPool
 
     if pool is not None:
-        return pool.run(measure_step, size, explain)
+        return pool.run(measure_step, size, explain, inner_backend)
     with RankPool(size.cp, threads=1, timeout_s=1800) as own:
-        return own.run(measure_step, size, explain)
+        return own.run(measure_step, size, explain, inner_backend)
 
 
 # --- the comparison -----------------------------------------------------------------------------
 
-def compare(size: Size, pool=None, explain: bool = False) -> tuple[dict, list[dict], list[dict]]:
-    """Both sides and, per rank, the rows of the table (GiB; the terms in MiB)."""
-    est = estimated(size)
-    ranks = measured(size, pool, explain)
+def compare(size: Size, pool=None, explain: bool = False,
+            inner_backend: str | None = None) -> tuple[dict, list[dict], list[dict]]:
+    """Both sides and, per rank, the rows of the table (GiB; the terms in MiB). ``inner_backend``
+    is the real step's (None: the TOML's); with inductor the estimate counts fused norms and RoPE."""
+    est = estimated(size, inner_backend)
+    ranks = measured(size, pool, explain, inner_backend)
     rows = []
     b = est["breakdown"]
     est_total = est["device"] + est["host"]
@@ -355,19 +447,40 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="the test's size")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results/estimate_check.md")
+    parser.add_argument("--inner-backend", choices=INNER_BACKENDS,
+                        help=f"what compiles the real step's blocks and loss ([upipe] inner_backend; without it "
+                             f"the TOML's, {DEFAULT_INNER_BACKEND}); given, the results go to "
+                             "benchmarks/results/estimate_check_backends.md (its section for this backend), "
+                             "not estimate_check.md")
+    parser.add_argument("--json", help="also write both sides (estimate, per-rank measurement) to this JSON file")
     args = parser.parse_args(argv)
     size = SMALL if args.small else FULL
     t0 = time.time()
-    est, ranks, rows = compare(size, explain=True)
+    backend = args.inner_backend or DEFAULT_INNER_BACKEND
+    est, ranks, rows = compare(size, explain=True, inner_backend=backend)
     text = table(rows)
     print(text)
     print("estimate:", {k: v for k, v in est.items() if k not in ("device", "host", "constant")})
     for rank, m in enumerate(ranks):
         print(f"rank {rank}:", {k: v for k, v in m.items() if k != "explain"})
         print(explanation(m))
+    if args.json:
+        save_json(args.json, size, backend, est, ranks, rows, time.time() - t0)
     if not (args.small or args.no_write):
-        write_results(size, est, ranks, text, time.time() - t0)
+        if args.inner_backend is None:
+            write_results(size, est, ranks, text, time.time() - t0)
+        else:
+            write_backend_section(size, backend, est, ranks, rows, time.time() - t0)
     return 0
+
+
+def save_json(path: str, size: Size, inner_backend: str, est: dict, ranks: list[dict], rows: list[dict],
+              seconds: float) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"size": dataclasses.asdict(size), "inner_backend": inner_backend, "seconds": round(seconds),
+                   "estimate": est, "ranks": ranks, "rows": rows}, f, default=str, indent=1)
 
 
 def explanation(m: dict, top: int = 20) -> str:
@@ -417,6 +530,52 @@ def write_results(size: Size, est: dict, ranks: list[dict], text: str, seconds: 
     ]
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+BACKENDS_MD = os.path.join(HERE, "results", "estimate_check_backends.md")
+BACKEND_COLUMNS = ("estimated peak (device + host)", "measured peak", "ratio", "ratio without it", "rise ratio without it")
+
+
+def backend_rows(backend: str, rows: list[dict]) -> list[dict]:
+    """The comparison's rows cut to the columns the backends' table shows, with the backend."""
+    names = {"ratio without it": "ratio without gloo's buffers", "rise ratio without it": "rise ratio without them"}
+    return [{"inner backend": backend, "rank": row["rank"],
+             **{names.get(c, c): row[c] for c in BACKEND_COLUMNS}} for row in rows]
+
+
+def write_backend_section(size: Size, backend: str, est: dict, ranks: list[dict], rows: list[dict],
+                          seconds: float) -> None:
+    """Replace (or add) this backend's section of estimate_check_backends.md, between its
+    markers; the rest of the file (other backends' sections, the account) is kept."""
+    begin, end = f"<!-- estimate_check --inner-backend {backend}: begin -->", \
+        f"<!-- estimate_check --inner-backend {backend}: end -->"
+    kernels = "; ".join(f"rank {r}: {m['inductor_kernels']}" for r, m in enumerate(ranks))
+    section = "\n".join([
+        begin,
+        f"### `--inner-backend {backend}`",
+        "",
+        f"`python benchmarks/estimate_check.py --inner-backend {backend}` (torch {torch.__version__}, "
+        f"{seconds:.0f} s in all; dim {size.dim}, {size.n_layers} layers, {size.batch} x {size.seq_len:,} tokens on "
+        f"CP = {size.cp}: {size.batch * size.seq_len // size.cp:,} tokens per rank). GiB per rank.",
+        "",
+        table(backend_rows(backend, rows)),
+        "",
+        "Measured rise / estimated rise: " + ", ".join(
+            f"rank {r}: {m['rise'] / GIB:.3f} / {row['estimated rise']:.3f}" for r, (m, row) in enumerate(zip(ranks, rows)))
+        + f". Inductor's kernels generated during the warm-up step: {kernels}.",
+        "",
+        *(f"Rank {r}:\n\n```\n{explanation(m)}\n```\n" for r, m in enumerate(ranks)),
+        end,
+    ])
+    text = open(BACKENDS_MD).read() if os.path.exists(BACKENDS_MD) else \
+        "# The estimate against a measured CPU step, by inner backend\n\n## Runs\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(BACKENDS_MD, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

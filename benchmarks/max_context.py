@@ -179,7 +179,8 @@ def table(results) -> list[dict]:
         stale = "" if r.get("code", 1) >= CODE_VERSION else " *"
         out.append({
             "model": model.name, "method": f"{method_name(model, method)} ({u})", "stack": variant,
-            "max seq_len": f"{r['max_context']:,}{stale}", "peak GiB there": f"{r['peak_device_gib']:.2f}",
+            "max seq_len": f"{r['max_context']:,}{stale}", "device ratio": f"{r.get('device_ratio', 1.0):g}",
+            "peak GiB there": f"{r['peak_device_gib']:.2f}",
             "peak in": r["peak_phase"], "host GiB per node": f"{r['host_gib_per_node']:.0f}",
             "bound": r["bound"] or "probes spent", "probes": len(r["probes"]),
             "H100 tokens/s there (model)": f"{modelled_tokens_per_s(model, u, variant, r['max_context']):,.0f}",
@@ -250,7 +251,7 @@ def host_ceiling(results) -> list[str]:
     ]
     for (model, method, u, variant), r in results:
         if r.get("bound") == "host":
-            left = r["budget_gib"] - r["peak_device_gib"]
+            left = r["budget_gib"] - r.get("expected_device_peak_gib", r["peak_device_gib"])
             block = r["host_gib_per_rank"] / model.layers  # one block's offloaded tensors
             head = (f"{model.name.split(',')[0]}, {method} ({u}), {variant}: the host stops it at "
                     f"{r['max_context']:,} tokens, where the GPU")
@@ -301,6 +302,11 @@ def write_report(results) -> str:
         "OS, the 8 trainer processes, the dataloader and CUDA/NCCL host buffers (the same reserve",
         "as `[upipe] host_memory_reserve_gib`'s default, which the job checks at start). \"bound\"",
         "says which budget the next grid step breaks: device or host.", "",
+        "\"device ratio\": what the search applied to the peak above the persistent state before",
+        "it met the budget (docs/estimate.md, \"On the device\"): 1.35, the largest ratio measured",
+        "on a GPU against the estimate, for the rows searched since it is applied; 1 for the rows",
+        "searched before, whose lengths hold only if a device agrees with the estimate (\"peak GiB",
+        "there\" is the estimate's own peak in both).", "",
         "The rows on 32 ranks (four 8-GPU nodes, CP = 32, FSDP over all 32) compare three layouts",
         "at the same CP degree: Ulysses (U = all query heads; with Llama3-8B's 32 heads that is also",
         "UPipe U = P), UPipe U = P over all 32 ranks where the heads allow it, and UPipe over A ranks",

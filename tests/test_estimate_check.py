@@ -51,3 +51,20 @@ def test_the_explained_term_is_small_and_only_that(compared):
         # the terms found at the peak add up to the measured rise
         parts = m["terms"]["sharded_grads"] + m["terms"]["fsdp_buffers"] + m["terms"]["activations_and_temps"]
         assert abs(parts - rise) <= 0.001 * rise
+
+
+def test_the_inner_backend_option_reaches_the_job_and_nothing_else():
+    # the real step's [upipe] inner_backend; without the option, the TOML's (aot_eager)
+    assert estimate_check.job_config(estimate_check.SMALL).upipe.inner_backend == estimate_check.DEFAULT_INNER_BACKEND
+    for name in estimate_check.INNER_BACKENDS:
+        config = estimate_check.job_config(estimate_check.SMALL, name)
+        assert config.upipe.inner_backend == name
+        assert config.training.seq_len == estimate_check.SMALL.seq_len
+
+
+def test_every_backend_of_the_check_passes_upipes_option_check():
+    import upipe_compile.options as options
+
+    for name in estimate_check.INNER_BACKENDS:
+        assert not options.option_problems(inner_backend=name), name
+    assert options.option_problems(inner_backend="no_such_backend")

@@ -18,7 +18,9 @@ from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.kernels import NO_WINDOW, check_variant
 from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, PREFETCH_MODES
 
-INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+# aot_eager_decomp_partition: inductor's decompositions and min-cut partitioner with eager
+# kernels, what tells the partitioner's effect from inductor's (benchmarks/estimate_check.py).
+INNER_BACKENDS = ("inductor", "aot_eager", "eager", "aot_eager_decomp_partition")
 
 # The defaults of the options that are not the stage loop's own (DEFAULT_PREFETCH is), for
 # UPipeOptions, the public functions and the torchtitan [upipe] section alike.

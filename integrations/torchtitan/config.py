@@ -61,7 +61,8 @@ class UPipe:
 
     inner_backend: str = DEFAULT_INNER_BACKEND
     """What compiles each TransformerBlock after the UPipe passes (and the loss, when
-    [compile] components has "loss"): "inductor", "aot_eager" or "eager"."""
+    [compile] components has "loss"): "inductor", "aot_eager", "eager" or
+    "aot_eager_decomp_partition"."""
 
     prefetch: str = DEFAULT_PREFETCH
     """Start the next stage's all-to-alls during this stage's attention: "forward" (no extra

@@ -21,7 +21,7 @@ from upipe_compile.measure import workspace
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
-from upipe_compile.estimate.gpu import GIB, budget_gib
+from upipe_compile.estimate.gpu import CUBLAS_WORKSPACES_GIB, DEVICE_RATIO, GIB, budget_gib, device_peak_gib
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 from upipe_compile.estimate.job import (
     JobError, build_job, build_job_03, load_job_config, private_sharding_fake_mode, world_size,
@@ -51,6 +51,11 @@ class Estimate:
     """R of a ring x all-to-all layout ([upipe] ring_degree); 1: no ring."""
     peak_device_gib: float
     """Per-rank device peak of the step (measured on fake tensors + the kernels' workspaces)."""
+    device_ratio: float
+    """What a device's peak was measured to be over ``peak_device_gib`` for the part above the
+    persistent state (gpu.DEVICE_RATIO; 1.0 for a CPU job or when told so)."""
+    expected_device_peak_gib: float
+    """``peak_device_gib`` with ``device_ratio`` applied (gpu.device_peak_gib): what must fit."""
     reserve_gib: float
     """``gpu_gib - budget_gib``: the fixed reserve + the fragmentation share of a budget-sized peak."""
     gpu_gib: float
@@ -59,7 +64,7 @@ class Estimate:
     fits: bool
     """Both bounds: ``fits_device and fits_host``."""
     fits_device: bool
-    """The device peak does not exceed ``budget_gib``."""
+    """The expected device peak does not exceed ``budget_gib``."""
     fits_host: bool
     """The offloaded activations of one node do not exceed ``host_budget_gib_per_node``."""
     host_gib_per_rank: float
@@ -93,11 +98,20 @@ class Estimate:
 
 
 def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
-             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL) -> Estimate:
+             host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL,
+             device_ratio: float | None = None, fused_kernels: bool | None = None) -> Estimate:
     """Measure one training step of ``job_config`` (a torchtitan JobConfig). Runs in a fresh
     fake default process group: call it where no process group exists. ``cuda_kernel=None``:
     the same job with CPU kernels (no GPU workspace; RMSNorm and RoPE as eager CPU torch runs
-    them), what a CPU run of the job allocates (benchmarks/estimate_check.py)."""
+    them), what a CPU run of the job allocates (benchmarks/estimate_check.py).
+    ``device_ratio``: applied to the peak above the persistent state before it meets the
+    budget; None is gpu.DEVICE_RATIO for a GPU job, 1.0 with ``cuda_kernel=None``.
+    ``fused_kernels``: RMSNorm and RoPE counted as fused kernels (what inductor makes of them on
+    any device); None: with a ``cuda_kernel`` only."""
+    if device_ratio is None:
+        device_ratio = DEVICE_RATIO if cuda_kernel else 1.0
+    if not device_ratio >= 1.0:
+        raise ValueError(f"device_ratio must be at least 1 (a device holds what the step holds), got {device_ratio!r}")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from upipe_compile.integrations.torchtitan.config import upipe_config
@@ -115,13 +129,16 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         job = (build_job_03 if python_configs() else build_job)(job_config, fake_mode)
-        memory = run_step(job, fake_mode, fused_kernels=cuda_kernel is not None)
+        fused = cuda_kernel is not None if fused_kernels is None else fused_kernels
+        memory = run_step(job, fake_mode, fused_kernels=fused, cuda_ops=cuda_kernel is not None)
     cp = job_config.parallelism.context_parallel_degree
     cfg = upipe_config(job_config)
     a2a = cfg.all_to_all_degree(cp)
     heads_per_stage = resolved_heads_per_stage(cfg.heads_per_stage_option, a2a)
     calls = dict(eager_calls)
     modelled, modelled_host = {}, {}
+    if cuda_kernel:
+        modelled["cublas_workspaces"] = CUBLAS_WORKSPACES_GIB
     if cp > 1 and _op_selective_ac(job_config):
         # The compiled path saves every layer's upipe::attention / attention_block outputs
         # (the ops are in the save list) where the step run here recomputes them.
@@ -137,16 +154,20 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB + sum(modelled_host.values())
     host_per_node = host * min(world, gpus_per_node)
-    fits_device, fits_host = peak <= budget, host_per_node <= host_gib
+    breakdown = _breakdown(memory)
+    persistent = sum(breakdown[k] for k in ("sharded_params", "sharded_grads", "optimizer_state", "model_buffers"))
+    expected = device_peak_gib(peak, persistent, device_ratio)
+    fits_device, fits_host = expected <= budget, host_per_node <= host_gib
     return Estimate(
         seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
         ring_degree=cp // a2a,
-        peak_device_gib=round(peak, 6), reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
+        peak_device_gib=round(peak, 6), device_ratio=device_ratio, expected_device_peak_gib=round(expected, 6),
+        reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
         budget_gib=round(budget, 6), fits=fits_device and fits_host, fits_device=fits_device, fits_host=fits_host,
         host_gib_per_rank=round(host, 6), host_gib_per_node=round(host_per_node, 6),
         host_budget_gib_per_node=float(host_gib),
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
-        breakdown=_breakdown(memory), block_recompute=_block_recompute(memory),
+        breakdown=breakdown, block_recompute=_block_recompute(memory),
         phase_peaks=_phase_peaks(memory), modelled=modelled, modelled_host=modelled_host,
         step_time=_step_time(job_config, shape_of(job.model, job.model_args), heads_per_stage, cp // a2a),
         attention_calls=calls, seconds=round(time.time() - start, 1),

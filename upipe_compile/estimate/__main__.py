@@ -1,5 +1,5 @@
 """python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context | --plan]
-[--gpu-gib G] [--gpus-per-node N] [--host-gib H] [--cuda-kernel K] [--json]
+[--gpu-gib G] [--gpus-per-node N] [--host-gib H] [--cuda-kernel K] [--device-ratio R] [--json]
 
 Every argument this command does not know is a torchtitan override (``--training.seq_len
 5242880``, ``--upipe.heads_per_stage 32``), parsed by torchtitan's own ConfigManager, which
@@ -15,7 +15,7 @@ import sys
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.kernels import CUDA_KERNELS, DEFAULT_CUDA_KERNEL
 from upipe_compile.estimate import H100_80GB_GIB, Estimate, JobError, estimate, load_job_config
-from upipe_compile.estimate.gpu import RESERVE_FIXED_GIB, RESERVE_FRACTION
+from upipe_compile.estimate.gpu import DEVICE_RATIO, RESERVE_FIXED_GIB, RESERVE_FRACTION
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
 
 
@@ -47,6 +47,10 @@ def parse_args(argv):
     parser.add_argument("--cuda-kernel", choices=sorted(CUDA_KERNELS), default=DEFAULT_CUDA_KERNEL,
                         help=f"the CUDA attention kernel whose backward workspace is counted (default "
                              f"{DEFAULT_CUDA_KERNEL}; the others where it is not installed)")
+    parser.add_argument("--device-ratio", type=float, default=DEVICE_RATIO,
+                        help=f"a device's peak over the estimate's, for the part above the persistent state (default "
+                             f"{DEVICE_RATIO}: measured on an H200, see docs/estimate.md; 1 takes the estimate as the "
+                             "device's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_known_args(argv)
 
@@ -61,11 +65,14 @@ def format_report(result: Estimate) -> str:
         "attention ran as: " + (", ".join(f"{kind} x{n}" for kind, n in result.attention_calls.items())
                                   or "plain SDPA (CP = 1)") + " (forward calls, recompute included)",
         f"per-rank peak device memory  {result.peak_device_gib:8.2f} GiB   (at: {result.peak_phase})",
+        f"  on the device, expected    {result.expected_device_peak_gib:8.2f} GiB   (x {result.device_ratio:g} above the "
+        "persistent state: the ratio measured on a GPU, docs/estimate.md)",
         f"  reserve                    {result.reserve_gib:8.2f} GiB   "
         f"({RESERVE_FIXED_GIB} GiB CUDA context/NCCL/workspaces + {RESERVE_FRACTION:.0%} of the budget for "
         "allocator fragmentation)",
         f"  budget on a {result.gpu_gib} GiB GPU {result.budget_gib:8.2f} GiB   -> "
-        + ("fits" if result.fits_device else f"DOES NOT FIT (over by {result.peak_device_gib - result.budget_gib:.2f} GiB)"),
+        + ("fits" if result.fits_device else
+           f"DOES NOT FIT (over by {result.expected_device_peak_gib - result.budget_gib:.2f} GiB)"),
         "at the peak, by kind:",
     ]
     b = result.breakdown
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
 
             found, result, probes, bound = max_context(
                 job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
-                progress=not args.json, cuda_kernel=args.cuda_kernel)
+                progress=not args.json, cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
             payload = {**result.as_json(), "max_context": found, "probes": probes, "bound": bound}
             stopped = (f"the {bound} bound stopped it" if bound else "the probes ran out before a longer one failed")
             text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB of GPU after its reserve and "
@@ -149,13 +156,13 @@ def main(argv=None) -> int:
             from upipe_compile.estimate.plan import plan
 
             found = plan(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
-                         cuda_kernel=args.cuda_kernel)
+                         cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
             payload = {"plan": found.settings, "overrides": found.overrides(), "seconds": found.seconds,
                        "tried": found.tried, "estimate": asdict(found.result)}
             text = format_plan(found)
         else:
             result = estimate(job_config, gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node,
-                              host_gib=args.host_gib, cuda_kernel=args.cuda_kernel)
+                              host_gib=args.host_gib, cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
             payload, text = result.as_json(), format_report(result)
     except (JobError, UnsupportedAttention) as error:
         print(f"error: {error}", file=sys.stderr)

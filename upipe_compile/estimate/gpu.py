@@ -1,4 +1,5 @@
-"""What a GPU run holds that fake CPU tensors do not: the reserve outside torch's allocator.
+"""What a GPU run holds that fake CPU tensors do not: the reserve outside torch's allocator,
+and the measured ratio between a device's peak and the estimate's while that gap is open.
 
 (The attention kernels' CUDA workspaces are allocated during the fake run itself, by
 ``upipe_compile.measure.workspace.modelled_cuda_kernel``, which the estimate switches on.)
@@ -23,3 +24,24 @@ def budget_gib(gpu_gib: float) -> float:
     """The largest estimated peak that fits a GPU of ``gpu_gib``: the peak plus its
     fragmentation share plus the fixed reserve must not exceed the GPU."""
     return (gpu_gib - RESERVE_FIXED_GIB) / (1 + RESERVE_FRACTION)
+
+
+CUBLAS_WORKSPACES_GIB = 4 * 32 / 1024
+"""cuBLAS's and cuBLASLt's workspaces, 32 MiB each on Hopper (torch's default
+``CUBLAS_WORKSPACE_CONFIG`` there), for the forward's thread and autograd's device thread (one
+handle each): taken from the caching allocator, so counted by ``max_memory_allocated``."""
+
+DEVICE_RATIO = 1.35
+"""A CUDA step's peak over the estimate's, for what the step holds beyond its persistent state
+(sharded parameters and gradients, optimizer state, model buffers: counted exactly). Measured
+on one H200 (torch 2.11, aten's flash kernel, one rank of the 8-GPU Llama3-8B job with 1 of its
+32 layers, benchmarks/results/gpu/gpu_rank_h200.md): 1.16-1.34 against the current estimate
+(cuBLAS's workspaces modelled) for UPipe, UPipe + keep_attention and Ulysses at 256K-1M
+tokens; the largest, rounded up. Until a device run of the current estimate
+(benchmarks/gpu_rank.py) says otherwise. docs/estimate.md, "On the device"."""
+
+
+def device_peak_gib(peak_gib: float, persistent_gib: float, ratio: float = DEVICE_RATIO) -> float:
+    """The device peak expected of a step whose estimated peak is ``peak_gib``, ``persistent_gib``
+    of it the persistent state that the ratio does not scale."""
+    return persistent_gib + ratio * (peak_gib - persistent_gib)

@@ -41,7 +41,7 @@ def bound_of(result) -> str:
 
 def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
                 host_gib: float = HOST_BUDGET_GIB, progress: bool = True, max_probes: int = MAX_PROBES,
-                cuda_kernel: str = DEFAULT_CUDA_KERNEL):
+                cuda_kernel: str = DEFAULT_CUDA_KERNEL, device_ratio: float | None = None):
     """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed, the bound
     that stopped it: "device", "host", "device and host", or None when the probes ran out
     before any longer probe failed)."""
@@ -49,7 +49,7 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
 
     step = grid_step(job_config)
     limits = {"device": budget_gib(gpu_gib), "host": host_gib}
-    measures = {"device": lambda r: r.peak_device_gib, "host": lambda r: r.host_gib_per_node}
+    measures = {"device": lambda r: r.expected_device_peak_gib, "host": lambda r: r.host_gib_per_node}
     first = max(step, job_config.training.seq_len // step * step)
     results: dict[int, Estimate] = {}
     bar = tqdm(total=max_probes, desc="max-context probes", unit="probe", disable=not progress)
@@ -58,7 +58,7 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         if seq_len not in results:
             bar.set_postfix_str(f"seq_len {seq_len:,}")
             results[seq_len] = _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
-                                      host_gib=host_gib, cuda_kernel=cuda_kernel)
+                                      host_gib=host_gib, cuda_kernel=cuda_kernel, device_ratio=device_ratio)
             bar.update(1)
         return results[seq_len]
 
@@ -111,5 +111,5 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
     best = max(fitting)
     longer = [s for s, r in results.items() if s > best and not r.fits]
     bound = bound_of(results[min(longer)]) if longer else None
-    probes = [(s, results[s].peak_device_gib) for s in sorted(results)]
+    probes = [(s, results[s].expected_device_peak_gib) for s in sorted(results)]
     return best, results[best], probes, bound

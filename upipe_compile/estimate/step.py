@@ -181,15 +181,18 @@ class _SavedOnDevice:
         return sum(self.storages.values())
 
 
-def run_step(job: Job, fake_mode, fused_kernels: bool = True) -> StepMemory:
+def run_step(job: Job, fake_mode, fused_kernels: bool = True, cuda_ops: bool = True) -> StepMemory:
     """One training step measured with the optimizer state already there, as in every step of
-    a real run but the first. ``fused_kernels``: RMSNorm, RoPE and the embedding's backward
-    allocate what the GPU's kernels do (plain_loops.py); off, what eager CPU torch allocates."""
+    a real run but the first. ``fused_kernels``: RMSNorm and RoPE allocate what fused kernels
+    do (a GPU's, or inductor's anywhere; plain_loops.py), else what eager CPU torch allocates;
+    ``cuda_ops``: the embedding's backward allocates what CUDA's kernel does."""
     with fake_mode:
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
-        gpu = (fused_rms_norm(), fused_rope(), cuda_embedding_backward()) if fused_kernels else (nullcontext(),) * 3
-        with gpu[0], gpu[1], gpu[2], tracker:
+        norm = fused_rms_norm() if fused_kernels else nullcontext()
+        rope = fused_rope() if fused_kernels else nullcontext()
+        embedding = cuda_embedding_backward() if cuda_ops else nullcontext()
+        with norm, rope, embedding, tracker:
             measured = _train_step(job, tracker)
     return measured
 
