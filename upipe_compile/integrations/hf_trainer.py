@@ -205,12 +205,23 @@ class UPipeTrainerMixin:
     - ``keep_attention``: with ``gradient_checkpointing=True``, the recompute in backward skips
       attention (:mod:`upipe_compile.stack.keep_attention`); the trainer works on a copy of the
       arguments with that ``context_fn``, never on the user's.
+    - the long-context stack, off by default (:mod:`upipe_compile.integrations.hf_stack`):
+      ``loss_chunk_tokens`` (output projection + loss in chunks of that many tokens),
+      ``mlp_tile_tokens`` (the gated MLP over tiles), ``offload_block_inputs`` (checkpointed
+      decoder-layer inputs to host memory, checked against ``host_memory_reserve_gib``).
     """
 
     def __init__(self, *args, upipe_options: Optional[dict[str, Any]] = None, cp_size: Optional[int] = None,
-                 ring_degree: int = 1, keep_attention: bool = False, **kwargs):
+                 ring_degree: int = 1, keep_attention: bool = False, loss_chunk_tokens: int = 0,
+                 mlp_tile_tokens: int = 0, offload_block_inputs: bool = False,
+                 host_memory_reserve_gib: Optional[float] = None, **kwargs):
+        from upipe_compile.integrations.hf_stack import StackSettings
+
         self._upipe_ring_degree = ring_degree
         self._upipe_keep_attention = keep_attention
+        reserve = {} if host_memory_reserve_gib is None else {"host_memory_reserve_gib": host_memory_reserve_gib}
+        self._upipe_stack = StackSettings(loss_chunk_tokens, mlp_tile_tokens, offload_block_inputs, **reserve)
+        self._upipe_host_checked = set()  # tokens per rank whose offload was checked against host memory
         self._upipe_options = dict(upipe_options or {})
         if "cp_mesh" in self._upipe_options:
             raise UnsupportedAttention("upipe_options['cp_mesh'] is set by the trainer from its process layout; "
@@ -315,6 +326,10 @@ class UPipeTrainerMixin:
                     "num_items_in_batch (transformers' ForCausalLMLoss): upipe's trainer supports causal LMs")
 
         model = acc.unwrap_model(self.model)
+        from upipe_compile.integrations.hf_stack import apply_stack, compile_layers
+
+        # before the compile: the swapped modules are what it traces
+        apply_stack(model, self._upipe_stack, self.args)
         if world > 1 or dist.is_initialized():
             register()
             if model.config._attn_implementation != ATTN_IMPLEMENTATION:
@@ -328,9 +343,13 @@ class UPipeTrainerMixin:
             # Dynamo's DDPOptimizer would split the compiled graph at DDP's bucket boundaries,
             # cutting attention blocks apart; DDP then all-reduces after backward, unoverlapped.
             torch._dynamo.config.optimize_ddp = False
+        options = {**self._upipe_options, "cp_mesh": mesh}
+        if self._upipe_stack.offload_block_inputs:
+            compile_layers(model, backend="upipe", options=options)  # the offload hooks stay outside
+            return
         backbone = getattr(model, "base_model", model)
         if getattr(backbone, "_compiled_call_impl", None) is None:
-            backbone.compile(backend="upipe", options={**self._upipe_options, "cp_mesh": mesh})
+            backbone.compile(backend="upipe", options=options)
 
     # ---- Trainer hooks ----------------------------------------------------------------------
     def get_cp_size(self) -> int:
@@ -427,18 +446,35 @@ class UPipeTrainerMixin:
             gathered = _map_tensors(gathered, lambda t: t[: state.remainder])
         return gathered
 
+    def _upipe_batch(self, inputs):
+        """This rank's shard of the batch, checked; also against host memory with offload."""
+        batch = upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world)
+        self._upipe_check_host(batch)
+        return batch
+
+    def _upipe_check_host(self, batch) -> None:
+        tokens = batch["input_ids"].numel() if isinstance(batch.get("input_ids"), torch.Tensor) else None
+        if self._upipe_stack.offload_block_inputs and tokens and tokens not in self._upipe_host_checked:
+            from upipe_compile.integrations.hf_stack import check_host_memory
+
+            check_host_memory(self.accelerator.unwrap_model(self.model), self._upipe_stack, tokens,
+                              self.accelerator.num_processes)
+            self._upipe_host_checked.add(tokens)
+
     def _prepare_context_parallel_inputs(self, model, inputs):
         if self._upipe_world == 1:
-            return super()._prepare_context_parallel_inputs(model, inputs)
+            context, batch = super()._prepare_context_parallel_inputs(model, inputs)
+            self._upipe_check_host(batch)
+            return context, batch
         if self.accelerator.num_processes == self._upipe_world:
             # one context-parallel group: every rank checks the same batch and raises alike
-            return contextlib.nullcontext, upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world)
+            return contextlib.nullcontext, self._upipe_batch(inputs)
         # Data-parallel replicas check different batches: a refusal on one replica is raised on
         # every process (one host all-gather), not left to hang the others in the next collective.
         from upipe_compile.attention.collectives import host_values_of_every_rank
 
         try:
-            batch, error = upipe_batch(inputs, self._upipe_mesh, world=self._upipe_world), None
+            batch, error = self._upipe_batch(inputs), None
         except UnsupportedAttention as e:
             batch, error = None, e
         refused = [rank for rank, (flag,) in enumerate(host_values_of_every_rank([error is not None],
@@ -493,6 +529,10 @@ def _sft_trainer_class():
         Sets ``SFTConfig.pad_to_multiple_of`` to a multiple of P, so that every batch divides."""
 
         def __init__(self, *args, **kwargs):
+            if kwargs.get("loss_chunk_tokens"):
+                raise UnsupportedAttention(
+                    "loss_chunk_tokens: TRL's SFTTrainer already computes its loss through its fused LM head, in "
+                    "token chunks, never the whole logits; leave loss_chunk_tokens=0 (it is for UPipeTrainer)")
             in_args = "args" not in kwargs and len(args) > 1
             cfg = args[1] if in_args else kwargs.get("args")
             self._upipe_cp_size = kwargs.get("cp_size")
