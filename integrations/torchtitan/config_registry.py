@@ -79,33 +79,38 @@ def llama3_8b_upipe() -> UPipeTrainer.Config:
 
 def llama3_8b_upipe_5m() -> UPipeTrainer.Config:
     """Llama3-8B, 5M tokens on one 8-GPU node: UPipe plus the long-context stack (block inputs
-    offloaded to host memory, SwiGLU over 16K-token tiles, 0.3's chunked loss)."""
+    offloaded to host memory, SwiGLU over 16K-token tiles, 0.3's chunked loss), and fused blocks
+    that keep no attention output for backward (``recompute_attention_output``: one more
+    attention forward per block). Expected on the device with the estimate's device ratio:
+    71.15 GiB of the 72.95 budget; without recompute_attention_output 77.9 (0.3's chunked loss
+    keeps an fp32 gradient of the hidden states that 0.2.2's path does not)."""
     from torchtitan.models.llama3.config_registry import llama3_8b
 
     return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=8, seq_len=5242880,
-                     upipe=UPipe(offload_block_inputs=True, host_memory_reserve_gib=64, mlp_tile_tokens=16384))
+                     upipe=UPipe(offload_block_inputs=True, host_memory_reserve_gib=64, mlp_tile_tokens=16384,
+                                 recompute_attention_output=True))
 
 
 def llama3_8b_upipe_4_nodes() -> UPipeTrainer.Config:
-    """Llama3-8B, 22M tokens on four 8-GPU nodes (P = 32): the all-to-all within each node,
-    ring attention across the four (upipe.ring_degree = 4), with the long-context stack. (The
-    estimate's largest fit is 23,822,336; the 0.2.2 TOML's 24M does not fit here: 0.3's
-    chunked loss keeps an fp32 gradient of the hidden states.)"""
+    """Llama3-8B, 16.5M tokens on four 8-GPU nodes (P = 32): the all-to-all within each node,
+    ring attention across the four (upipe.ring_degree = 4), with the long-context stack.
+    Expected on the device with the estimate's device ratio: 72.32 GiB of the 72.95 budget
+    (the 0.2.2 TOML fits 17.5M: 0.3's chunked loss keeps an fp32 gradient of the hidden states)."""
     from torchtitan.models.llama3.config_registry import llama3_8b
 
-    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=32, seq_len=23068672,
+    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=32, seq_len=17301504,
                      upipe=UPipe(ring_degree=4, offload_block_inputs=True, host_memory_reserve_gib=64,
                                  mlp_tile_tokens=16384))
 
 
 def qwen3_32b_upipe() -> UPipeTrainer.Config:
-    """Qwen3-32B (64 query heads, QK-norm), 4M tokens on two 8-GPU nodes (P = 16), with the
-    long-context stack."""
+    """Qwen3-32B (64 query heads, QK-norm), 2.75M tokens on two 8-GPU nodes (P = 16), with the
+    long-context stack; sized to fit with the estimate's device ratio applied."""
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.config_registry import qwen3_32b
 
     return upipe_job(qwen3_32b(), model_spec=model_registry("32B", attn_backend="varlen"),
-                     context_parallel_degree=16, seq_len=4194304,
+                     context_parallel_degree=16, seq_len=2883584,
                      upipe=UPipe(offload_block_inputs=True, host_memory_reserve_gib=64, mlp_tile_tokens=16384))
 
 

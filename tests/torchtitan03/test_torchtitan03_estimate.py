@@ -32,7 +32,8 @@ def estimate(config: str, *overrides: str) -> dict:
 def test_shipped_config_fits_by_the_estimate(config):
     result = estimate(config)
     assert result["fits"] and result["fits_device"] and result["fits_host"], result
-    assert 0 < result["peak_device_gib"] <= result["budget_gib"] < 79.1, result
+    assert result["device_ratio"] > 1  # the ratio a GPU measured, not the estimate alone
+    assert 0 < result["peak_device_gib"] < result["expected_device_peak_gib"] <= result["budget_gib"] < 79.1, result
     assert result["host_gib_per_node"] <= result["host_budget_gib_per_node"] == HOST_BUDGET_GIB, result
     assert result["attention_calls"].get("fused block", 0) > 0, result
 
