@@ -6,6 +6,7 @@ process group of the job's world size, runs a real training step under a memory 
 (``upipe_compile.measure.workspace.modelled_cuda_kernel``), and reports the per-rank device peak with a
 breakdown, the host memory of offloaded activations, and whether the step fits both a GPU
 after a stated reserve (gpu.py) and the node's host memory after a stated reserve (host.py).
+A transformers model trained by UPipeTrainer is built by hf.py and reported by result_of.
 See docs/estimate.md.
 """
 
@@ -150,6 +151,22 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
             modelled_host["kept_attention_outputs"] = kept
         else:
             modelled["sac_saved_attention_outputs"] = kept
+    return result_of(
+        memory, seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world=world, cp=cp,
+        heads_per_stage=heads_per_stage, ring_degree=cp // a2a, modelled=modelled, modelled_host=modelled_host,
+        gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib, device_ratio=device_ratio,
+        step_time=step_time_report(shape_of(job.model, job.model_args),
+                                   step_setup(job_config, heads_per_stage, cp // a2a)),
+        attention_calls=calls, start=start,
+    )
+
+
+def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, world: int, cp: int,
+              heads_per_stage: int, ring_degree: int, modelled: dict, modelled_host: dict, gpu_gib: float,
+              gpus_per_node: int, host_gib: float, device_ratio: float, step_time: dict,
+              attention_calls: dict, start: float) -> Estimate:
+    """The report of a measured step, whatever built the job (torchtitan here, transformers in
+    hf.py): the modelled terms added, the device ratio and both budgets applied."""
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     budget = budget_gib(gpu_gib)
     host = memory.host_peak / GIB + sum(modelled_host.values())
@@ -159,8 +176,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     expected = device_peak_gib(peak, persistent, device_ratio)
     fits_device, fits_host = expected <= budget, host_per_node <= host_gib
     return Estimate(
-        seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
-        ring_degree=cp // a2a,
+        seq_len=seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
+        ring_degree=ring_degree,
         peak_device_gib=round(peak, 6), device_ratio=device_ratio, expected_device_peak_gib=round(expected, 6),
         reserve_gib=round(gpu_gib - budget, 6), gpu_gib=gpu_gib,
         budget_gib=round(budget, 6), fits=fits_device and fits_host, fits_device=fits_device, fits_host=fits_host,
@@ -169,8 +186,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         peak_phase=" ".join(str(p) for p in memory.peak_phase or ()),
         breakdown=breakdown, block_recompute=_block_recompute(memory),
         phase_peaks=_phase_peaks(memory), modelled=modelled, modelled_host=modelled_host,
-        step_time=_step_time(job_config, shape_of(job.model, job.model_args), heads_per_stage, cp // a2a),
-        attention_calls=calls, seconds=round(time.time() - start, 1),
+        step_time=step_time, attention_calls=attention_calls, seconds=round(time.time() - start, 1),
     )
 
 
@@ -210,8 +226,8 @@ def _full_ac(job_config) -> bool:
     return ac.mode == "full"
 
 
-def _step_time(job_config, shape: ModelShape, heads_per_stage: int, ring_degree: int) -> dict:
-    setup = step_setup(job_config, heads_per_stage, ring_degree)
+def step_time_report(shape: ModelShape, setup: Setup) -> dict:
+    """The step-time model's view of the job and, at the same context, of the other methods."""
     this = step_time(shape, setup)
     seconds = {
         "ulysses": step_time(shape, ulysses(replace(setup, keep_attention=False), shape)).total,

@@ -1,6 +1,9 @@
 """python -m upipe_compile.estimate --config JOB.toml [torchtitan overrides] [--max-context | --plan]
 [--gpu-gib G] [--gpus-per-node N] [--host-gib H] [--cuda-kernel K] [--device-ratio R] [--json]
 
+python -m upipe_compile.estimate --hf CONFIG --seq-len N --cp P [--nodes K] [stack flags] [--max-context]
+[...the same budget flags] [--json]: a transformers causal LM as UPipeTrainer trains it (hf.py).
+
 Every argument this command does not know is a torchtitan override (``--training.seq_len
 5242880``, ``--upipe.heads_per_stage 32``), parsed by torchtitan's own ConfigManager, which
 names any key it does not know. See docs/estimate.md.
@@ -26,8 +29,22 @@ def parse_args(argv):
                     "job, estimated on fake tensors. Unknown arguments are torchtitan overrides "
                     "(--section.key value).",
     )
-    parser.add_argument("--config", required=True,
+    parser.add_argument("--config",
                         help="the job TOML (torchtitan 0.2.2), or with --module the config function (0.3)")
+    hf = parser.add_argument_group("transformers models (--hf; instead of --config)")
+    hf.add_argument("--hf", metavar="CONFIG",
+                    help="a config.json, a model folder, or a shipped config's name: the job is UPipeTrainer's")
+    hf.add_argument("--seq-len", type=int, help="tokens of the one row a step trains on")
+    hf.add_argument("--cp", type=int, help="P, the context-parallel ranks sharing the row")
+    hf.add_argument("--nodes", type=int, default=1,
+                    help="K data-parallel groups of P ranks (FSDP over all P x K); default 1")
+    hf.add_argument("--heads-per-stage", type=int, help="U, a multiple of P (default P)")
+    hf.add_argument("--loss-chunk-tokens", type=int, default=0, help="the chunked loss (0: the model's own loss)")
+    hf.add_argument("--mlp-tile-tokens", type=int, default=0, help="the tiled MLP (0: off)")
+    hf.add_argument("--offload-block-inputs", action="store_true", help="checkpointed layer inputs to host memory")
+    hf.add_argument("--keep-attention", action="store_true", help="the recompute skips attention")
+    hf.add_argument("--no-gradient-checkpointing", action="store_true",
+                    help="TrainingArguments(gradient_checkpointing=False) (default: on, non-reentrant)")
     parser.add_argument("--module", help="torchtitan 0.3: the module holding the config function (its "
                                          "config_registry), e.g. upipe_compile.integrations.torchtitan")
     search = parser.add_mutually_exclusive_group()
@@ -55,8 +72,9 @@ def parse_args(argv):
     return parser.parse_known_args(argv)
 
 
-def format_report(result: Estimate) -> str:
-    lines = [
+def format_report(result: Estimate, hf_job=None) -> str:
+    lines = [] if hf_job is None else [hf_job.describe()]
+    lines += [
         f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}"
         + ("" if result.ring_degree == 1 else
            f" = ring {result.ring_degree} x all-to-all {result.cp // result.ring_degree}")
@@ -132,6 +150,8 @@ def format_plan(found) -> str:
 
 def main(argv=None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.hf is not None or args.config is None:
+        return main_hf(args, overrides)
     if args.module:
         from upipe_compile.estimate.job import load_config_03
 
@@ -168,6 +188,49 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(payload) if args.json else text)
+    return 0
+
+
+def main_hf(args, unknown) -> int:
+    """--hf: the estimate of a transformers model trained by UPipeTrainer (hf.py)."""
+    from upipe_compile.estimate.hf import HFJob, estimate_hf, max_context_hf
+
+    problems = []
+    if args.config is not None or args.module is not None:
+        problems.append("--hf and --config/--module are two kinds of job: give one")
+    if args.hf is None:
+        problems.append("give --config JOB (torchtitan) or --hf CONFIG (transformers)")
+    if args.plan:
+        problems.append("--plan is for torchtitan jobs (--config)")
+    if unknown:
+        problems.append(f"unknown arguments {unknown} (torchtitan overrides go with --config)")
+    for flag in ("seq_len", "cp"):
+        if args.hf is not None and getattr(args, flag) is None:
+            problems.append(f"--hf needs --{flag.replace('_', '-')}")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    job = HFJob(args.hf, seq_len=args.seq_len, cp=args.cp, nodes=args.nodes, heads_per_stage=args.heads_per_stage,
+                loss_chunk_tokens=args.loss_chunk_tokens, mlp_tile_tokens=args.mlp_tile_tokens,
+                offload_block_inputs=args.offload_block_inputs, keep_attention=args.keep_attention,
+                gradient_checkpointing=not args.no_gradient_checkpointing)
+    budgets = dict(gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
+                   cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
+    try:
+        if args.max_context:
+            found, result, probes, bound = max_context_hf(job, progress=not args.json, **budgets)
+            payload = {**result.as_json(), "max_context": found, "probes": probes, "bound": bound}
+            stopped = (f"the {bound} bound stopped it" if bound else "the probes ran out before a longer one failed")
+            text = (f"max context: {found:,} tokens fit {args.gpu_gib} GiB of GPU after its reserve and "
+                    f"{args.host_gib} GiB of host memory per node; {stopped} ({len(probes)} probes)\n"
+                    + format_report(result, job))
+        else:
+            result = estimate_hf(job, **budgets)
+            payload, text = result.as_json(), format_report(result, job)
+    except (JobError, UnsupportedAttention) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({**payload, "hf": job.as_json()}) if args.json else text)
     return 0
 
 

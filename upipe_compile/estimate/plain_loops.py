@@ -32,6 +32,7 @@ loop functions instead, saving for backward exactly what the ops' ``setup_contex
 from __future__ import annotations
 
 from contextlib import contextmanager
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +107,8 @@ def fused_rms_norm():
             return original(input, normalized_shape, weight, eps)
         return FusedRMSNormFunction.apply(input, len(normalized_shape), weight)
 
-    F.rms_norm = rms_norm
-    try:
+    with mock.patch.object(F, "rms_norm", rms_norm):
         yield
-    finally:
-        F.rms_norm = original
 
 
 class FusedRoPEFunction(torch.autograd.Function):
@@ -143,11 +141,8 @@ def fused_rope():
             return original(xq, xk, freqs_cis, positions)
         return FusedRoPEFunction.apply(xq, xk)
 
-    llama3.apply_rotary_emb = apply_rotary_emb
-    try:
+    with mock.patch.object(llama3, "apply_rotary_emb", apply_rotary_emb):
         yield
-    finally:
-        llama3.apply_rotary_emb = original
 
 
 EMBEDDING_ROWS_PER_THREAD = 10
@@ -193,8 +188,5 @@ def cuda_embedding_backward():
             return original(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
         return CudaEmbeddingFunction.apply(weight, input)
 
-    F.embedding = embedding
-    try:
+    with mock.patch.object(F, "embedding", embedding):
         yield
-    finally:
-        F.embedding = original

@@ -45,20 +45,31 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
     """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed, the bound
     that stopped it: "device", "host", "device and host", or None when the probes ran out
     before any longer probe failed)."""
+    def probe(seq_len: int) -> Estimate:
+        return _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib,
+                      cuda_kernel=cuda_kernel, device_ratio=device_ratio)
+
+    return search(probe, job_config.training.seq_len, grid_step(job_config), gpu_gib=gpu_gib, host_gib=host_gib,
+                  progress=progress, max_probes=max_probes, name="[training] seq_len")
+
+
+def search(estimate_at, seq_len: int, step: int, *, gpu_gib: float, host_gib: float, progress: bool = True,
+           max_probes: int = MAX_PROBES, name: str = "seq_len"):
+    """:func:`max_context` over any job: ``estimate_at(seq_len)`` is its Estimate at a length,
+    ``seq_len`` the first probe (rounded to the grid of ``step``), ``name`` what messages call
+    the length."""
     from tqdm import tqdm
 
-    step = grid_step(job_config)
     limits = {"device": budget_gib(gpu_gib), "host": host_gib}
     measures = {"device": lambda r: r.expected_device_peak_gib, "host": lambda r: r.host_gib_per_node}
-    first = max(step, job_config.training.seq_len // step * step)
+    first = max(step, seq_len // step * step)
     results: dict[int, Estimate] = {}
     bar = tqdm(total=max_probes, desc="max-context probes", unit="probe", disable=not progress)
 
     def probe(seq_len: int) -> Estimate:
         if seq_len not in results:
             bar.set_postfix_str(f"seq_len {seq_len:,}")
-            results[seq_len] = _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
-                                      host_gib=host_gib, cuda_kernel=cuda_kernel, device_ratio=device_ratio)
+            results[seq_len] = estimate_at(seq_len)
             bar.update(1)
         return results[seq_len]
 
@@ -71,7 +82,7 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         slope = (measure(results[b]) - measure(results[a])) / (b - a)
         if slope <= 0:
             if kind == "device":
-                raise JobError("memory does not grow with [training] seq_len; cannot search a maximum")
+                raise JobError(f"memory does not grow with {name}; cannot search a maximum")
             return math.inf
         return a + (limit - measure(results[a])) / slope
 
@@ -89,7 +100,7 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
             if lo is not None and hi is not None and hi - lo <= step:
                 break
             if lo is None and min(results) == step:
-                raise JobError(f"even [training] seq_len = {step} (1024 x CP) does not fit {describe()} "
+                raise JobError(f"even {name} = {step} (1024 x CP) does not fit {describe()} "
                                f"(breaks the {bound_of(results[step])} budget)")
             line = min(crossing("device"), crossing("host"))
             guess = max(step, int(line // step * step)) if math.isfinite(line) else step
@@ -106,7 +117,7 @@ def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         bar.close()
     fitting = [s for s, r in results.items() if r.fits]
     if not fitting:
-        raise JobError(f"no probed [training] seq_len fits {describe()} (smallest probed: {min(results):,}, "
+        raise JobError(f"no probed {name} fits {describe()} (smallest probed: {min(results):,}, "
                        f"which breaks the {bound_of(results[min(results)])} budget)")
     best = max(fitting)
     longer = [s for s, r in results.items() if s > best and not r.fits]

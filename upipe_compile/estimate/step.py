@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +31,10 @@ def _part(parents: set[str]) -> str:
     """Which part of a block is running, from the names of the modules being run."""
     if any(".inner_attention" in name for name in parents):
         return "stage loop"
-    if any(".attention" in name for name in parents):
+    # torchtitan's names, then transformers' (self_attn, mlp)
+    if any(".attention" in name or ".self_attn" in name for name in parents):
         return "attention"
-    if any(".feed_forward" in name or ".moe" in name for name in parents):
+    if any(".feed_forward" in name or ".moe" in name or ".mlp" in name for name in parents):
         return "mlp"
     return "rest"
 
@@ -48,7 +49,9 @@ class PhaseStats:
 class PhaseTracker(FSDPMemTracker):
     """FSDPMemTracker that also keeps the device peak of each phase of the step."""
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, checkpointed=None):
+        """``checkpointed``: the modules activation checkpointing reruns in backward (default:
+        the CheckpointWrapper-wrapped ones, torchtitan's)."""
         super().__init__(model, optimizer)
         self.outside_model = "setup"
         """What runs when no model module does: set by the step (loss, clip, ...)."""
@@ -56,7 +59,9 @@ class PhaseTracker(FSDPMemTracker):
         self.peak_phase: tuple | None = None
         self._recomputing = False
         self._recompute_hooks = []
-        self._checkpointed = [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
+        if checkpointed is None:
+            checkpointed = [m._checkpoint_wrapped_module for m in model.modules() if isinstance(m, CheckpointWrapper)]
+        self._checkpointed = list(checkpointed)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -153,7 +158,7 @@ class StepMemory:
     after_forward: int
 
 
-class _SavedOnDevice:
+class SavedOnDevice:
     """Saved-tensor hooks around the model's forward: the device bytes autograd keeps for
     backward from inside the blocks (under activation checkpointing: the block inputs left on
     device). Parameters and buffers are not counted; packed copies on the host are not either."""
@@ -189,12 +194,20 @@ def run_step(job: Job, fake_mode, fused_kernels: bool = True, cuda_ops: bool = T
     with fake_mode:
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
-        norm = fused_rms_norm() if fused_kernels else nullcontext()
-        rope = fused_rope() if fused_kernels else nullcontext()
-        embedding = cuda_embedding_backward() if cuda_ops else nullcontext()
-        with norm, rope, embedding, tracker:
-            measured = _train_step(job, tracker)
-    return measured
+        with kernel_models(fused_kernels, cuda_ops), tracker:
+            return _train_step(job, tracker)
+
+
+def kernel_models(fused_kernels: bool, cuda_ops: bool) -> ExitStack:
+    """The GPU kernels' allocations in place of eager CPU torch's (plain_loops.py): RMSNorm and
+    torchtitan's RoPE as fused kernels, the embedding's backward as CUDA's."""
+    stack = ExitStack()
+    if fused_kernels:
+        stack.enter_context(fused_rms_norm())
+        stack.enter_context(fused_rope())
+    if cuda_ops:
+        stack.enter_context(cuda_embedding_backward())
+    return stack
 
 
 def _clip_and_step(job: Job, label) -> None:
@@ -207,7 +220,7 @@ def _clip_and_step(job: Job, label) -> None:
     job.optimizers.step()
 
 
-def _measured(tracker: PhaseTracker, saved: _SavedOnDevice, logits: int, after_forward: int) -> StepMemory:
+def measured(tracker: PhaseTracker, saved: SavedOnDevice, logits: int, after_forward: int) -> StepMemory:
     return StepMemory(
         peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
         host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
@@ -251,7 +264,7 @@ def _train_step(job: Job, tracker: PhaseTracker):
             inputs, labels, extra_kwargs, dims.get_mesh("cp"), DEVICE,
             config.parallelism.context_parallel_load_balancer,
         )
-    saved = _SavedOnDevice(tracker, job.model)
+    saved = SavedOnDevice(tracker, job.model)
     loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
     # AMP only where FSDP does not already cast (DDP / one device), as the Trainer decides.
     amp = dist_utils.maybe_enable_amp(dims, config.training.mixed_precision_param, DEVICE.type)
@@ -267,7 +280,7 @@ def _train_step(job: Job, tracker: PhaseTracker):
         del pred
         loss.backward()
     _clip_and_step(job, label)
-    return _measured(tracker, saved, logits, after_forward)
+    return measured(tracker, saved, logits, after_forward)
 
 
 def _train_step_03(job: Job, tracker: PhaseTracker):
@@ -296,7 +309,7 @@ def _train_step_03(job: Job, tracker: PhaseTracker):
     inputs, local_labels = inputs.clone(), local_labels.clone()
     extra["positions"] = extra["positions"].clone()
     global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
-    saved = _SavedOnDevice(tracker, job.model)
+    saved = SavedOnDevice(tracker, job.model)
     label("forward")
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         pred = job.model(inputs, **extra)
@@ -308,4 +321,4 @@ def _train_step_03(job: Job, tracker: PhaseTracker):
     loss.backward()
     _clip_and_step(job, label)
     del on_device
-    return _measured(tracker, saved, logits, after_forward)
+    return measured(tracker, saved, logits, after_forward)

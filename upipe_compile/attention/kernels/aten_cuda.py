@@ -7,10 +7,9 @@ import functools
 import torch
 
 from upipe_compile.attention.device_constants import made_once
-from upipe_compile.attention.kernels.contract import NO_WINDOW
+from upipe_compile.attention.kernels.contract import NO_WINDOW, refuse_unrunnable_variant
 from upipe_compile.attention.kernels.flash_family import flash_backward_workspace, flash_input_problems
 from upipe_compile.attention.kernels.varlen import VarlenKernels
-from upipe_compile.errors import UnsupportedAttention
 
 _aten = torch.ops.aten
 
@@ -74,9 +73,7 @@ class AtenCudaKernels(VarlenKernels):
         return problems
 
     def _check(self, window, softcap: float, alibi_slopes=None) -> None:
-        problems = self.variant_problems(window, softcap, alibi_slopes is not None)
-        if problems:
-            raise UnsupportedAttention("; ".join(problems))
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
 
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes=None):

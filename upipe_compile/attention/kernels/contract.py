@@ -111,3 +111,11 @@ def effective(is_causal: bool, window: tuple[int, int], q_len: int, k_len: int) 
     if is_causal:
         right = -1 if left == -1 else 0
     return is_causal, (left, right)
+
+
+def refuse_unrunnable_variant(kernel: AttentionKernel, window, softcap: float, alibi_slopes=None) -> None:
+    """Raise :class:`UnsupportedAttention` with ``kernel``'s reasons where it cannot run this
+    (checked) window / softcap / ALiBi: what each kernel's forward and backward call first."""
+    problems = kernel.variant_problems(window, softcap, alibi_slopes is not None)
+    if problems:
+        raise UnsupportedAttention("; ".join(problems))

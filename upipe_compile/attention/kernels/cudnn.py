@@ -40,10 +40,9 @@ import torch
 
 from upipe_compile.attention.device_constants import made_once
 from upipe_compile.attention.kernels import hopper_family
-from upipe_compile.attention.kernels.contract import NO_WINDOW
+from upipe_compile.attention.kernels.contract import NO_WINDOW, refuse_unrunnable_variant
 from upipe_compile.attention.kernels.per_document import PerDocumentKernels
 from upipe_compile.attention.varlen_groups import round_up
-from upipe_compile.errors import UnsupportedAttention
 
 _aten = torch.ops.aten
 
@@ -120,10 +119,8 @@ class CudnnKernels(PerDocumentKernels):
             workspace["dv_accum"] = ((batch, kv_heads, seq, head_dim), fp32)
         return workspace
 
-    def _check(self, window, softcap: float, alibi_slopes) -> None:
-        problems = self.variant_problems(window, softcap, alibi_slopes is not None)
-        if problems:
-            raise UnsupportedAttention("; ".join(problems))
+    def _check(self, window, softcap: float, alibi_slopes=None) -> None:
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
 
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes=None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from upipe_compile.attention.kernels.contract import NO_WINDOW
+from upipe_compile.attention.kernels.contract import NO_WINDOW, refuse_unrunnable_variant
 from upipe_compile.attention.kernels.flash_attn import _parameters
 from upipe_compile.attention.kernels.varlen import VarlenKernels
 from upipe_compile.attention.varlen_groups import ceil_div, round_up
@@ -76,10 +76,8 @@ class HopperFlashKernels(VarlenKernels):
                             f"pad the model's head_dim (e.g. to {min(max(round_up(head_dim, 8), 8), 256)})")
         return problems
 
-    def _check(self, window, softcap: float, alibi_slopes) -> None:
-        problems = self.variant_problems(window, softcap, alibi_slopes is not None)
-        if problems:
-            raise UnsupportedAttention("; ".join(problems))
+    def _check(self, window, softcap: float, alibi_slopes=None) -> None:
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
 
     # --- calls ------------------------------------------------------------------------------
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,

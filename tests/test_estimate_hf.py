@@ -1,0 +1,162 @@
+"""The whole-step estimate of a transformers model trained by UPipeTrainer
+(``python -m upipe_compile.estimate --hf``, upipe_compile/estimate/hf.py), on tiny Llama and
+Qwen3 configs: it runs, its persistent terms are hand arithmetic, the chunked loss removes the
+logits, offload moves the block inputs to the host, and bad input is refused before the step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from upipe_compile.errors import UnsupportedAttention  # noqa: E402
+from upipe_compile.estimate import JobError  # noqa: E402
+from upipe_compile.estimate.gpu import GIB  # noqa: E402
+from upipe_compile.estimate.hf import HFJob, build_model, estimate_hf, load_config, shipped_configs  # noqa: E402
+
+HIDDEN, LAYERS, VOCAB, SEQ, CP = 256, 2, 2048, 8192, 2
+LOCAL = SEQ // CP
+TINY = {
+    "llama": {"model_type": "llama", "rms_norm_eps": 1e-5},
+    "qwen3": {"model_type": "qwen3", "head_dim": 32, "rms_norm_eps": 1e-6},
+}
+MOE = {"model_type": "qwen3_moe", "head_dim": 32, "moe_intermediate_size": 128, "num_experts": 4,
+       "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _write(tmp_path, name: str, extra: dict, **overrides) -> str:
+    config = {"hidden_size": HIDDEN, "intermediate_size": 512, "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 1 << 20,
+              "tie_word_embeddings": False, "hidden_act": "silu", **extra, **overrides}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return lambda family, **overrides: _write(tmp_path, family, TINY[family], **overrides)
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / GIB
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_tiny_model_runs_and_its_persistent_terms_are_hand_arithmetic(tiny, family):
+    path = tiny(family)
+    result = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP))
+    # rank 0's FSDP2 shard of every parameter (dim 0 padded to a multiple of the ranks), fp32
+    params = list(build_model(load_config(path)).parameters())
+    shard = sum(math.ceil(p.shape[0] / CP) * p[0].numel() * 4 for p in params)
+    assert result.breakdown["sharded_params"] == pytest.approx(_gib(shard), abs=2e-6)
+    # AdamW: two fp32 moments per element, and a 4-byte step per parameter (the fused optimizer's)
+    assert result.breakdown["optimizer_state"] == pytest.approx(_gib(2 * shard + 4 * len(params)), abs=2e-6)
+    assert result.attention_calls == {"fused block": 2 * LAYERS}  # forward and AC's recompute, real loops
+    assert result.world_size == CP and result.heads_per_stage == CP
+    # full AC on every layer: only each layer's bf16 input stays on the device after forward
+    assert result.breakdown["checkpointed_inputs_on_device"] == pytest.approx(_gib(LAYERS * LOCAL * HIDDEN * 2),
+                                                                           abs=2e-6)
+    assert result.fits and result.budget_gib == pytest.approx(72.95, abs=0.01)
+    assert result.peak_device_gib == pytest.approx(sum(
+        result.breakdown[k] for k in ("sharded_params", "sharded_grads", "optimizer_state", "fsdp_buffers",
+                                      "model_buffers", "inputs", "activations_and_temps"))
+        + sum(result.modelled.values()), abs=1e-5)
+
+
+def test_chunked_loss_drops_the_logits(tiny):
+    """A vocabulary large enough that the logits set the peak: without chunks the loss holds the
+    local tokens' logits in bf16 and fp32 and their fp32 gradient (10 B a logit at least);
+    chunked, none of it, so the peak falls by about that, less a chunk's share."""
+    vocab, chunk = 16384, 512
+    path = tiny("llama", vocab_size=vocab)
+    whole = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP))
+    chunked = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP, loss_chunk_tokens=chunk))
+    logits = LOCAL * vocab
+    assert whole.peak_phase.startswith("loss") and whole.breakdown["loss"] >= _gib(10 * logits)
+    assert chunked.breakdown["loss"] <= _gib(16 * chunk * vocab) + _gib(4 * LOCAL * HIDDEN)
+    drop = whole.peak_device_gib - chunked.peak_device_gib
+    assert _gib(10 * logits) * 0.85 <= drop <= _gib(12 * logits), (drop, whole.breakdown, chunked.breakdown)
+
+
+def test_offload_moves_the_block_inputs_to_host(tiny):
+    path = tiny("qwen3")
+    on_device = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP))
+    offloaded = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP, offload_block_inputs=True, mlp_tile_tokens=1024),
+                            gpus_per_node=8)
+    inputs = _gib(LAYERS * LOCAL * HIDDEN * 2)  # one bf16 input per layer
+    assert on_device.host_gib_per_rank == 0
+    assert offloaded.breakdown["checkpointed_inputs_on_device"] == 0
+    assert offloaded.host_gib_per_rank == pytest.approx(inputs, abs=2e-6)
+    assert offloaded.host_gib_per_node == pytest.approx(CP * inputs, abs=1e-5)  # both ranks on one node
+
+
+def test_cli_json(tiny, capsys):
+    from upipe_compile.estimate.__main__ import main
+
+    path = tiny("llama")
+    assert main(["--hf", path, "--seq-len", str(SEQ), "--cp", str(CP), "--keep-attention",
+                 "--offload-block-inputs", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["hf"]["keep_attention"] and payload["hf"]["world_size"] == CP and payload["fits"]
+    # UPipeTrainer's offloader takes the block inputs only: the kept attention outputs (each
+    # layer's output [S/P, Hq, D] and the fused block's [S/P, dim] in bf16, the stage LSEs in
+    # fp32, U = P: Hq / P stages of one head a rank) stay on the device
+    stages = 8 // CP
+    kept = LAYERS * (LOCAL * 8 * 32 * 2 + LOCAL * HIDDEN * 2 + stages * SEQ * 4)
+    assert payload["modelled"]["kept_attention_outputs"] == pytest.approx(_gib(kept), abs=2e-6)
+    assert "kept_attention_outputs" not in payload["modelled_host"]
+
+
+def test_shipped_configs_load():
+    assert {"llama-3.1-8b", "qwen3-8b"} <= set(shipped_configs())
+    llama, qwen = load_config("llama-3.1-8b"), load_config("Qwen3-8B")
+    assert (llama.model_type, llama.num_hidden_layers, llama.vocab_size) == ("llama", 32, 128256)
+    assert (qwen.model_type, qwen.num_hidden_layers, qwen.vocab_size) == ("qwen3", 36, 151936)
+
+
+@pytest.mark.parametrize("job, error, words", [
+    (HFJob("llama-9b", seq_len=SEQ, cp=CP), JobError, "shipped: llama-3.1-8b"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ + 1, cp=CP), JobError, "not divisible by --cp 2"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ, cp=CP, heads_per_stage=3), JobError, "multiple of --cp"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ, cp=CP, offload_block_inputs=True, gradient_checkpointing=False), JobError,
+     "needs gradient checkpointing"),
+])
+def test_bad_jobs_are_refused(job, error, words):
+    with pytest.raises(error, match=words):
+        estimate_hf(job)
+
+
+def test_moe_with_tiled_mlp_is_refused(tmp_path):
+    path = _write(tmp_path, "moe", MOE)
+    with pytest.raises(UnsupportedAttention, match="mixture-of-experts"):
+        estimate_hf(HFJob(path, seq_len=SEQ, cp=CP, mlp_tile_tokens=1024))
+
+
+def test_cli_refusals(capsys):
+    from upipe_compile.estimate.__main__ import main
+
+    assert main(["--hf", "no-such-model", "--seq-len", "1024", "--cp", "2"]) == 2
+    assert "shipped:" in capsys.readouterr().err
+    assert main(["--hf", "qwen3-8b", "--cp", "2"]) == 2
+    assert "--hf needs --seq-len" in capsys.readouterr().err
+    assert main(["--hf", "qwen3-8b", "--seq-len", "1024", "--cp", "2", "--training.seq_len", "4"]) == 2
+    assert "unknown arguments" in capsys.readouterr().err
+
+
+def test_cli_max_context(tiny, capsys):
+    """The torchtitan estimate's search over --seq-len: on a GPU small enough that the tiny job
+    stops within a few probes, the answer fits and the next grid step does not."""
+    from upipe_compile.estimate.__main__ import main
+
+    assert main(["--hf", tiny("llama"), "--seq-len", str(SEQ), "--cp", str(CP), "--max-context", "--gpu-gib", "3.2",
+                 "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    probes = dict(payload["probes"])
+    found = payload["max_context"]
+    assert payload["bound"] == "device" and found % (1024 * CP) == 0 and payload["fits"]
+    assert probes[found + 1024 * CP] > payload["budget_gib"] >= probes[found]

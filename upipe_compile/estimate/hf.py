@@ -1,0 +1,423 @@
+"""The whole-step memory estimate of a transformers causal LM trained as ``UPipeTrainer`` trains
+it: ``python -m upipe_compile.estimate --hf CONFIG --seq-len N --cp P``.
+
+The job, built as the Trainer path builds it, on fake CPU tensors over a fake process group of
+P x K ranks (K data-parallel groups of P context-parallel ranks):
+
+- the model from its config on the meta device, ``attn_implementation="upipe"`` (register());
+- the stack pieces asked for (:func:`upipe_compile.integrations.hf_stack.apply_stack`, its own
+  checks and refusals), the offloader's host copies on "meta" (the tracker's host);
+- gradient checkpointing as ``TrainingArguments(gradient_checkpointing=True)`` sets it
+  (non-reentrant, every decoder layer);
+- attention: each layer's ``self_attn`` compiled with
+  :func:`upipe_compile.measure.eager_twins.eager_twin_backend` over the CP mesh (the upipe
+  passes and options, then the ops' eager twins running the real stage loops), where the
+  Trainer compiles the backbone with ``backend="upipe"``;
+- FSDP2 as accelerate prepares it with ``mixed_precision="bf16"``: ``fully_shard`` on every
+  decoder layer then the root over all P x K ranks, fp32 master parameters,
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)`` (accelerate's
+  default policy), ``reshard_after_forward=True``; AdamW (``adamw_torch_fused``, the Trainer's
+  default) with its state already present.
+
+Then one step under step.py's tracker: rank 0's shard of one row of N tokens
+(:func:`upipe_compile.integrations.hf_trainer.upipe_batch`: global positions, shifted labels),
+forward with the model's own loss over ``num_items_in_batch`` (the Trainer's), backward,
+gradient clipping (``max_grad_norm=1``), the optimizer step. The report is the torchtitan
+estimate's (``result_of``): budget, device ratio, host memory per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
+from upipe_compile.estimate import H100_80GB_GIB, HOST_BUDGET_GIB, Estimate, JobError, result_of, step_time_report
+from upipe_compile.estimate.gpu import CUBLAS_WORKSPACES_GIB, DEVICE_RATIO, GIB
+from upipe_compile.estimate.job import private_sharding_fake_mode
+from upipe_compile.estimate.plain_loops import FusedRMSNormFunction, plain_stack_loops
+from upipe_compile.estimate.step import DEVICE, HOST, PhaseTracker, SavedOnDevice, kernel_models, measured
+from upipe_compile.estimate.step_time import ModelShape, Setup
+from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, decoder_layers
+from upipe_compile.measure import workspace
+from upipe_compile.measure.memory import eager_calls
+
+FSDP_POLICY = "fp32 master weights, bf16 params / bf16 reduce (accelerate's FSDP2 default policy)"
+
+CONFIGS = Path(__file__).with_name("hf_configs")
+"""Shipped configs: public hyperparameters of a few models, by name."""
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class HFJob:
+    """One transformers training job: the model's config and UPipeTrainer's arguments."""
+
+    config: str
+    """A config.json, a model folder holding one, or a shipped config's name."""
+    seq_len: int
+    cp: int
+    nodes: int = 1
+    """K data-parallel groups of ``cp`` ranks; FSDP shards over all ``cp x nodes``."""
+    heads_per_stage: int | None = None
+    loss_chunk_tokens: int = 0
+    mlp_tile_tokens: int = 0
+    offload_block_inputs: bool = False
+    keep_attention: bool = False
+    gradient_checkpointing: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.cp * self.nodes
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "config_file": str(config_path(self.config)), "world_size": self.world,
+                "fsdp": FSDP_POLICY}
+
+    def describe(self) -> str:
+        stack = [f"{k} = {getattr(self, k)}" for k in ("loss_chunk_tokens", "mlp_tile_tokens") if getattr(self, k)]
+        stack += [k for k in ("offload_block_inputs", "keep_attention") if getattr(self, k)]
+        return (f"transformers model {self.config} ({config_path(self.config)}) as UPipeTrainer trains it: "
+                f"{self.nodes} x {self.cp} ranks, FSDP2 over all ({FSDP_POLICY}), gradient checkpointing "
+                f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}, stack: "
+                f"{', '.join(stack) or 'none'}")
+
+    def problems(self) -> list[str]:
+        out = []
+        for key in ("seq_len", "cp", "nodes"):
+            if getattr(self, key) < 1:
+                out.append(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if out:
+            return out
+        if self.seq_len % self.cp:
+            out.append(f"--seq-len {self.seq_len} is not divisible by --cp {self.cp}: the Trainer pads every row to a "
+                       f"multiple of P (pad_to_multiple_of={self.cp}); give such a length")
+        if self.world < 2:
+            out.append("--cp x --nodes must be > 1: the estimate measures FSDP over several ranks")
+        if self.heads_per_stage is not None and (self.heads_per_stage < 1 or self.heads_per_stage % self.cp):
+            out.append(f"--heads-per-stage {self.heads_per_stage} must be a positive multiple of --cp {self.cp}")
+        if self.offload_block_inputs and not self.gradient_checkpointing:
+            out.append("--offload-block-inputs needs gradient checkpointing (without it a layer saves much more "
+                       "than its input)")
+        if self.keep_attention and not self.gradient_checkpointing:
+            out.append("--keep-attention needs gradient checkpointing (without a recompute attention runs once anyway)")
+        return out
+
+
+def config_path(spec: str) -> Path:
+    """The config.json that ``spec`` names."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise JobError(f"--hf {spec}: the folder has no config.json")
+        return path
+    if path.is_file():
+        return path
+    shipped = CONFIGS / f"{spec.lower()}.json"
+    if shipped.is_file():
+        return shipped
+    raise JobError(f"--hf {spec!r} is not a config.json, a model folder or a shipped config; shipped: "
+                   f"{', '.join(shipped_configs())}")
+
+
+def load_config(spec: str):
+    """The transformers config of ``spec`` (read locally, nothing downloaded)."""
+    from transformers import AutoConfig
+
+    path = config_path(spec)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise JobError(f"--hf {spec}: cannot read {path}: {error}") from None
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}  # our notes (_source)
+    model_type = raw.pop("model_type", None)
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError, TypeError) as error:
+        raise JobError(f"--hf {spec}: {path} is not a config transformers knows (model_type={model_type!r}): "
+                       f"{error}") from None
+
+
+def build_model(config):
+    """The causal LM on the meta device with upipe's attention, fp32 (accelerate's FSDP2 master
+    weights under bf16 mixed precision)."""
+    from transformers import AutoModelForCausalLM
+
+    from upipe_compile.integrations.transformers import register
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=register(), dtype=torch.float32)
+        except ValueError as error:  # not a causal LM transformers knows
+            raise JobError(f"transformers cannot build a causal LM from this config: {error}") from None
+    if decoder_layers(model) is None:
+        raise JobError(f"{type(model).__name__} has no decoder-layer list (model.model.layers): the estimate shards "
+                       "and checkpoints per decoder layer")
+    return model
+
+
+def _trainer_arguments(job: HFJob):
+    """What apply_stack reads of TrainingArguments."""
+    return SimpleNamespace(gradient_checkpointing=job.gradient_checkpointing,
+                           gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def _fused_hf_rms_norms(model):
+    """transformers' RMSNorm modules allocate what the fused GPU kernel does, as the torchtitan
+    estimate counts RMSNorm (plain_loops.fused_rms_norm): their eager forward makes fp32
+    copies the compiled step fuses away. Only modules whose forward is the plain RMSNorm
+    (a weight, ``variance_epsilon``); inside a compiled region the real forward is traced."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    patched = []
+    for module in model.modules():
+        name = type(module).__name__
+        if not name.endswith("RMSNorm") or not hasattr(module, "variance_epsilon") or "Gemma" in name:
+            continue  # Gemma's (1 + weight) and others' variants: counted as eager runs them
+        original = module.forward
+
+        def forward(x, _original=original, _module=module):
+            if torch.compiler.is_compiling() or not is_fake(x):
+                return _original(x)
+            return FusedRMSNormFunction.apply(x, 1, _module.weight)
+
+        module.forward = forward
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _route_attention(model, options: dict) -> None:
+    """Each layer's attention compiled with the eager-twin backend (the upipe passes with the
+    Trainer's options, the stage loops run for real); inside the checkpointed layer, so AC's
+    recompute runs it too. One compiled function object per class, shared by the layers."""
+    from upipe_compile.measure.eager_twins import eager_twin_backend
+
+    for layer in decoder_layers(model):
+        attention = getattr(layer, "self_attn", None)
+        if attention is None:
+            raise JobError(f"{type(layer).__name__} has no self_attn: the estimate measures softmax-attention "
+                           "decoder layers (dense and MoE), not hybrid mixers yet")
+        attention.forward = torch.compile(attention.forward, backend=eager_twin_backend, options=options,
+                                          fullgraph=True, dynamic=False)
+
+
+def _shard(model, mesh) -> None:
+    """FSDP2 as accelerate applies it (fsdp2_prepare_model, TRANSFORMER_BASED_WRAP): each decoder
+    layer, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                  output_dtype=torch.bfloat16)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+
+
+def _checkpointed_parts(model) -> list:
+    """What AC's recompute reruns: transformers checkpoints each layer's ``forward`` (its hooks
+    stay outside), so the recompute shows in the layers' children."""
+    return [child for layer in decoder_layers(model) for child in layer.children()]
+
+
+def shape_of(config, model) -> ModelShape:
+    """The step-time model's view of a transformers model."""
+    text = config.get_text_config()
+    layer = decoder_layers(model)[0]
+    heads = text.num_attention_heads
+    return ModelShape(n_layers=text.num_hidden_layers, dim=text.hidden_size, q_heads=heads,
+                      kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                      layer_weights=sum(p.numel() for p in layer.parameters() if p.dim() >= 2),
+                      vocab_size=text.vocab_size)
+
+
+def kept_attention_bytes(shape: ModelShape, job: HFJob, heads_per_stage: int, fused: bool) -> int:
+    """keep_attention's saved outputs per rank (what the compiled step keeps and the fake run's
+    full recompute does not): each layer's attention output [S/P, Hq, D] bf16, the stage LSEs
+    fp32 and with fused blocks the block's output [S/P, dim] (as the torchtitan estimate's)."""
+    from upipe_compile.attention.schedule import plan_stages
+
+    schedule = plan_stages(shape.q_heads, shape.kv_heads, job.cp, heads_per_stage)
+    local = job.seq_len // job.cp
+    out = shape.q_heads * local * shape.head_dim * 2
+    lse = len(schedule.stages) * schedule.q_per_rank * job.seq_len * 4
+    block = local * shape.dim * 2 if fused else 0
+    return shape.n_layers * (out + lse + block)
+
+
+def estimate_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
+                host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL,
+                device_ratio: float | None = None) -> Estimate:
+    """Measure one training step of ``job``; runs in a fresh fake default process group (call
+    it where none exists). Refuses (JobError, UnsupportedAttention) before the step what the
+    Trainer path would refuse or the estimate cannot measure."""
+    problems = job.problems()
+    if problems:
+        raise JobError("; ".join(problems))
+    if device_ratio is None:
+        device_ratio = DEVICE_RATIO if cuda_kernel else 1.0
+    config = load_config(job.config)
+    start = time.time()
+    eager_calls.clear()
+    # A new job compiles its attention afresh: earlier jobs' graphs (other lengths, other
+    # models: a search's probes) would only count towards Dynamo's recompile limit.
+    torch._dynamo.reset()
+    kernel_workspace = workspace.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
+    with _quiet_transformers(), _fake_job(job.world), private_sharding_fake_mode(), kernel_workspace, \
+            plain_stack_loops():
+        memory, model, kept_on_host = _measure(job, config, cuda_kernel)
+    shape = shape_of(config, model)
+    heads_per_stage = job.heads_per_stage or job.cp
+    calls = dict(eager_calls)
+    modelled, modelled_host = {}, {}
+    if cuda_kernel:
+        modelled["cublas_workspaces"] = CUBLAS_WORKSPACES_GIB
+    if job.keep_attention:
+        kept = round(kept_attention_bytes(shape, job, heads_per_stage, "fused block" in calls) / GIB, 6)
+        # On the host only where the trainer's offloader takes them beside the block inputs; else
+        # every layer's stay on the device through the backward.
+        (modelled_host if kept_on_host else modelled)["kept_attention_outputs"] = kept
+    setup = Setup(seq_len=job.seq_len, cp=job.cp, heads_per_stage=heads_per_stage,
+                  full_ac=job.gradient_checkpointing, keep_attention=job.keep_attention,
+                  offload_block_inputs=job.offload_block_inputs, element_bytes=2)
+    return result_of(memory, seq_len=job.seq_len, cuda_kernel=cuda_kernel, world=job.world, cp=job.cp,
+                     heads_per_stage=heads_per_stage, ring_degree=1, modelled=modelled, modelled_host=modelled_host,
+                     gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib, device_ratio=device_ratio,
+                     step_time=step_time_report(shape, setup), attention_calls=calls, start=start)
+
+
+@contextlib.contextmanager
+def _fake_job(world: int):
+    from upipe_compile.measure.memory import fake_process_group
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with fake_process_group(world):
+        yield
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' deprecation and cache notes are not the estimate's output."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        # FSDP2's note on the root's view output (the loss): no in-place op follows it here
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
+        yield
+
+
+def _measure(job: HFJob, config, cuda_kernel):
+    """(the step's StepMemory, the model, whether the offloader takes keep_attention's outputs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build_model(config)
+    settings = StackSettings(job.loss_chunk_tokens, job.mlp_tile_tokens, job.offload_block_inputs,
+                             host_memory_reserve_gib=0)
+    offloader = apply_stack(model, settings, _trainer_arguments(job))  # its checks refuse what the Trainer refuses
+    if offloader is not None:
+        offloader.host_device = HOST  # the tracker counts "meta" as the host
+    if job.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Meshes outside fake mode (they hold real rank lists): accelerate's ("dp", "cp") layout,
+    # FSDP over every rank.
+    layout = init_device_mesh("cpu", (job.nodes, job.cp), mesh_dim_names=("dp", "cp"))
+    fsdp_mesh = init_device_mesh("cpu", (job.world,), mesh_dim_names=("fsdp",))
+    options = {"cp_mesh": layout["cp"]}
+    if job.heads_per_stage is not None:
+        options["heads_per_stage"] = job.heads_per_stage
+    _route_attention(model, options)
+    _shard(model, fsdp_mesh)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # non-fake: the meta model, the meshes' ranks
+    with fake_mode:
+        model.to_empty(device="cpu")
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        for param in model.parameters():  # the state a first step leaves (as step.py)
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker = PhaseTracker(model, optimizer, checkpointed=_checkpointed_parts(model))
+        fused = cuda_kernel is not None
+        norms = _fused_hf_rms_norms(model) if fused else contextlib.nullcontext()
+        with kernel_models(fused, fused), norms, tracker:
+            memory = _train_step(model, optimizer, tracker, job, config, layout["cp"])
+    return memory, model, offloader is not None and offloader.kept_outputs
+
+
+def _train_step(model, optimizer, tracker: PhaseTracker, job: HFJob, config, cp_mesh):
+    """UPipeTrainer's training_step for one micro-batch of one row: the batch (rank 0's shard),
+    the model's forward with its loss, backward, clipping, the optimizer step."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from upipe_compile.integrations.hf_trainer import upipe_batch
+
+    def label(name):
+        tracker.outside_model = name
+
+    vocab = config.get_text_config().vocab_size
+    with unset_fake_temporarily():  # the batch's metadata (positions) is data: real, as the Trainer reads it
+        full = {"input_ids": torch.randint(0, vocab, (1, job.seq_len)),
+                "labels": torch.randint(0, vocab, (1, job.seq_len))}
+        batch = upipe_batch(full, cp_mesh, world=job.cp)
+        num_items = torch.tensor(float(job.seq_len - 1))
+    on_device = {key: value.clone() for key, value in full.items()}  # the collated row on every CP rank's GPU
+    batch = {key: (value.clone() if key != "position_ids" else value) for key, value in batch.items()}
+    saved = SavedOnDevice(tracker, model)
+    at_loss = {}
+    loss_function = model.loss_function
+
+    def loss_then(logits, *args, **kwargs):
+        # the model calls its loss inside forward: from here on it is the loss phase
+        at_loss["logits"] = logits.numel() * logits.element_size() if isinstance(logits, torch.Tensor) else 0
+        at_loss["after_forward"] = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
+        label("loss")
+        return loss_function(logits, *args, **kwargs)
+
+    model.loss_function = loss_then
+    optimizer.zero_grad()
+    label("forward")
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        outputs = model(**batch, num_items_in_batch=num_items, use_cache=False)
+    loss = outputs.loss * job.world  # the Trainer scales it by the processes (a scalar)
+    del outputs
+    loss.backward()
+    label("grad clip")
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
+    label("optimizer step")
+    optimizer.step()
+    del on_device
+    return measured(tracker, saved, at_loss.get("logits", 0), at_loss.get("after_forward", 0))
+
+
+def max_context_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
+                   host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL,
+                   device_ratio: float | None = None, progress: bool = True):
+    """The largest ``--seq-len`` (a multiple of 1024 x P) that fits both budgets, by the
+    torchtitan estimate's search (search.py) from ``job.seq_len``: (tokens, its Estimate,
+    probes, the bound that stopped it)."""
+    from upipe_compile.estimate.search import search
+
+    def estimate_at(seq_len: int) -> Estimate:
+        return estimate_hf(replace(job, seq_len=seq_len), gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
+                           host_gib=host_gib, cuda_kernel=cuda_kernel, device_ratio=device_ratio)
+
+    return search(estimate_at, job.seq_len, 1024 * job.cp, gpu_gib=gpu_gib, host_gib=host_gib, progress=progress,
+                  name="--seq-len")
