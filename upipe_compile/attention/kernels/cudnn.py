@@ -51,7 +51,7 @@ _FORWARD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dr
                  "return_debug_mask", "scale")
 _BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
                   "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")
-_FIX = "install flash-attn (pip install 'flash-attn>=2.6') or FlashAttention-3/4, which upipe-compile then prefers"
+_FIX = "install flash-attn (pip install 'flash-attn>=2.6') or FlashAttention-3/4, which then run these calls"
 
 
 class CudnnKernels(PerDocumentKernels):

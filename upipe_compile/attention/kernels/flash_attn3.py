@@ -32,7 +32,6 @@ above the kernel), so its ``learnable_sink``-free interface is enough.
 
 from __future__ import annotations
 
-from upipe_compile.attention.kernels import hopper_family
 from upipe_compile.attention.kernels.hopper_family import HopperFlashKernels, hopper_backward_workspace
 
 
@@ -44,15 +43,8 @@ class FlashAttn3Kernels(HopperFlashKernels):
     package = "flash_attn_3 (flash-attention's hopper/ build)"
     forward_name, backward_name = "_flash_attn_forward", "_flash_attn_backward"
 
-    @classmethod
-    def installed(cls) -> "FlashAttn3Kernels | None":
-        capability = hopper_family.cuda_capability()
-        if capability is None or capability[0] != 9:
-            return None
-        interface = hopper_family.import_first("flash_attn_3.flash_attn_interface", "flash_attn_interface")
-        if interface is None or not hasattr(interface, cls.forward_name):
-            return None
-        return cls(interface)
+    arches = (9,)
+    modules = ("flash_attn_3.flash_attn_interface", "flash_attn_interface")
 
     def _forward_values(self, q, k, v, is_causal, scale, window, softcap) -> dict:
         return {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal,

@@ -33,7 +33,6 @@ log-sum-exp for every kernel alike. Its backward needs sm90+ (``assert arch // 1
 
 from __future__ import annotations
 
-from upipe_compile.attention.kernels import hopper_family
 from upipe_compile.attention.kernels.hopper_family import HopperFlashKernels, hopper_backward_workspace
 from upipe_compile.attention.varlen_groups import round_up
 
@@ -51,15 +50,8 @@ class FlashAttn4Kernels(HopperFlashKernels):
     package = "flash-attn-4"
     forward_name, backward_name = "_flash_attn_fwd", "_flash_attn_bwd"
 
-    @classmethod
-    def installed(cls) -> "FlashAttn4Kernels | None":
-        capability = hopper_family.cuda_capability()
-        if capability is None or capability[0] not in _ARCHES:
-            return None
-        interface = hopper_family.import_first("flash_attn.cute.interface")
-        if interface is None or not hasattr(interface, cls.forward_name):
-            return None
-        return cls(interface)
+    arches = _ARCHES
+    modules = ("flash_attn.cute.interface",)
 
     def _forward_values(self, q, k, v, is_causal, scale, window, softcap) -> dict:
         return {"q": q, "k": k, "v": v, "softmax_scale": scale, "causal": is_causal, "softcap": softcap or None,

@@ -36,6 +36,19 @@ class HopperFlashKernels(VarlenKernels):
     checked_on_device = False  # not yet run on a GPU: checked at first use
     package = ""  # what to pip install, for messages
     forward_name = backward_name = ""
+    arches: tuple[int, ...] = ()  # the GPUs' major compute capabilities it runs on
+    modules: tuple[str, ...] = ()  # where its interface is importable from, tried in order
+
+    @classmethod
+    def installed(cls):
+        """An instance where its interface imports and this GPU is one it runs on, else None."""
+        capability = cuda_capability()
+        if capability is None or capability[0] not in cls.arches:
+            return None
+        interface = import_first(*cls.modules)
+        if interface is None or not hasattr(interface, cls.forward_name):
+            return None
+        return cls(interface)
 
     def __init__(self, interface):
         self.interface = interface
@@ -50,8 +63,7 @@ class HopperFlashKernels(VarlenKernels):
         if alibi:
             problems.append(
                 f"ALiBi (alibi_slopes): {self.name} ({self.package}) has no ALiBi bias; install flash-attn 2.5 "
-                "to 2.8 (pip install 'flash-attn>=2.5,<2.9') and uninstall or disable "
-                f"{self.package}, whose kernel upipe-compile prefers"
+                "to 2.8 (pip install 'flash-attn>=2.5,<2.9'), which then runs the ALiBi calls"
             )
         checks = [(f"window={window}", self._window_names())] if window != NO_WINDOW else []
         if softcap:
