@@ -61,6 +61,8 @@ class Model:
     q_heads: int
     cp: int = 8
     nodes: int = 1
+    ring: int = 1
+    """R of UPipeTrainer's ``ring_degree``: R all-to-all groups of P / R ranks (one a node)."""
 
     @property
     def label(self) -> str:
@@ -72,9 +74,9 @@ MODELS = {
     "llama-3.1-8b": Model("llama-3.1-8b", "Llama-3.1-8B", 32),
     "qwen3-8b": Model("qwen3-8b", "Qwen3-8B", 32),
 }
-FOUR_NODES = Model("llama-3.1-8b", "Llama-3.1-8B", 32, cp=32)
+FOUR_NODES = Model("llama-3.1-8b", "Llama-3.1-8B", 32, cp=32, ring=4)
 """Four 8-GPU nodes as one 32-rank context-parallel group (ParallelismConfig(cp_size=32), FSDP2 over
-all 32): with 32 query heads Ulysses = UPipe U = P there. Not a ring (the --hf estimate has none)."""
+all 32) in a ring of 4 all-to-all groups of 8, one a node (``ring_degree=4``)."""
 
 START = {  # the first probe of each search, by (method, variant[, P]): near the answer saves probes
     ("UPipe", "whole stack"): 4_194_304,
@@ -82,7 +84,9 @@ START = {  # the first probe of each search, by (method, variant[, P]): near the
     ("UPipe", "no block-input offload"): 1_048_576,
     ("UPipe", "no tiled MLP"): 2_097_152,
     ("UPipe", "no chunked loss"): 262_144,
-    ("UPipe", "whole stack", 32): 12_582_912,
+    ("UPipe", "whole stack", 32): 16_777_216,
+    ("Ulysses", "whole stack", 32): 12_582_912,
+    ("accelerate CP", "no tiled MLP"): 1_048_576,
 }
 
 
@@ -94,14 +98,21 @@ class Row:
     variant: str
     seq_len: int | None = None
     """None: a max-context search; else a plain estimate at this length."""
+    device_ratio: float | None = None
+    """None: the estimate's default (1.35); 1: the estimate's own peak against the budget."""
 
     @property
     def heads_per_stage(self) -> int | None:
-        return self.model.q_heads if self.method == "Ulysses" else None
+        return self.model.q_heads if self.method in ("Ulysses", "accelerate CP") else None
+
+    @property
+    def ring(self) -> int:
+        """accelerate's own context parallelism is a ring over all P ranks (an all-to-all of 1)."""
+        return self.model.cp if self.method == "accelerate CP" else self.model.ring
 
     @property
     def u(self) -> int:
-        return self.heads_per_stage or self.model.cp
+        return self.heads_per_stage or self.model.cp // self.ring
 
     @property
     def search(self) -> bool:
@@ -114,31 +125,41 @@ class Row:
             START[(self.method, self.variant)]
         return ["python", "-m", "upipe_compile.estimate", "--hf", self.model.key, "--seq-len", str(seq_len),
                 "--cp", str(self.model.cp), *(["--nodes", str(self.model.nodes)] if self.model.nodes > 1 else []),
+                *(["--ring-degree", str(self.ring)] if self.ring > 1 else []),
                 *(["--heads-per-stage", str(self.heads_per_stage)] if self.heads_per_stage else []), *stack,
+                *(["--device-ratio", f"{self.device_ratio:g}"] if self.device_ratio is not None else []),
                 *(["--max-context"] if self.search else []), "--json"]
 
     def path(self) -> str:
         kind = "max_context" if self.search else f"at_{self.seq_len}"
         variant = re.sub("[^A-Za-z0-9]+", "_", self.variant).strip("_")
-        return os.path.join(RUNS, f"{self.model.key}_cp{self.model.cp}_u{self.u}_{variant}_{kind}.json")
+        ring = f"_ring{self.ring}" if self.ring > 1 else ""
+        ratio = f"_ratio{self.device_ratio:g}" if self.device_ratio is not None else ""
+        return os.path.join(RUNS, f"{self.model.key}_cp{self.model.cp}{ring}_u{self.u}_{variant}{ratio}_{kind}.json")
 
     def describe(self) -> str:
-        return f"{self.model.label} / {self.method} ({self.u}) / {self.variant}"
+        ratio = "" if self.device_ratio is None else f" / device ratio {self.device_ratio:g}"
+        return f"{self.model.label} / {method_name(self)} / {self.variant}{ratio}"
 
 
 def rows(only: list[str] | None) -> list[Row]:
     """In the order they run (the most wanted first): the whole stack for both models and both
-    methods, the plain Qwen3-8B row at TRL's 1M tokens, each piece removed (UPipe on Llama), then
-    Llama-3.1-8B on four nodes as one 32-rank context-parallel group."""
+    methods, the plain Qwen3-8B rows at TRL's 1M tokens (UPipe; accelerate's own CP with TRL's
+    pieces), each piece removed (UPipe on Llama), accelerate's own CP on Llama, then Llama-3.1-8B on
+    four nodes (a ring of 4 nodes), with the device ratio and with the estimate's own peak."""
     out = []
     for model in MODELS.values():
         for method in ("UPipe", "Ulysses"):
             out.append(Row(model, method, "whole stack"))
     out.append(Row(MODELS["qwen3-8b"], "UPipe", "whole stack", seq_len=1_048_576))
+    out.append(Row(MODELS["qwen3-8b"], "accelerate CP", "no tiled MLP", seq_len=1_048_576))
     for variant in VARIANTS:
         if variant != "whole stack":
             out.append(Row(MODELS["llama-3.1-8b"], "UPipe", variant))
-    out.append(Row(FOUR_NODES, "UPipe", "whole stack"))
+    out.append(Row(MODELS["llama-3.1-8b"], "accelerate CP", "no tiled MLP"))
+    for method in ("UPipe", "Ulysses"):
+        out.append(Row(FOUR_NODES, method, "whole stack"))
+    out.append(Row(FOUR_NODES, "UPipe", "whole stack", device_ratio=1.0))
     return [row for row in out if not only or row.model.key in only]
 
 
@@ -163,9 +184,12 @@ def run(row: Row) -> dict:
 
 
 def method_name(row: Row) -> str:
-    if row.u == row.model.q_heads == row.model.cp:
-        return f"Ulysses = UPipe U = P ({row.u})"
-    return f"{row.method} U = P ({row.u})" if row.method == "UPipe" else f"Ulysses ({row.u})"
+    if row.method == "accelerate CP":
+        return f"accelerate CP (ring {row.ring}, all {row.u} heads)"
+    ring = f", ring {row.ring} x {row.model.cp // row.ring}" if row.ring > 1 else ""
+    if row.method == "UPipe":
+        return f"UPipe U = P / R ({row.u}){ring}" if ring else f"UPipe U = P ({row.u})"
+    return f"Ulysses ({row.u}){ring}"
 
 
 def table(results) -> list[dict]:
@@ -223,27 +247,6 @@ PUBLISHED = [
 ]
 
 
-def four_nodes_note(results) -> list[str]:
-    ran = any(row.model.cp > 8 for row, _ in results)
-    lines = [
-        "- A ring across nodes: `--hf --nodes K` makes K data-parallel groups of P context-parallel",
-        "  ranks (accelerate's (\"dp\", \"cp\") layout), and the estimate has no ring degree for this",
-        "  path (`ring_degree=1`; the trainer's `ring_degree=` runs under DDP only, which `--hf` does",
-        "  not model): ALST's four-node layout and the torchtitan table's `UPipe 8 x ring 4` cannot be",
-        "  estimated here yet.",
-    ]
-    if ran:
-        lines += [
-            "  Four nodes are shown as one 32-rank context-parallel group instead (`--cp 32`:",
-            "  `ParallelismConfig(cp_size=32)` with FSDP2 over all 32 ranks, the all-to-all across nodes;",
-            "  with 32 query heads that is Ulysses = UPipe U = P); its host memory per node is the",
-            "  node's 8 ranks' share.",
-        ]
-    else:
-        lines += ["  Nor is a 32-rank context-parallel group (`--cp 32`) shown: not run."]
-    return lines
-
-
 def write_report(results) -> str:
     lines = [
         "# Max context of the Trainer path on 80 GB H100s and 2 TB nodes (whole-step estimate, `--hf`)", "",
@@ -254,11 +257,19 @@ def write_report(results) -> str:
         "attention, the trainer's stack (`hf_stack.apply_stack`), gradient checkpointing on every",
         "decoder layer (non-reentrant), FSDP2 as accelerate prepares it (bf16 mixed precision, fp32",
         "master weights, AdamW), one row of N tokens sharded over P = 8 context-parallel ranks (one",
-        "8-GPU node; 32 for the four-node row), on fake tensors over a fake process group (2-core CPU,",
-        "torch 2.13 CPU). \"whole stack\" is",
+        "8-GPU node), on fake tensors over a fake process group (2-core CPU, torch 2.13 CPU). Four",
+        "nodes are P = 32 (`ParallelismConfig(cp_size=32)`, FSDP2 over all 32) in UPipeTrainer's",
+        "`ring_degree=4`: a ring of 4 all-to-all groups of 8 ranks, one a node (`--ring-degree 4`; the",
+        "row laid out zigzag over the ring). \"whole stack\" is",
         "`loss_chunk_tokens=4096, mlp_tile_tokens=16384, offload_block_inputs=True` (the torchtitan",
         "TOMLs' sizes); each other row removes one piece. UPipe is U = P (the default `heads_per_stage`),",
-        "Ulysses U = all 32 query heads (`--heads-per-stage 32`). Modelled, not measured: flash-attn's",
+        "Ulysses U = all 32 query heads (`--heads-per-stage 32`); with a ring U is counted over the",
+        "all-to-all group (P / R). \"accelerate CP\" is accelerate's own context parallelism",
+        "(`ParallelismConfig(cp_size=P)` without upipe: torch's ring attention over all P ranks, every",
+        "head at once), which TRL's example uses, modelled by the same estimate as a ring of P groups of",
+        "one rank (`--ring-degree P --heads-per-stage 32`: the same flash kernel, K/V passed round the",
+        "ring; torch's own merge buffers are not upipe's and are not counted) with TRL's pieces",
+        "(chunked loss, block-input offload, no tiled MLP). Modelled, not measured: flash-attn's",
         "backward workspace, RMSNorm as the fused GPU kernel, cuBLAS workspaces, and the reserve",
         "(2.5 GiB CUDA context / NCCL / workspaces + 5 % fragmentation) that sets the 72.95 GiB budget",
         "on a 79.1 GiB H100. The host is a budget too: the offloaded block inputs of one node (per",
@@ -270,28 +281,25 @@ def write_report(results) -> str:
         "against the estimate (measured on torchtitan jobs; this path has not been measured on a GPU).",
         "\"peak GiB there\" is the estimate's own peak at the row's length; \"expected on device GiB\" is",
         "that peak with the ratio applied, the number the budget is checked against. The lengths are",
-        "the estimate's, not runs on GPUs. \"wall s\": the row's process on 2 shared CPU cores, other",
-        "work running beside it.", "",
+        "the estimate's, not runs on GPUs. One four-node row is searched with ratio 1 (the estimate's",
+        "own peak against the budget), to show what the ratio costs there. \"wall s\": the row's",
+        "process on 2 shared CPU cores, other work running beside it.", "",
         tabulate(table(results), headers="keys", tablefmt="github"), "",
     ]
     plain = plain_table(results)
     if plain:
         lines += [
-            "One plain estimate (not a search), at the length of TRL's example: Qwen3-8B, 1,048,576",
-            "tokens, 8 ranks, the whole stack. Its per-rank peak and the peak expected on the device",
-            "(with the ratio) beside TRL's published 56.2 GB per GPU, which is another job measured on",
-            "GPUs (accelerate's ring attention, TRL's chunked loss, checkpoint offload, no tiled MLP; GB =",
-            "10^9 bytes, as it is quoted; the estimate's GiB converted in brackets).", "",
+            "Plain estimates (not searches) at the length of TRL's example: Qwen3-8B, 1,048,576 tokens,",
+            "8 ranks, UPipe with the whole stack, and TRL's own job (accelerate CP with its pieces) on",
+            "the same machine model. Each per-rank peak and the peak expected on the device (with the",
+            "ratio) beside TRL's published 56.2 GB per GPU, measured on GPUs (GB = 10^9 bytes, as it is",
+            "quoted; the estimate's GiB converted in brackets).", "",
             tabulate(plain, headers="keys", tablefmt="github"), "",
         ]
     lines += [*PUBLISHED, ""]
     lines += [
         "Not included:",
         "",
-        "- The same jobs under accelerate's own context parallelism (`ParallelismConfig(cp_size=P)`,",
-        "  torch's ring attention), which TRL's example uses: the `--hf` estimate does not model it",
-        "  (docs/estimate.md), so TRL's job is quoted, not estimated.",
-        *four_nodes_note(results),
         "- The no-stack job (none of the three pieces; only gradient checkpointing): the \"no chunked",
         "  loss\" row already bounds it from above.",
         "",

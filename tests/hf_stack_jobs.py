@@ -1,10 +1,12 @@
 """UPipeTrainer with the long-context stack (upipe_compile.integrations.hf_stack) on P gloo
-ranks, and the stock transformers Trainer on one process: tiny seeded fp32 Llama and Qwen3,
-configs as shipped but for their sizes (use_cache on), SGD, gradient accumulation 2.
+ranks, and the stock transformers Trainer on one process: tiny seeded fp32 Llama, Qwen3, a
+sliding-window family, a MoE and a hybrid, configs as shipped but for their sizes (use_cache on),
+SGD, gradient accumulation 2.
 Module-level for spawned RankPool workers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -14,30 +16,51 @@ import torch  # noqa: E402
 
 from hf_trainer_jobs import _Record, _common, _distributed_env, _reset_accelerate, _result, lm_dataset  # noqa: E402
 
-VOCAB, HIDDEN, INTERMEDIATE = 96, 32, 80  # distinct, so a tensor's last dim says what it is
+VOCAB, HIDDEN, INTERMEDIATE = 100, 32, 80  # distinct from every other dim (the hybrid mixer's too): a last dim says what it is
 SEQ = 64  # 2 rows x 64 / P = 2: 64 local tokens a micro-batch
 SAMPLES = 8  # 2 optimizer steps of 2 micro-batches of 2 rows
 INNER = {"inner_backend": "aot_eager"}
 
 
+FAMILIES = {  # beyond Llama / Qwen3: the family's test config (tests/hf_families_jobs.py, hf_hybrids_jobs.py)
+    "mistral": "hf_families_jobs",  # sliding window on every layer
+    "mixtral": "hf_families_jobs",  # MoE with a sliding window
+    "qwen3_next": "hf_hybrids_jobs",  # hybrid: Gated DeltaNet + full attention, MoE
+}
+
+
 def build_model(family: str = "llama", **overrides):
     """The family's config class as shipped (use_cache on, untied head), tiny; seeded weights
     scaled like a trained model's so that attention and the MLP are not near-uniform."""
+    import importlib
+
     import transformers as tf
 
-    sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
-                       "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config)}[family]
-    config = config_cls(**{**sizes, **overrides})
-    config._attn_implementation = "sdpa"
+    if family in FAMILIES:
+        cls, config = importlib.import_module(FAMILIES[family])._config(family)
+        config.use_cache = type(config)().use_cache
+        for key, value in {"vocab_size": VOCAB, "intermediate_size": INTERMEDIATE, **overrides}.items():
+            setattr(config, key, value)
+    else:
+        sizes = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+        cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
+                           "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config)}[family]
+        config = config_cls(**{**sizes, **overrides})
+    assert config.use_cache and config.num_hidden_layers == 2
+    config._attn_implementation = "eager" if family in FAMILIES else "sdpa"
     torch.manual_seed(0)
     model = cls(config).float()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5 if p.dim() >= 2 else noise)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() >= 2:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            else:  # the hybrids' decay and step biases: small, as trained ones
+                p.copy_(0.1 * noise if family in FAMILIES else noise)
     return model
 
 
@@ -70,7 +93,7 @@ def _evidence(prof, trainer) -> dict:
 
 
 def run(upipe: bool, family: str = "llama", gradient_checkpointing: bool = False, profile: bool = True,
-        **stack):
+        seq: int = SEQ, **stack):
     """Train; returns (logged losses, final parameters[, evidence with ``upipe``]). ``stack``:
     UPipeTrainer's keywords (loss_chunk_tokens, mlp_tile_tokens, offload_block_inputs,
     keep_attention, host_memory_reserve_gib)."""
@@ -81,7 +104,7 @@ def run(upipe: bool, family: str = "llama", gradient_checkpointing: bool = False
         _distributed_env()
     try:
         model = build_model(family)
-        data = lm_dataset(SAMPLES, SEQ, VOCAB)
+        data = lm_dataset(SAMPLES, seq, VOCAB)
         record = _Record()
         with tempfile.TemporaryDirectory() as out:
             args = TrainingArguments(**_common(out), gradient_checkpointing=gradient_checkpointing)
@@ -89,7 +112,11 @@ def run(upipe: bool, family: str = "llama", gradient_checkpointing: bool = False
                           callbacks=[record])
             if not upipe:
                 trainer = Trainer(**kwargs)
-                trainer.train()
+                from upipe_compile.integrations.transformers_mixers import original_mixers
+
+                # the reference runs a hybrid's own mixer functions
+                with original_mixers() if family == "qwen3_next" else contextlib.nullcontext():
+                    trainer.train()
                 return _result(trainer, record)
             from upipe_compile.integrations.hf_trainer import UPipeTrainer
 

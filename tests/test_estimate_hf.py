@@ -121,8 +121,12 @@ def test_shipped_configs_load():
 
 @pytest.mark.parametrize("job, error, words", [
     (HFJob("llama-9b", seq_len=SEQ, cp=CP), JobError, "shipped: llama-3.1-8b"),
-    (HFJob("llama-3.1-8b", seq_len=SEQ + 1, cp=CP), JobError, "not divisible by --cp 2"),
-    (HFJob("llama-3.1-8b", seq_len=SEQ, cp=CP, heads_per_stage=3), JobError, "multiple of --cp"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ + 1, cp=CP), JobError, "not divisible by 2"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ, cp=CP, heads_per_stage=3), JobError, "multiple of the all-to-all ranks"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ, cp=4, ring_degree=3), JobError, "--ring-degree 3 must divide --cp 4"),
+    (HFJob("llama-3.1-8b", seq_len=4 * 1023, cp=4, ring_degree=2), JobError, r"not divisible by 8.*zigzag"),
+    (HFJob("llama-3.1-8b", seq_len=SEQ, cp=4, ring_degree=2, heads_per_stage=3), JobError,
+     r"all-to-all ranks \(2 = --cp / --ring-degree\)"),
     (HFJob("llama-3.1-8b", seq_len=SEQ, cp=CP, offload_block_inputs=True, gradient_checkpointing=False), JobError,
      "needs gradient checkpointing"),
 ])
@@ -160,3 +164,19 @@ def test_cli_max_context(tiny, capsys):
     found = payload["max_context"]
     assert payload["bound"] == "device" and found % (1024 * CP) == 0 and payload["fits"]
     assert probes[found + 1024 * CP] > payload["budget_gib"] >= probes[found]
+
+
+def test_ring_layout(tiny):
+    """UPipeTrainer's ring_degree: 4 ranks as a ring of 2 all-to-all pairs (U counted over the
+    pair) and as a ring of 4 single ranks with every head at once (accelerate's own context
+    parallelism, as the max-context table models it). Both run the real ring loops; keep_attention's
+    kept stage LSEs cover the ring group's tokens (S / R), not the whole row."""
+    path = tiny("llama")
+    pairs = estimate_hf(HFJob(path, seq_len=SEQ, cp=4, ring_degree=2, keep_attention=True))
+    assert (pairs.ring_degree, pairs.heads_per_stage, pairs.cp) == (2, 2, 4)
+    local, stages = SEQ // 4, 8 // 2  # U = 2 over 2 all-to-all ranks: one query head a rank a stage
+    kept = LAYERS * (local * 8 * 32 * 2 + local * HIDDEN * 2 + stages * (SEQ // 2) * 4)
+    assert pairs.modelled["kept_attention_outputs"] == pytest.approx(_gib(kept), abs=2e-6)
+    ring = estimate_hf(HFJob(path, seq_len=SEQ, cp=4, ring_degree=4, heads_per_stage=8))
+    assert (ring.ring_degree, ring.heads_per_stage) == (4, 8) and ring.fits
+    assert sum(ring.attention_calls.values()) == 2 * LAYERS  # forward and AC's recompute

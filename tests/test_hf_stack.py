@@ -1,7 +1,7 @@
 """The long-context stack in UPipeTrainer (upipe_compile.integrations.hf_stack) on 2 gloo
 ranks against the stock transformers Trainer on one process: every logged loss and every final
 parameter within 1e-5 (fp32), gradient accumulation 2, for each piece alone and all together
-(tiny Llama and Qwen3 at their shipped configs), plus what shows each piece is on and what is
+(tiny Llama, Qwen3, Mistral, Mixtral and Qwen3-Next at their shipped configs; 2 and 4 ranks), plus what shows each piece is on and what is
 refused. See tests/hf_stack_jobs.py."""
 
 from __future__ import annotations
@@ -23,29 +23,43 @@ TOLERANCE = 1e-5
 WORLD = 2
 LAYERS = 2
 MICRO_BATCHES = jobs.SAMPLES // 2  # rows of 2
-LOCAL = 2 * jobs.SEQ // WORLD  # tokens a rank holds in a micro-batch
 CHUNK = TILE = 16
+ALL = dict(loss_chunk_tokens=CHUNK, mlp_tile_tokens=TILE, offload_block_inputs=True, host_memory_reserve_gib=0)
+NO_TILES = dict(loss_chunk_tokens=CHUNK, offload_block_inputs=True, host_memory_reserve_gib=0)  # MoE MLPs
 
-RUNS = {  # name: (family, gradient checkpointing, UPipeTrainer's stack keywords)
-    "loss": ("llama", False, dict(loss_chunk_tokens=CHUNK)),
-    "mlp": ("llama", False, dict(mlp_tile_tokens=TILE)),
-    "offload": ("llama", True, dict(offload_block_inputs=True, host_memory_reserve_gib=0)),
-    "all llama": ("llama", True, dict(loss_chunk_tokens=CHUNK, mlp_tile_tokens=TILE, offload_block_inputs=True,
-                                      host_memory_reserve_gib=0, keep_attention=True)),
-    "all qwen3": ("qwen3", True, dict(loss_chunk_tokens=CHUNK, mlp_tile_tokens=TILE, offload_block_inputs=True,
-                                      host_memory_reserve_gib=0)),
+RUNS = {  # name: (family, gradient checkpointing, UPipeTrainer's stack keywords, ranks)
+    "loss": ("llama", False, dict(loss_chunk_tokens=CHUNK), WORLD),
+    "mlp": ("llama", False, dict(mlp_tile_tokens=TILE), WORLD),
+    "offload": ("llama", True, dict(offload_block_inputs=True, host_memory_reserve_gib=0), WORLD),
+    "all llama": ("llama", True, {**ALL, "keep_attention": True}, WORLD),
+    "all qwen3": ("qwen3", True, ALL, WORLD),
+    "all llama, 4 ranks": ("llama", True, {**ALL, "keep_attention": True}, 4),
+    "all mistral": ("mistral", True, ALL, WORLD),  # sliding window
+    "all mixtral": ("mixtral", True, NO_TILES, WORLD),  # MoE, sliding window
+    "all qwen3_next": ("qwen3_next", True, NO_TILES, WORLD),  # hybrid (Gated DeltaNet), MoE
 }
+ATTENTION_LAYERS = {"qwen3_next": 1}  # its other layer is Gated DeltaNet
 _done: dict = {}
+
+
+def seq_len(world: int) -> int:
+    """Rows that give every rank 2 x SEQ tokens: more than any family's hidden size here, so that a
+    [tokens, vocab] tensor tells the local tokens from the head's weight."""
+    return jobs.SEQ * world
+
+
+def local_tokens(world: int) -> int:
+    return 2 * seq_len(world) // world  # tokens a rank holds in a micro-batch (2 rows)
 
 
 def _run(rank_pools, name):
     """(each rank's losses, params, evidence; the stock trainer's losses, params), once per session."""
     if name not in _done:
-        family, checkpointing, stack = RUNS[name]
-        ranks = rank_pools(WORLD).run(jobs.run, True, family, checkpointing, **stack)
-        reference = (family, checkpointing)
+        family, checkpointing, stack, world = RUNS[name]
+        ranks = rank_pools(world).run(jobs.run, True, family, checkpointing, seq=seq_len(world), **stack)
+        reference = (family, checkpointing, world)
         if reference not in _done:
-            _done[reference] = jobs.run(False, family, checkpointing)
+            _done[reference] = jobs.run(False, family, checkpointing, seq=seq_len(world))
         _done[name] = ranks, _done[reference]
     return _done[name]
 
@@ -63,34 +77,43 @@ def _assert_equal(ranks, ref, family):
     assert max((ref_params[k] - start[k]).abs().max().item() for k in ref_params) > 1e-2  # training moved them
 
 
-def _assert_logits_chunked(evidence, on: bool):
+def _assert_logits_chunked(evidence, on: bool, world: int = WORLD):
     # The profiler sees every op's input shapes: with the chunked loss no [tokens, vocab] tensor
     # has more rows than the head's transposed weight (hidden size), never the local tokens.
-    assert (evidence["logit_rows"] < LOCAL) if on else (evidence["logit_rows"] == LOCAL), evidence
+    local = local_tokens(world)
+    assert (evidence["logit_rows"] < local) if on else (evidence["logit_rows"] == local), evidence
 
 
-def _assert_mlp_tiled(evidence, on: bool):
+def _assert_mlp_tiled(evidence, on: bool, world: int = WORLD):
+    local = local_tokens(world)
     if on:
-        assert evidence["mlp_rows"] < LOCAL, evidence  # down_proj's weight [hidden, intermediate] at most
+        assert evidence["mlp_rows"] < local, evidence  # down_proj's weight [hidden, intermediate] at most
         assert evidence["ops"].get("upipe::tiled_swiglu", 0) >= LAYERS * MICRO_BATCHES, evidence
     else:
-        assert evidence["mlp_rows"] == LOCAL and not evidence["tiled_calls"], evidence
+        assert evidence["mlp_rows"] == local and not evidence["tiled_calls"], evidence
 
 
-def _assert_offloaded(evidence, on: bool):
+def _assert_offloaded(evidence, on: bool, world: int = WORLD, hidden: int = jobs.HIDDEN):
     if not on:
         assert evidence["host"] is None, evidence
         return
     # each layer's checkpointed input went to its own host buffer, exactly its size
+    local = local_tokens(world)
     assert evidence["host"]["offloaded"] == LAYERS, evidence
-    assert evidence["host"]["bytes"] == LAYERS * LOCAL * jobs.HIDDEN * 4, evidence
-    assert evidence["host"]["buffers"] == [("cpu", (2, LOCAL // 2, jobs.HIDDEN))] * LAYERS, evidence
+    assert evidence["host"]["bytes"] == LAYERS * local * hidden * 4, evidence
+    assert evidence["host"]["buffers"] == [("cpu", (2, local // 2, hidden))] * LAYERS, evidence
 
 
-def _assert_upipe_attention(evidence):
-    assert "plain sdpa outside upipe" not in evidence["ops"], evidence
-    assert evidence["ops"]["upipe::attention_block"] >= LAYERS * MICRO_BATCHES, evidence
-    assert evidence["ops"]["upipe::attention_block_backward"] >= LAYERS * MICRO_BATCHES, evidence
+def _assert_upipe_attention(evidence, layers: int = LAYERS, mixers: int = 0):
+    """Every attention layer ran as a fused block (or, where the block cannot be fused, Qwen3-Next's
+    gated attention, the stage loop), forward and backward; and ``mixers`` mixer layers as stage
+    loops; no plain SDPA on a shard."""
+    ops = evidence["ops"]
+    assert "plain sdpa outside upipe" not in ops, evidence
+    for suffix in ("", "_backward"):
+        ran = ops.get(f"upipe::attention_block{suffix}", 0) + ops.get(f"upipe::attention{suffix}", 0)
+        assert ran >= layers * MICRO_BATCHES, evidence
+        assert ops.get(f"upipe::head_mixer_loop{suffix}", 0) >= mixers * MICRO_BATCHES, evidence
 
 
 @pytest.mark.parametrize("piece", ["loss", "mlp", "offload"])
@@ -106,17 +129,22 @@ def test_each_piece_trains_exactly_and_only_it_is_on(rank_pools, piece):
         _assert_upipe_attention(evidence)
 
 
-@pytest.mark.parametrize("name", ["all llama", "all qwen3"])
+@pytest.mark.parametrize("name", [name for name in RUNS if name.startswith("all")])
 def test_whole_stack_trains_exactly(rank_pools, name):
-    """All pieces together (Llama with keep_attention too; Qwen3 with QK-norm): the stock trainer's
-    numbers with gradient checkpointing, and every piece on."""
+    """All pieces the family's shape allows, together (Llama with keep_attention too, also on 4
+    ranks; Qwen3 with QK-norm; Mistral's sliding window; Mixtral's and Qwen3-Next's MoE MLPs are
+    not tiled): the stock trainer's numbers with gradient checkpointing, and every piece on."""
+    family, _, stack, world = RUNS[name]
     ranks, ref = _run(rank_pools, name)
-    _assert_equal(ranks, ref, RUNS[name][0])
+    _assert_equal(ranks, ref, family)
+    hidden = jobs.build_model(family).config.hidden_size
     for *_, evidence in ranks:
-        _assert_logits_chunked(evidence, True)
-        _assert_mlp_tiled(evidence, True)
-        _assert_offloaded(evidence, True)
-        _assert_upipe_attention(evidence)
+        _assert_logits_chunked(evidence, True, world)
+        if stack.get("mlp_tile_tokens"):
+            _assert_mlp_tiled(evidence, True, world)
+        _assert_offloaded(evidence, True, world, hidden)
+        attention = ATTENTION_LAYERS.get(family, LAYERS)
+        _assert_upipe_attention(evidence, attention, mixers=LAYERS - attention)
 
 
 def test_keep_attention_composes_with_offload(rank_pools):
@@ -199,9 +227,10 @@ def test_heads_the_chunked_loss_cannot_reproduce_are_refused():
     assert "final_logit_softcapping=30" in _problems(_tiny("Gemma2ForCausalLM", "Gemma2Config", head_dim=8),
                                                      loss_chunk_tokens=8)
     assert "logit_scale" in _problems(_tiny("CohereForCausalLM", "CohereConfig"), loss_chunk_tokens=8)
-    # a forward that is not Llama's (a MoE's adds its router loss to the model's)
-    assert "is not LlamaForCausalLM's" in _problems(
-        _tiny("MixtralForCausalLM", "MixtralConfig", num_local_experts=2), loss_chunk_tokens=8)
+    # a MoE's forward (Mixtral's: the router's loss added to the model's) is taken; another is not
+    assert _problems(_tiny("MixtralForCausalLM", "MixtralConfig", num_local_experts=2), loss_chunk_tokens=8) == ""
+    assert "is neither LlamaForCausalLM's nor MixtralForCausalLM's" in _problems(
+        _tiny("Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=8), loss_chunk_tokens=8)
 
 
 def test_offload_needs_non_reentrant_checkpointing():

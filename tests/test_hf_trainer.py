@@ -227,3 +227,23 @@ def test_keep_attention_with_gradient_checkpointing_matches_one_process(rank_poo
         # 4 micro-batches: plain checkpointing runs each layer's attention forward twice
         assert plain_counts["upipe::attention_block"] - kept_counts["upipe::attention_block"] >= 4 * layers, (
             kept_counts, plain_counts)
+
+
+def test_ring_mesh_splits_accelerates_cp_dimension():
+    """ParallelismConfig(cp_size=8) with ring_degree=4: accelerate's "cp" mesh dimension (beside its
+    data-parallel one) becomes 4 ring groups of 2 consecutive ranks, as the DDP layout makes them;
+    a ring that does not divide P is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from upipe_compile.errors import UnsupportedAttention
+    from upipe_compile.integrations.hf_trainer import ring_mesh
+    from upipe_compile.measure.memory import fake_process_group
+
+    with fake_process_group(16):
+        cp = init_device_mesh("cpu", (2, 8), mesh_dim_names=("dp_shard", "cp"))["cp"]
+        assert ring_mesh(cp, 1) is cp
+        mesh = ring_mesh(cp, 4)
+        assert mesh.mesh_dim_names == ("cp_ring", "cp_a2a")
+        assert mesh.mesh.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]  # this process's (rank 0) cp group
+        with pytest.raises(UnsupportedAttention, match="ring_degree=3 must be >= 1 and divide"):
+            ring_mesh(cp, 3)

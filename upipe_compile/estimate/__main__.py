@@ -38,7 +38,10 @@ def parse_args(argv):
     hf.add_argument("--cp", type=int, help="P, the context-parallel ranks sharing the row")
     hf.add_argument("--nodes", type=int, default=1,
                     help="K data-parallel groups of P ranks (FSDP over all P x K); default 1")
-    hf.add_argument("--heads-per-stage", type=int, help="U, a multiple of P (default P)")
+    hf.add_argument("--ring-degree", type=int, default=1,
+                    help="R: the P ranks as a ring of R all-to-all groups of P / R (UPipeTrainer's ring_degree; "
+                         "default 1, no ring)")
+    hf.add_argument("--heads-per-stage", type=int, help="U, a multiple of P / R (default P / R)")
     hf.add_argument("--loss-chunk-tokens", type=int, default=0, help="the chunked loss (0: the model's own loss)")
     hf.add_argument("--mlp-tile-tokens", type=int, default=0, help="the tiled MLP (0: off)")
     hf.add_argument("--offload-block-inputs", action="store_true", help="checkpointed layer inputs to host memory")
@@ -210,7 +213,7 @@ def main_hf(args, unknown) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    job = HFJob(args.hf, seq_len=args.seq_len, cp=args.cp, nodes=args.nodes, heads_per_stage=args.heads_per_stage,
+    job = HFJob(args.hf, seq_len=args.seq_len, cp=args.cp, nodes=args.nodes, ring_degree=args.ring_degree, heads_per_stage=args.heads_per_stage,
                 loss_chunk_tokens=args.loss_chunk_tokens, mlp_tile_tokens=args.mlp_tile_tokens,
                 offload_block_inputs=args.offload_block_inputs, keep_attention=args.keep_attention,
                 gradient_checkpointing=not args.no_gradient_checkpointing)

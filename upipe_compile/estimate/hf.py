@@ -69,6 +69,9 @@ class HFJob:
     cp: int
     nodes: int = 1
     """K data-parallel groups of ``cp`` ranks; FSDP shards over all ``cp x nodes``."""
+    ring_degree: int = 1
+    """R > 1: the ``cp`` ranks as a ring of R groups of ``cp / R`` (UPipeTrainer's ``ring_degree``:
+    all-to-all within a group, ring attention between groups, the row laid out zigzag)."""
     heads_per_stage: int | None = None
     loss_chunk_tokens: int = 0
     mlp_tile_tokens: int = 0
@@ -80,6 +83,11 @@ class HFJob:
     def world(self) -> int:
         return self.cp * self.nodes
 
+    @property
+    def a2a(self) -> int:
+        """The all-to-all ranks of a ring group; U is counted over them."""
+        return self.cp // self.ring_degree if self.ring_degree >= 1 and self.cp % self.ring_degree == 0 else self.cp
+
     def as_json(self) -> dict:
         return {**asdict(self), "config_file": str(config_path(self.config)), "world_size": self.world,
                 "fsdp": FSDP_POLICY}
@@ -87,25 +95,31 @@ class HFJob:
     def describe(self) -> str:
         stack = [f"{k} = {getattr(self, k)}" for k in ("loss_chunk_tokens", "mlp_tile_tokens") if getattr(self, k)]
         stack += [k for k in ("offload_block_inputs", "keep_attention") if getattr(self, k)]
+        ring = "" if self.ring_degree == 1 else f" (ring {self.ring_degree} x all-to-all {self.a2a})"
         return (f"transformers model {self.config} ({config_path(self.config)}) as UPipeTrainer trains it: "
-                f"{self.nodes} x {self.cp} ranks, FSDP2 over all ({FSDP_POLICY}), gradient checkpointing "
+                f"{self.nodes} x {self.cp}{ring} ranks, FSDP2 over all ({FSDP_POLICY}), gradient checkpointing "
                 f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}, stack: "
                 f"{', '.join(stack) or 'none'}")
 
     def problems(self) -> list[str]:
         out = []
-        for key in ("seq_len", "cp", "nodes"):
+        for key in ("seq_len", "cp", "nodes", "ring_degree"):
             if getattr(self, key) < 1:
                 out.append(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if out:
             return out
-        if self.seq_len % self.cp:
-            out.append(f"--seq-len {self.seq_len} is not divisible by --cp {self.cp}: the Trainer pads every row to a "
-                       f"multiple of P (pad_to_multiple_of={self.cp}); give such a length")
+        if self.cp % self.ring_degree:
+            return [f"--ring-degree {self.ring_degree} must divide --cp {self.cp}"]
+        multiple = self.cp * (2 if self.ring_degree > 1 else 1)  # two zigzag chunks a ring rank
+        if self.seq_len % multiple:
+            out.append(f"--seq-len {self.seq_len} is not divisible by {multiple}: the Trainer pads every row to a "
+                       f"multiple of P{' x 2 (zigzag)' if self.ring_degree > 1 else ''} (pad_to_multiple_of="
+                       f"{multiple}); give such a length")
         if self.world < 2:
             out.append("--cp x --nodes must be > 1: the estimate measures FSDP over several ranks")
-        if self.heads_per_stage is not None and (self.heads_per_stage < 1 or self.heads_per_stage % self.cp):
-            out.append(f"--heads-per-stage {self.heads_per_stage} must be a positive multiple of --cp {self.cp}")
+        if self.heads_per_stage is not None and (self.heads_per_stage < 1 or self.heads_per_stage % self.a2a):
+            out.append(f"--heads-per-stage {self.heads_per_stage} must be a positive multiple of the all-to-all "
+                       f"ranks ({self.a2a} = --cp / --ring-degree)")
         if self.offload_block_inputs and not self.gradient_checkpointing:
             out.append("--offload-block-inputs needs gradient checkpointing (without it a layer saves much more "
                        "than its input)")
@@ -253,10 +267,10 @@ def kept_attention_bytes(shape: ModelShape, job: HFJob, heads_per_stage: int, fu
     fp32 and with fused blocks the block's output [S/P, dim] (as the torchtitan estimate's)."""
     from upipe_compile.attention.schedule import plan_stages
 
-    schedule = plan_stages(shape.q_heads, shape.kv_heads, job.cp, heads_per_stage)
+    schedule = plan_stages(shape.q_heads, shape.kv_heads, job.a2a, heads_per_stage)
     local = job.seq_len // job.cp
     out = shape.q_heads * local * shape.head_dim * 2
-    lse = len(schedule.stages) * schedule.q_per_rank * job.seq_len * 4
+    lse = len(schedule.stages) * schedule.q_per_rank * (job.seq_len // job.ring_degree) * 4
     block = local * shape.dim * 2 if fused else 0
     return shape.n_layers * (out + lse + block)
 
@@ -283,7 +297,7 @@ def estimate_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
             plain_stack_loops():
         memory, model, kept_on_host = _measure(job, config, cuda_kernel)
     shape = shape_of(config, model)
-    heads_per_stage = job.heads_per_stage or job.cp
+    heads_per_stage = job.heads_per_stage or job.a2a
     calls = dict(eager_calls)
     modelled, modelled_host = {}, {}
     if cuda_kernel:
@@ -293,11 +307,11 @@ def estimate_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         # On the host only where the trainer's offloader takes them beside the block inputs; else
         # every layer's stay on the device through the backward.
         (modelled_host if kept_on_host else modelled)["kept_attention_outputs"] = kept
-    setup = Setup(seq_len=job.seq_len, cp=job.cp, heads_per_stage=heads_per_stage,
+    setup = Setup(seq_len=job.seq_len, cp=job.cp, heads_per_stage=heads_per_stage, ring_degree=job.ring_degree,
                   full_ac=job.gradient_checkpointing, keep_attention=job.keep_attention,
                   offload_block_inputs=job.offload_block_inputs, element_bytes=2)
     return result_of(memory, seq_len=job.seq_len, cuda_kernel=cuda_kernel, world=job.world, cp=job.cp,
-                     heads_per_stage=heads_per_stage, ring_degree=1, modelled=modelled, modelled_host=modelled_host,
+                     heads_per_stage=heads_per_stage, ring_degree=job.ring_degree, modelled=modelled, modelled_host=modelled_host,
                      gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib, device_ratio=device_ratio,
                      step_time=step_time_report(shape, setup), attention_calls=calls, start=start)
 
@@ -336,11 +350,16 @@ def _measure(job: HFJob, config, cuda_kernel):
         offloader.host_device = HOST  # the tracker counts "meta" as the host
     if job.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # Meshes outside fake mode (they hold real rank lists): accelerate's ("dp", "cp") layout,
-    # FSDP over every rank.
-    layout = init_device_mesh("cpu", (job.nodes, job.cp), mesh_dim_names=("dp", "cp"))
+    # Meshes outside fake mode (they hold real rank lists): UPipeTrainer's layouts (("dp", "cp"),
+    # or ("dp", "cp_ring", "cp_a2a") with a ring), FSDP over every rank.
+    if job.ring_degree == 1:
+        cp_mesh = init_device_mesh("cpu", (job.nodes, job.cp), mesh_dim_names=("dp", "cp"))["cp"]
+    else:
+        layout = init_device_mesh("cpu", (job.nodes, job.ring_degree, job.a2a),
+                                  mesh_dim_names=("dp", "cp_ring", "cp_a2a"))
+        cp_mesh = layout["cp_ring", "cp_a2a"]
     fsdp_mesh = init_device_mesh("cpu", (job.world,), mesh_dim_names=("fsdp",))
-    options = {"cp_mesh": layout["cp"]}
+    options = {"cp_mesh": cp_mesh}
     if job.heads_per_stage is not None:
         options["heads_per_stage"] = job.heads_per_stage
     _route_attention(model, options)
@@ -358,7 +377,7 @@ def _measure(job: HFJob, config, cuda_kernel):
         fused = cuda_kernel is not None
         norms = _fused_hf_rms_norms(model) if fused else contextlib.nullcontext()
         with kernel_models(fused, fused), norms, tracker:
-            memory = _train_step(model, optimizer, tracker, job, config, layout["cp"])
+            memory = _train_step(model, optimizer, tracker, job, config, cp_mesh)
     return memory, model, offloader is not None and offloader.kept_outputs
 
 
@@ -410,7 +429,7 @@ def _train_step(model, optimizer, tracker: PhaseTracker, job: HFJob, config, cp_
 def max_context_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
                    host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL,
                    device_ratio: float | None = None, progress: bool = True):
-    """The largest ``--seq-len`` (a multiple of 1024 x P) that fits both budgets, by the
+    """The largest ``--seq-len`` (a multiple of 1024 x P, x 2 with a ring) that fits both budgets, by the
     torchtitan estimate's search (search.py) from ``job.seq_len``: (tokens, its Estimate,
     probes, the bound that stopped it)."""
     from upipe_compile.estimate.search import search
@@ -419,5 +438,5 @@ def max_context_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node:
         return estimate_hf(replace(job, seq_len=seq_len), gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
                            host_gib=host_gib, cuda_kernel=cuda_kernel, device_ratio=device_ratio)
 
-    return search(estimate_at, job.seq_len, 1024 * job.cp, gpu_gib=gpu_gib, host_gib=host_gib, progress=progress,
+    return search(estimate_at, job.seq_len, 1024 * job.cp * (2 if job.ring_degree > 1 else 1), gpu_gib=gpu_gib, host_gib=host_gib, progress=progress,
                   name="--seq-len")

@@ -10,8 +10,8 @@ same names, so optimizer, DDP/FSDP and checkpoints see nothing new) and installs
   :func:`upipe_compile.stack.chunked_loss.linear_cross_entropy` on them with the labels and
   ``num_items_in_batch`` transformers' own ``ForCausalLMLoss`` would get (so the Trainer's
   token weighting over the step is unchanged). Only models whose ``ForCausalLM.forward`` is
-  Llama's statement for statement (``lm_head`` straight into ``loss_function``, nothing done
-  to the logits between) and whose head has no bias and no logit scaling or soft-capping.
+  Llama's or Mixtral's (MoE: the router's loss added after) statement for statement
+  (``lm_head`` straight into ``loss_function``, nothing done to the logits between) and whose head has no bias and no logit scaling or soft-capping.
 - ``mlp_tile_tokens``: each ``model.model.layers[i].mlp`` that is a SiLU-gated MLP of a known
   class becomes :class:`TiledGatedMLP` (:func:`upipe_compile.stack.tiled_mlp.swiglu`).
 - ``offload_block_inputs``: :class:`upipe_compile.stack.offload.BlockInputOffloader` on the
@@ -111,15 +111,18 @@ def _body(function) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _llama_forward_body() -> str:
-    from transformers import LlamaForCausalLM
+def _known_forward_bodies() -> tuple[str, ...]:
+    """LlamaForCausalLM's forward (``lm_head`` straight into ``loss_function``) and
+    MixtralForCausalLM's (the same, then the router's auxiliary loss, which reads the router
+    logits, never the output logits, added to the loss): the forms most families share."""
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-    return _body(LlamaForCausalLM.forward)
+    return _body(LlamaForCausalLM.forward), _body(MixtralForCausalLM.forward)
 
 
-def _forward_is_llamas(cls) -> bool:
+def _forward_is_known(cls) -> bool:
     try:
-        return _body(cls.forward) == _llama_forward_body()
+        return _body(cls.forward) in _known_forward_bodies()
     except (OSError, TypeError, SyntaxError):
         return False
 
@@ -140,9 +143,9 @@ def loss_problems(model: nn.Module, chunk: int) -> list[str]:
     for scale in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
         if getattr(text, scale, None) not in (None, 1, 1.0) or scale in vars(model):
             return [f"{key}: {name} scales its logits ({scale}), which the chunked loss does not apply: {fix}"]
-    if not _forward_is_llamas(type(model)):
-        return [f"{key}: {name}.forward is not LlamaForCausalLM's (lm_head straight into loss_function), so "
-                f"it may do something to the logits the chunked loss would not: {fix}"]
+    if not _forward_is_known(type(model)):
+        return [f"{key}: {name}.forward is neither LlamaForCausalLM's nor MixtralForCausalLM's (lm_head straight "
+                f"into loss_function), so it may do something to the logits the chunked loss would not: {fix}"]
     return []
 
 

@@ -168,6 +168,23 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     return out
 
 
+def ring_mesh(cp_mesh, ring: int):
+    """accelerate's "cp" mesh dimension as UPipeTrainer's ring layout: ``ring`` groups of
+    ``P / ring`` consecutive ranks ("cp_ring" x "cp_a2a": all-to-all within a group, ring attention
+    between them, as the DDP layout makes them); ``ring`` = 1: the mesh as it is."""
+    size = cp_mesh.size()
+    if ring < 1 or size % ring:
+        raise UnsupportedAttention(f"ring_degree={ring} must be >= 1 and divide ParallelismConfig(cp_size={size})")
+    if ring == 1:
+        return cp_mesh
+    if not hasattr(cp_mesh, "_unflatten"):
+        raise UnsupportedAttention(
+            f"ring_degree={ring} with ParallelismConfig(cp_size={size}) splits accelerate's cp mesh dimension, which "
+            f"this torch ({torch.__version__}) cannot do (DeviceMesh._unflatten): upgrade torch, or pass cp_size= and "
+            "ring_degree= to the trainer without ParallelismConfig (DDP)")
+    return cp_mesh._unflatten(0, (ring, size // ring), ("cp_ring", "cp_a2a"))
+
+
 def _groups_of(mesh) -> list:
     """The process groups of each dimension of a 1-D or 2-D mesh."""
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
@@ -201,7 +218,8 @@ class UPipeTrainerMixin:
       ``cp_size`` is P.
     - ``ring_degree``: R > 1 splits the P ranks into a ring of R groups of P / R consecutive
       ranks (all-to-all within a group, ring attention between them: several nodes), the
-      sequence laid out zigzag over the ring; without ``ParallelismConfig``.
+      sequence laid out zigzag over the ring; with ``ParallelismConfig(cp_size=P)`` its "cp"
+      mesh dimension is split so (:func:`ring_mesh`).
     - ``keep_attention``: with ``gradient_checkpointing=True``, the recompute in backward skips
       attention (:mod:`upipe_compile.stack.keep_attention`); the trainer works on a copy of the
       arguments with that ``context_fn``, never on the user's.
@@ -267,14 +285,10 @@ class UPipeTrainerMixin:
                 "not supported yet")
         ring = self._upipe_ring_degree
         if pc is not None and pc.cp_enabled:
-            if ring != 1:
-                raise UnsupportedAttention(
-                    f"ring_degree={ring} with ParallelismConfig(cp_size={pc.cp_size}) is not supported: pass cp_size= "
-                    "and ring_degree= to the trainer without ParallelismConfig (DDP)")
             if self._upipe_cp_size not in (None, pc.cp_size):
                 raise UnsupportedAttention(
                     f"cp_size={self._upipe_cp_size} but ParallelismConfig(cp_size={pc.cp_size}): give P once")
-            world, mesh = pc.cp_size, acc.torch_device_mesh["cp"]
+            world, mesh = pc.cp_size, ring_mesh(acc.torch_device_mesh["cp"], ring)
             # Not torch's ring attention and accelerate's mask hooks: upipe is the context parallelism.
             acc._prepare_cp = lambda *objs: objs
         else:
