@@ -141,9 +141,9 @@ def refusals() -> list:
     return [(case, refused(run, True, profile=False, **kw)) for case, kw in cases.items()]
 
 
-def run_sft(upipe: bool, **stack):
-    """TRL's SFTTrainer, padding-free packing (its default gradient checkpointing on), Llama;
-    returns (logged losses, final parameters[, evidence with ``upipe``])."""
+def run_sft(upipe: bool, family: str = "llama", **stack):
+    """TRL's SFTTrainer, padding-free packing (its default gradient checkpointing on); returns
+    (logged losses, final parameters[, evidence with ``upipe``])."""
     from trl import SFTConfig, SFTTrainer
 
     from hf_trainer_jobs import sft_dataset, tokenizer
@@ -156,7 +156,7 @@ def run_sft(upipe: bool, **stack):
         with tempfile.TemporaryDirectory() as out:
             args = SFTConfig(**_common(out), padding_free=True, pad_to_multiple_of=48, bf16=False, max_length=None,
                              dataset_num_proc=None)
-            kwargs = dict(model=build_model(), args=args, train_dataset=sft_dataset(12, VOCAB),
+            kwargs = dict(model=build_model(family), args=args, train_dataset=sft_dataset(12, VOCAB),
                           processing_class=tokenizer(VOCAB), callbacks=[record])
             if not upipe:
                 trainer = SFTTrainer(**kwargs)

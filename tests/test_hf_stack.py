@@ -157,12 +157,14 @@ def test_keep_attention_composes_with_offload(rank_pools):
             k["ops"], p["ops"])
 
 
-def test_sft_trainer_with_tiled_mlp_and_offload_trains_exactly(rank_pools):
+@pytest.mark.parametrize("family,world", [("llama", WORLD), ("mistral", 4)])
+def test_sft_trainer_with_tiled_mlp_and_offload_trains_exactly(rank_pools, family, world):
     """UPipeSFTTrainer, padding-free packed rows (TRL's default checkpointing, its own chunked
-    LM head): tiled MLP and offload on, TRL's SFTTrainer's numbers on one process."""
-    ranks = rank_pools(WORLD).run(jobs.run_sft, True, mlp_tile_tokens=TILE, offload_block_inputs=True,
+    LM head): tiled MLP and offload on, TRL's SFTTrainer's numbers on one process; Llama on 2
+    ranks, Mistral's sliding window on 4."""
+    ranks = rank_pools(world).run(jobs.run_sft, True, family, mlp_tile_tokens=TILE, offload_block_inputs=True,
                                   host_memory_reserve_gib=0)
-    ref_losses, ref_params = jobs.run_sft(False)
+    ref_losses, ref_params = jobs.run_sft(False, family)
     assert len(ref_losses) >= 2
     for losses, params, evidence in ranks:
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOLERANCE, (losses, ref_losses)
