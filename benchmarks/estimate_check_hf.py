@@ -116,7 +116,7 @@ def measure_step(case: Case, path: str, explain: bool = False) -> dict:
 
     from upipe_compile.estimate.hf import _shard, load_config
     from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, compile_layers
-    from upipe_compile.integrations.hf_trainer import upipe_batch
+    from upipe_compile.integrations.hf_batch import upipe_batch
     from upipe_compile.integrations.transformers import register
 
     torch._dynamo.reset()

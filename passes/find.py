@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -14,7 +15,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-import upipe_compile
 import upipe_compile.packed.document_sdpa  # noqa: F401  (registers upipe::document_sdpa)
 
 # Dynamo records F.scaled_dot_product_attention (the same object as
@@ -131,17 +131,35 @@ def _matches_in(gm: fx.GraphModule) -> Iterator[AttentionMatch]:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n(?P<code>[^\n]*)')
 
 
-# Frames inside torch (flex_attention records its node there) or upipe_compile itself
-# (document_sdpa, the transformers attention function) are not the user's line.
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(upipe_compile.__file__) + os.sep)
+_LIBRARIES = ("torch", "upipe_compile")
+_library_files: tuple[int, frozenset] = (0, frozenset())
+
+
+def library_files() -> frozenset:
+    """The files of every loaded module of torch and upipe_compile, found by module name, not by
+    folder: in a checkout the package maps ``upipe_compile.passes`` and
+    ``upipe_compile.integrations.torchtitan`` in from folders beside ``upipe_compile/``.
+    Made again only when modules were loaded since (a model has many attention nodes)."""
+    global _library_files
+    loaded = len(sys.modules)
+    if _library_files[0] != loaded:
+        files = set()
+        for name, module in list(sys.modules.items()):
+            path = getattr(module, "__file__", None) if name.split(".", 1)[0] in _LIBRARIES else None
+            if path:
+                files.add(os.path.realpath(path))
+        _library_files = (loaded, frozenset(files))
+    return _library_files[1]
 
 
 def source_line(node: fx.Node) -> str:
     """``file:line in function: code`` of the user's call (the innermost frame outside torch
-    and upipe_compile), from the node's stack trace."""
+    and upipe_compile: flex_attention records its node inside torch, document_sdpa and the
+    transformers attention function inside upipe), from the node's stack trace."""
     frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
     if not frames:
         return f"<graph node {node.name}, no source line recorded>"
-    outside = [frame for frame in frames if not frame["file"].startswith(_LIBRARY_DIRS)]
+    library = library_files()
+    outside = [frame for frame in frames if os.path.realpath(frame["file"]) not in library]
     last = (outside or frames)[-1]
     return f'{last["file"]}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'

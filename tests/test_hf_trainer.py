@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import hf_trainer_jobs as jobs  # noqa: E402
 from upipe_compile.errors import UnsupportedAttention  # noqa: E402
-from upipe_compile.integrations.hf_trainer import upipe_batch  # noqa: E402
+from upipe_compile.integrations.hf_batch import upipe_batch  # noqa: E402
 
 TOLERANCE = 1e-5
 WORLD = 2
@@ -206,12 +206,11 @@ def test_deepspeed_sp_is_refused():
 
     from accelerate import ParallelismConfig
 
-    from upipe_compile.integrations.hf_trainer import UPipeTrainerMixin
+    from upipe_compile.integrations.hf_layout import process_layout
 
     pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
-    fake = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=pc))
     with pytest.raises(UnsupportedAttention, match="sp_size=2.*DeepSpeed"):
-        UPipeTrainerMixin._upipe_setup(fake)
+        process_layout(SimpleNamespace(parallelism_config=pc), None, 1)
 
 
 def test_keep_attention_with_gradient_checkpointing_matches_one_process(rank_pools):
@@ -236,7 +235,7 @@ def test_ring_mesh_splits_accelerates_cp_dimension():
     from torch.distributed.device_mesh import init_device_mesh
 
     from upipe_compile.errors import UnsupportedAttention
-    from upipe_compile.integrations.hf_trainer import ring_mesh
+    from upipe_compile.integrations.hf_layout import ring_mesh
     from upipe_compile.measure.memory import fake_process_group
 
     with fake_process_group(16):

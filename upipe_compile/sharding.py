@@ -19,13 +19,20 @@ from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.passes.token_mixing import mark_sequence_dim
 
 
+def sequence_multiple(cp: int, ring_degree: int = 1) -> int:
+    """What every sequence length must be a multiple of: P equal shards, or with a ring each of
+    the R ring ranks' two zigzag chunks split over its P / R all-to-all ranks (2P). The one
+    statement of the rule; the trainers, the torchtitan checks and the estimate ask it."""
+    return cp * (2 if ring_degree > 1 else 1)
+
+
 def shard_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor:
     """This rank's shard of ``t`` along ``dim`` (the full sequence is the same on every
     rank). Refuses lengths the layout cannot cut evenly."""
     group, ring_group = resolve_groups(cp_mesh)
     world, length = group.size(), t.shape[dim]
     ring = 1 if ring_group is None else ring_group.size()
-    pieces = world * (1 if ring_group is None else 2 * ring)
+    pieces = sequence_multiple(world * ring, ring)
     if length % pieces:
         layout = (f"the context-parallel size {world}" if ring_group is None else
                   f"2 x ring degree {ring} x all-to-all degree {world} (two zigzag chunks per ring rank)")

@@ -43,6 +43,7 @@ from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
 from upipe_compile.integrations.torchtitan.documents import use_document_attention
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.options import option_problems
+from upipe_compile.sharding import sequence_multiple
 from upipe_compile.stack.keep_attention import KEPT_OPS
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def _ring_problems(job_config, cp: int, ring: int) -> list[str]:
         return [f"[upipe] ring_degree = {ring} must divide [parallelism] context_parallel_degree = {cp} "
                 "(the CP ranks split into ring_degree groups of equal size)"]
     problems = []
-    pieces = 2 * cp
+    pieces = sequence_multiple(cp, ring)
     if job_config.training.seq_len % pieces:
         problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by 2 x "
                         f"context_parallel_degree = {pieces} with [upipe] ring_degree = {ring} (two zigzag "

@@ -36,6 +36,7 @@ from upipe_compile.integrations.torchtitan.parallelize import (
     _sum_reductions_on_gloo, compile_blocks, upipe_enabled,
 )
 from upipe_compile.options import option_problems
+from upipe_compile.sharding import sequence_multiple
 from upipe_compile.stack.keep_attention import KEPT_OPS, keep_attention
 
 
@@ -83,9 +84,10 @@ def config_problems(config) -> list[str]:
                         f"parallelism.context_parallel_degree = {cp}")
     if ring < 1 or cp % ring:
         problems.append(f"upipe.ring_degree = {ring} must be >= 1 and divide parallelism.context_parallel_degree = {cp}")
-    elif ring > 1 and training.seq_len % (2 * cp):
+    elif ring > 1 and training.seq_len % sequence_multiple(cp, ring):
         problems.append(f"training.seq_len = {training.seq_len} must be divisible by 2 x context_parallel_degree = "
-                        f"{2 * cp} with upipe.ring_degree = {ring} (two zigzag chunks per ring rank)")
+                        f"{sequence_multiple(cp, ring)} with upipe.ring_degree = {ring} (two zigzag chunks per ring "
+                        "rank)")
     a2a = cfg.all_to_all_degree(cp)
     problems += [f"upipe.{p_}" for p_ in option_problems(
         world=a2a, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,

@@ -20,7 +20,7 @@ P x K ranks (K data-parallel groups of P context-parallel ranks):
   default) with its state already present.
 
 Then one step under step.py's tracker: rank 0's shard of one row of N tokens
-(:func:`upipe_compile.integrations.hf_trainer.upipe_batch`: global positions, shifted labels),
+(:func:`upipe_compile.integrations.hf_batch.upipe_batch`: global positions, shifted labels),
 forward with the model's own loss over ``num_items_in_batch`` (the Trainer's), backward,
 gradient clipping (``max_grad_norm=1``), the optimizer step. The report is the torchtitan
 estimate's (``result_of``): budget, device ratio, host memory per node.
@@ -48,6 +48,7 @@ from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, decoder_layers
 from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import eager_calls
+from upipe_compile.sharding import sequence_multiple
 
 FSDP_POLICY = "fp32 master weights, bf16 params / bf16 reduce (accelerate's FSDP2 default policy)"
 
@@ -110,7 +111,7 @@ class HFJob:
             return out
         if self.cp % self.ring_degree:
             return [f"--ring-degree {self.ring_degree} must divide --cp {self.cp}"]
-        multiple = self.cp * (2 if self.ring_degree > 1 else 1)  # two zigzag chunks a ring rank
+        multiple = sequence_multiple(self.cp, self.ring_degree)
         if self.seq_len % multiple:
             out.append(f"--seq-len {self.seq_len} is not divisible by {multiple}: the Trainer pads every row to a "
                        f"multiple of P{' x 2 (zigzag)' if self.ring_degree > 1 else ''} (pad_to_multiple_of="
@@ -386,7 +387,7 @@ def _train_step(model, optimizer, tracker: PhaseTracker, job: HFJob, config, cp_
     the model's forward with its loss, backward, clipping, the optimizer step."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from upipe_compile.integrations.hf_trainer import upipe_batch
+    from upipe_compile.integrations.hf_batch import upipe_batch
 
     def label(name):
         tracker.outside_model = name
@@ -438,5 +439,5 @@ def max_context_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node:
         return estimate_hf(replace(job, seq_len=seq_len), gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
                            host_gib=host_gib, cuda_kernel=cuda_kernel, device_ratio=device_ratio)
 
-    return search(estimate_at, job.seq_len, 1024 * job.cp * (2 if job.ring_degree > 1 else 1), gpu_gib=gpu_gib, host_gib=host_gib, progress=progress,
-                  name="--seq-len")
+    return search(estimate_at, job.seq_len, 1024 * sequence_multiple(job.cp, job.ring_degree), gpu_gib=gpu_gib,
+                  host_gib=host_gib, progress=progress, name="--seq-len")

@@ -13,12 +13,9 @@ What the mixin (:class:`UPipeTrainerMixin`, placed before the trainer class) doe
   transformers.register`) and switches the model to it, then compiles the model's backbone
   (``model.base_model``) in place with ``backend="upipe"`` over the context-parallel group.
   The LM head and the loss stay eager (transformers' loss, or TRL's fused LM head).
-- data: every context-parallel rank gets the SAME batch; each batch is validated on the full
-  sequence, labels are shifted on the full sequence (``shift_labels``, last position -100)
-  and then every per-token tensor is cut into contiguous shards (rank r holds tokens
-  ``[r S/P, (r + 1) S/P)``, as :func:`upipe_compile.shard_sequence`); position ids are
-  kept (global positions, or per document for packed rows), and the documents' boundaries
-  ``cu_seq_lens_q/k`` come from the full sequence's position ids and are never sharded.
+- data: every context-parallel rank gets the SAME batch, cut into this rank's shard by
+  :func:`upipe_compile.integrations.hf_batch.upipe_batch` (checked on the full sequence, labels
+  shifted there, contiguous shards, positions kept, document boundaries never sharded).
 - loss: each rank's loss is the sum of its tokens' losses over the number of labelled tokens
   in the whole optimizer step (all micro-batches of gradient accumulation, all data-parallel
   replicas, each counted once although P ranks see it), passed as Trainer's
@@ -27,7 +24,7 @@ What the mixin (:class:`UPipeTrainerMixin`, placed before the trainer class) doe
   average gradients over them, so the gradient is the token-weighted mean over the global
   batch, and the logged loss (the mean over processes) is the full sequence's loss.
 
-Process layouts:
+Process layouts (:mod:`upipe_compile.integrations.hf_layout`, with the set-up refusals):
 
 - CPU or GPUs without ``ParallelismConfig``: DDP over all processes (accelerate's
   MULTI_CPU/MULTI_GPU), P = ``cp_size`` (default: all of them), data-parallel degree
@@ -57,133 +54,11 @@ import torch
 import torch.distributed as dist
 
 from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.integrations.hf_batch import IGNORE_INDEX, upipe_batch
+from upipe_compile.integrations.hf_layout import argument_problems, process_layout, with_kept_attention
+from upipe_compile.sharding import sequence_multiple
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-
-
-def _right_padded(mask: torch.Tensor) -> bool:
-    """Each row is ones then zeros (and starts with a one)."""
-    if mask.dim() != 2:
-        return False
-    m = mask.to(torch.int64)
-    return bool((m[:, 0] == 1).all()) and bool((m[:, 1:] <= m[:, :-1]).all()) and bool(((m == 0) | (m == 1)).all())
-
-
-def shift_labels_of(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """``shift_labels[t] = labels[t + 1]``, the last position ``ignore_index``: what a causal LM's
-    loss does inside, done once on the full sequence so that the token at a shard's end keeps the
-    label of the next shard's first token."""
-    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
-
-
-def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> dict:
-    """This rank's model kwargs from one full-sequence batch (the same on every
-    context-parallel rank), as Trainer's collators make it: ``input_ids`` ``[B, S]`` and
-    optionally ``labels``, ``attention_mask``, ``position_ids``, ``shift_labels``,
-    ``cu_seq_lens_q/k`` and other per-token ``[B, S]`` tensors.
-
-    Checks the batch (padding, divisibility), shifts the labels on the full sequence into
-    ``shift_labels``, makes position ids when there are none, derives the documents'
-    boundaries of a packed row from its position ids, and returns every per-token tensor's
-    contiguous shard, the boundaries unsharded. Pure function of the batch and the rank."""
-    from upipe_compile.attention.collectives import resolve_groups
-    from upipe_compile.packed.documents import cu_seqlens_from_position_ids
-    from upipe_compile.sharding import shard_sequence
-
-    ring = cp_mesh is not None and getattr(cp_mesh, "ndim", 1) == 2  # ring x all-to-all: two zigzag chunks a ring rank
-    if world is None:
-        groups = resolve_groups(cp_mesh)
-        world = groups[0].size() * (1 if groups[1] is None else groups[1].size())
-    multiple = world * (2 if ring else 1)
-    inputs = dict(inputs)
-    if inputs.get("inputs_embeds") is not None:
-        raise UnsupportedAttention(
-            "upipe's trainer shards input_ids; a batch with inputs_embeds is not supported: pass input_ids")
-    ids = inputs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise UnsupportedAttention(
-            f"upipe's trainer needs input_ids [batch, sequence] in every batch, got "
-            f"{None if ids is None else tuple(getattr(ids, 'shape', ()))}")
-    batch, length = ids.shape
-
-    mask = inputs.pop("attention_mask", None)
-    labels = inputs.get("labels")
-    if mask is not None and not bool(mask.all()):
-        if not _right_padded(mask):
-            raise UnsupportedAttention(
-                "the batch has a padding mask that is not right padding (a zero before a one in a row: left "
-                "padding, or padding between documents); under context parallelism a token would attend over "
-                "padding that upipe cannot mask. Pad on the right (tokenizer.padding_side='right', the collators' "
-                "default), or pack without padding: SFTConfig(padding_free=True), or DataCollatorWithFlattening")
-        if labels is not None and bool((labels[mask == 0] != IGNORE_INDEX).any()):
-            raise UnsupportedAttention(
-                f"padded positions carry labels: set labels to {IGNORE_INDEX} where attention_mask is 0 (TRL's "
-                "collators and DataCollatorForLanguageModeling do), so that padding never enters the loss")
-        # Right padding needs no mask under causal attention: no real token attends to a later
-        # padded one, and padded positions carry no label.
-    if length % multiple:
-        layout = f"the context-parallel size {world}" + (" x 2 (two zigzag chunks a ring rank)" if ring else "")
-        raise UnsupportedAttention(
-            f"sequence length {length} is not divisible by {layout}: pad every batch to a "
-            f"multiple of {multiple}: SFTConfig(pad_to_multiple_of={multiple}), "
-            f"DataCollatorForLanguageModeling(..., pad_to_multiple_of={multiple}) or "
-            f"DataCollatorWithPadding(..., pad_to_multiple_of={multiple}) (padding goes on the right, labels "
-            f"{IGNORE_INDEX})")
-
-    if labels is not None and "shift_labels" not in inputs:
-        inputs["shift_labels"] = shift_labels_of(labels)
-
-    positions = inputs.get("position_ids")
-    if positions is None:
-        positions = torch.arange(length, device=ids.device).expand(batch, length)
-        inputs["position_ids"] = positions
-    elif positions.shape != ids.shape:
-        raise UnsupportedAttention(
-            f"position_ids {tuple(positions.shape)} do not match input_ids {tuple(ids.shape)}")
-    if batch == 1:
-        # One (possibly packed) row: the documents' boundaries over the full sequence, made
-        # once per step from the full position ids (a collator's own are replaced by them).
-        # Only cu_seq_lens_q: the attention reads k's as q's (self-attention), and a second
-        # keyword for the same tensor loses its identity under activation checkpointing's
-        # tracing (the attention could no longer tell that they agree).
-        cu = cu_seqlens_from_position_ids(positions).to(ids.device)
-        inputs.pop("cu_seq_lens_k", None)
-        if cu.numel() > 2 or "cu_seq_lens_q" in inputs:
-            inputs["cu_seq_lens_q"] = cu
-    elif "cu_seq_lens_q" in inputs or "cu_seq_lens_k" in inputs:
-        raise UnsupportedAttention(
-            f"cu_seq_lens_q/k with {batch} rows: packed batches are one row (TRL's padding_free, "
-            "DataCollatorWithFlattening)")
-
-    out = {}
-    for name, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, length) \
-                and not name.startswith("cu_seq_lens"):
-            # contiguous: the model's loss views its labels (shift_labels.view(-1))
-            out[name] = shard_sequence(value, cp_mesh, dim=1).contiguous() if world > 1 else value
-        else:
-            out[name] = value
-    return out
-
-
-def ring_mesh(cp_mesh, ring: int):
-    """accelerate's "cp" mesh dimension as UPipeTrainer's ring layout: ``ring`` groups of
-    ``P / ring`` consecutive ranks ("cp_ring" x "cp_a2a": all-to-all within a group, ring attention
-    between them, as the DDP layout makes them); ``ring`` = 1: the mesh as it is."""
-    size = cp_mesh.size()
-    if ring < 1 or size % ring:
-        raise UnsupportedAttention(f"ring_degree={ring} must be >= 1 and divide ParallelismConfig(cp_size={size})")
-    if ring == 1:
-        return cp_mesh
-    if not hasattr(cp_mesh, "_unflatten"):
-        raise UnsupportedAttention(
-            f"ring_degree={ring} with ParallelismConfig(cp_size={size}) splits accelerate's cp mesh dimension, which "
-            f"this torch ({torch.__version__}) cannot do (DeviceMesh._unflatten): upgrade torch, or pass cp_size= and "
-            "ring_degree= to the trainer without ParallelismConfig (DDP)")
-    return cp_mesh._unflatten(0, (ring, size // ring), ("cp_ring", "cp_a2a"))
-
 
 def _groups_of(mesh) -> list:
     """The process groups of each dimension of a 1-D or 2-D mesh."""
@@ -219,7 +94,7 @@ class UPipeTrainerMixin:
     - ``ring_degree``: R > 1 splits the P ranks into a ring of R groups of P / R consecutive
       ranks (all-to-all within a group, ring attention between them: several nodes), the
       sequence laid out zigzag over the ring; with ``ParallelismConfig(cp_size=P)`` its "cp"
-      mesh dimension is split so (:func:`ring_mesh`).
+      mesh dimension is split so (:func:`upipe_compile.integrations.hf_layout.ring_mesh`).
     - ``keep_attention``: with ``gradient_checkpointing=True``, the recompute in backward skips
       attention (:mod:`upipe_compile.stack.keep_attention`); the trainer works on a copy of the
       arguments with that ``context_fn``, never on the user's.
@@ -268,76 +143,21 @@ class UPipeTrainerMixin:
 
     def _upipe_setup(self) -> None:
         from accelerate.utils import DistributedType
-        from torch.distributed.device_mesh import init_device_mesh
 
         from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, register
 
         acc = self.accelerator
-        pc = getattr(acc, "parallelism_config", None)
-        if pc is not None and getattr(pc, "sp_size", 1) > 1:
-            raise UnsupportedAttention(
-                f"ParallelismConfig(sp_size={pc.sp_size}, sp_backend={pc.sp_backend!r}) is DeepSpeed's Ulysses "
-                "sequence parallelism, which upipe replaces: use ParallelismConfig(cp_size=P) with FSDP2 on GPUs, "
-                "or no ParallelismConfig (cp_size= on the trainer) with DDP")
-        if pc is not None and getattr(pc, "tp_size", 1) > 1:
-            raise UnsupportedAttention(
-                f"ParallelismConfig(tp_size={pc.tp_size}): tensor parallelism with upipe's context parallelism is "
-                "not supported yet")
-        ring = self._upipe_ring_degree
-        if pc is not None and pc.cp_enabled:
-            if self._upipe_cp_size not in (None, pc.cp_size):
-                raise UnsupportedAttention(
-                    f"cp_size={self._upipe_cp_size} but ParallelismConfig(cp_size={pc.cp_size}): give P once")
-            world, mesh = pc.cp_size, ring_mesh(acc.torch_device_mesh["cp"], ring)
-            # Not torch's ring attention and accelerate's mask hooks: upipe is the context parallelism.
-            acc._prepare_cp = lambda *objs: objs
-        else:
-            processes = acc.num_processes
-            world = self._upipe_cp_size or processes
-            if processes % world:
-                raise UnsupportedAttention(
-                    f"cp_size={world} does not divide the {processes} processes")
-            if world > 1 and acc.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-                raise UnsupportedAttention(
-                    f"upipe's trainer runs under DDP (MULTI_CPU/MULTI_GPU) or accelerate's "
-                    f"ParallelismConfig(cp_size=P) with FSDP2; got {acc.distributed_type}: with FSDP2 pass "
-                    f"TrainingArguments(parallelism_config=ParallelismConfig(dp_shard_size=..., cp_size={world}))")
-            if ring < 1 or world % ring:
-                raise UnsupportedAttention(f"ring_degree={ring} must be >= 1 and divide cp_size={world}")
-            mesh = None
-            if world > 1:
-                device_type = "cpu" if acc.device.type == "cpu" else acc.device.type
-                if ring == 1:
-                    layout = init_device_mesh(device_type, (processes // world, world), mesh_dim_names=("dp", "cp"))
-                    mesh = layout["cp"]
-                else:
-                    layout = init_device_mesh(device_type, (processes // world, ring, world // ring),
-                                              mesh_dim_names=("dp", "cp_ring", "cp_a2a"))
-                    mesh = layout["cp_ring", "cp_a2a"]
-                self._upipe_replicas = layout["dp"]
-                self._upipe_own_layout = True
+        layout = process_layout(acc, self._upipe_cp_size, self._upipe_ring_degree)
+        world, mesh = layout.world, layout.mesh
+        self._upipe_replicas, self._upipe_own_layout = layout.replicas, layout.own
         self._upipe_world, self._upipe_mesh = world, mesh
         if self._upipe_keep_attention:
-            self.args = _with_kept_attention(self.args)
+            self.args = with_kept_attention(self.args)
 
-        args = self.args
         if world > 1:
-            if getattr(args, "label_smoothing_factor", 0) > 0:
-                raise UnsupportedAttention(
-                    "label_smoothing_factor > 0 shifts labels inside each shard; not supported with upipe's context "
-                    "parallelism: set label_smoothing_factor=0")
-            if self.compute_loss_func is not None:
-                raise UnsupportedAttention(
-                    "compute_loss_func receives one shard's unshifted labels under context parallelism; not "
-                    "supported with upipe: use the model's loss (shift_labels and num_items_in_batch reach it)")
-            if not args.average_tokens_across_devices:
-                raise UnsupportedAttention(
-                    "average_tokens_across_devices=False would weight each rank's shard by its own token count: "
-                    "set average_tokens_across_devices=True")
-            if not getattr(self, "_loss_shifts_labels", False) or not self.model_accepts_loss_kwargs:
-                raise UnsupportedAttention(
-                    f"{type(self.model).__name__} is not a causal LM whose loss takes shift_labels and "
-                    "num_items_in_batch (transformers' ForCausalLMLoss): upipe's trainer supports causal LMs")
+            problems = argument_problems(self)
+            if problems:
+                raise UnsupportedAttention("; ".join(problems))
 
         model = acc.unwrap_model(self.model)
         from upipe_compile.integrations.hf_stack import apply_stack, compile_layers
@@ -501,28 +321,6 @@ class UPipeTrainerMixin:
         return contextlib.nullcontext, batch
 
 
-def _with_kept_attention(args):
-    """A copy of ``args`` whose gradient checkpointing keeps upipe's attention outputs.
-    transformers 5.x names the settings ``activation_checkpointing(_kwargs)``, earlier releases
-    ``gradient_checkpointing(_kwargs)``."""
-    import copy
-
-    from upipe_compile.stack.keep_attention import keep_attention
-
-    prefix = "activation" if hasattr(args, "activation_checkpointing_kwargs") else "gradient"
-    kwargs = dict(getattr(args, f"{prefix}_checkpointing_kwargs") or {})
-    if not getattr(args, f"{prefix}_checkpointing"):
-        raise UnsupportedAttention(f"keep_attention=True needs TrainingArguments({prefix}_checkpointing=True): "
-                                   "without a recompute attention runs once anyway")
-    if kwargs.get("use_reentrant", False) or kwargs.get("context_fn") not in (None, keep_attention):
-        raise UnsupportedAttention(
-            f"keep_attention=True sets {prefix}_checkpointing_kwargs' context_fn and needs use_reentrant=False; "
-            f"got {kwargs}")
-    kept = copy.copy(args)
-    setattr(kept, f"{prefix}_checkpointing_kwargs", {**kwargs, "use_reentrant": False, "context_fn": keep_attention})
-    return kept
-
-
 @functools.lru_cache(maxsize=None)
 def _trainer_class():
     from transformers import Trainer
@@ -551,7 +349,7 @@ def _sft_trainer_class():
             cfg = args[1] if in_args else kwargs.get("args")
             self._upipe_cp_size = kwargs.get("cp_size")
             if cfg is not None:
-                size = self._upipe_plan_size(cfg) * (2 if kwargs.get("ring_degree", 1) > 1 else 1)  # zigzag chunks
+                size = sequence_multiple(self._upipe_plan_size(cfg), kwargs.get("ring_degree", 1))
                 multiple = cfg.pad_to_multiple_of or 1
                 if size > 1 and multiple % size:
                     cfg = copy.copy(cfg)  # the trainer's own copy: the user's config object stays as given

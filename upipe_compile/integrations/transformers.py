@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from upipe_compile.integrations.transformers_kwargs import IGNORED_KWARGS
+
 log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "upipe"
@@ -113,15 +115,6 @@ def _is_chunk_size(config, local_size) -> bool:
     return True
 
 
-# Keywords transformers' models pass that change nothing here: cache and output flags, the
-# longest document (upipe derives it from the boundaries), the loss's keywords that a causal
-# LM's forward hands its backbone along with the rest (Trainer's ``num_items_in_batch``,
-# context parallelism's ``shift_labels``) and TRL's per-token document index ``seq_idx``
-# (for linear attention's convolutions; softmax attention reads cu_seq_lens).
-_IGNORED_KWARGS = frozenset({"use_cache", "output_attentions", "output_router_logits", "cache_position",
-                             "max_length_q", "max_length_k", "num_items_in_batch", "shift_labels", "seq_idx"})
-
-
 def _where(module) -> str:
     """The model's attention forward, ``file:line (Class.forward)``, for messages."""
     import inspect
@@ -144,7 +137,7 @@ def _upipe_attention_forward(module, query, key, value, attention_mask, dropout=
     from upipe_compile.packed.document_sdpa import document_sdpa
     from upipe_compile.errors import UnsupportedAttention
 
-    unknown = sorted(set(kwargs) - _IGNORED_KWARGS)
+    unknown = sorted(set(kwargs) - IGNORED_KWARGS)
     if unknown:
         raise UnsupportedAttention(
             f"{_where(module)} passes {unknown} to the attention function; upipe does not know what they change "

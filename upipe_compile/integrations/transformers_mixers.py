@@ -19,7 +19,7 @@ import importlib
 
 import torch
 
-from upipe_compile.integrations.transformers import _IGNORED_KWARGS
+from upipe_compile.integrations.transformers_kwargs import IGNORED_KWARGS
 from upipe_compile.mixers import ops  # noqa: F401  (registers the ops)
 from upipe_compile.mixers.lightning import lightning_attention
 from upipe_compile.mixers.registry import encode, register_mixer
@@ -108,7 +108,7 @@ def _family_module(family: str):
 
 # flags a layer hands on with its kwargs that change nothing in a mixer (the documents'
 # seq_idx and lengths do: they go to the function as it is)
-_HARMLESS = _IGNORED_KWARGS - {"seq_idx", "max_length_q", "max_length_k"}
+_HARMLESS = IGNORED_KWARGS - {"seq_idx", "max_length_q", "max_length_k"}
 
 
 def _set(kwargs: dict) -> bool:
