@@ -144,8 +144,6 @@ class UPipeTrainerMixin:
     def _upipe_setup(self) -> None:
         from accelerate.utils import DistributedType
 
-        from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, register
-
         acc = self.accelerator
         layout = process_layout(acc, self._upipe_cp_size, self._upipe_ring_degree)
         world, mesh = layout.world, layout.mesh
@@ -155,31 +153,49 @@ class UPipeTrainerMixin:
             self.args = with_kept_attention(self.args)
 
         if world > 1:
-            problems = argument_problems(self)
+            problems = self._upipe_argument_problems()
             if problems:
                 raise UnsupportedAttention("; ".join(problems))
 
         model = acc.unwrap_model(self.model)
-        from upipe_compile.integrations.hf_stack import apply_stack, compile_layers
+        from upipe_compile.integrations.hf_stack import apply_stack
 
         # before the compile: the swapped modules are what it traces
         apply_stack(model, self._upipe_stack, self.args)
-        if world > 1 or dist.is_initialized():
-            register()
-            if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-                logger.info("upipe: switching %s from attn_implementation=%r to %r", type(model).__name__,
-                            model.config._attn_implementation, ATTN_IMPLEMENTATION)
-                model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if world == 1:
+            if dist.is_initialized():
+                self._upipe_switch_attention(model)
             logger.warning("upipe: context-parallel size 1, training without context parallelism")
             return
         if acc.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             # Dynamo's DDPOptimizer would split the compiled graph at DDP's bucket boundaries,
             # cutting attention blocks apart; DDP then all-reduces after backward, unoverlapped.
             torch._dynamo.config.optimize_ddp = False
-        options = {**self._upipe_options, "cp_mesh": mesh}
-        if self._upipe_stack.offload_block_inputs:
-            compile_layers(model, backend="upipe", options=options)  # the offload hooks stay outside
+        self._upipe_compile(model, layer_by_layer=self._upipe_stack.offload_block_inputs)
+
+    def _upipe_argument_problems(self) -> list[str]:
+        """What this trainer's arguments ask that the sharded step cannot honour."""
+        return argument_problems(self)
+
+    @staticmethod
+    def _upipe_switch_attention(model) -> None:
+        from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, register
+
+        register()
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            logger.info("upipe: switching %s from attn_implementation=%r to %r", type(model).__name__,
+                        model.config._attn_implementation, ATTN_IMPLEMENTATION)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def _upipe_compile(self, model, layer_by_layer: bool = False) -> None:
+        """``model``'s backbone compiled in place with ``backend="upipe"`` over the group (or each
+        decoder layer on its own, so that the offloader's hooks stay outside the compiled code)."""
+        from upipe_compile.integrations.hf_stack import compile_layers
+
+        self._upipe_switch_attention(model)
+        options = {**self._upipe_options, "cp_mesh": self._upipe_mesh}
+        if layer_by_layer:
+            compile_layers(model, backend="upipe", options=options)
             return
         backbone = getattr(model, "base_model", model)
         if getattr(backbone, "_compiled_call_impl", None) is None:
@@ -366,10 +382,19 @@ def _sft_trainer_class():
     return UPipeSFTTrainer
 
 
+@functools.lru_cache(maxsize=None)
+def _grpo_trainer_class():
+    from upipe_compile.integrations.hf_grpo import grpo_trainer_class
+
+    return grpo_trainer_class(UPipeTrainerMixin)
+
+
 def __getattr__(name: str):
     # transformers and trl are imported only when these classes are asked for.
     if name == "UPipeTrainer":
         return _trainer_class()
     if name == "UPipeSFTTrainer":
         return _sft_trainer_class()
+    if name == "UPipeGRPOTrainer":
+        return _grpo_trainer_class()
     raise AttributeError(name)

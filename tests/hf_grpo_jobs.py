@@ -1,0 +1,195 @@
+"""TRL's GRPOTrainer, stock on one process and UPipeGRPOTrainer on P gloo ranks: a tiny seeded fp32
+model saved to a folder (TRL builds the reference model from its path), a word-level tokenizer,
+prompts of a few words, a deterministic reward of the completion's tokens, sampling seeded.
+Module-level for spawned RankPool workers."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from hf_trainer_jobs import _common, _distributed_env, _reset_accelerate, tokenizer  # noqa: E402
+
+VOCAB = 48
+PROMPTS = 8
+
+
+def build_model(family: str = "llama"):
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).float()
+    else:
+        import importlib
+
+        from hf_stack_jobs import FAMILIES
+
+        cls, config = importlib.import_module(FAMILIES[family])._config(family)
+        config.use_cache = type(config)().use_cache
+        config.vocab_size, config.pad_token_id, config.eos_token_id, config.bos_token_id = VOCAB, 0, 1, 2
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = cls(config).float()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5 if p.dim() >= 2 else 0.1 * noise)
+    return model
+
+
+def prompts():
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for i in range(PROMPTS):
+        n = 3 + i % 4  # prompts of different lengths: left padding differs by row
+        rows.append({"prompt": " ".join(f"t{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=gen))})
+    return Dataset.from_list(rows)
+
+
+def reward(completions, **kwargs) -> list[float]:
+    """Deterministic in the completion's words: more low-numbered words, higher reward."""
+    return [sum(1.0 for word in text.split() if int(word[1:]) < VOCAB // 2) - 0.1 * len(text.split())
+            for text in completions]
+
+
+class _Logs:
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Logs(TrainerCallback):
+            def __init__(self):
+                self.rows = []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.rows.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
+
+        return Logs()
+
+
+GENERATE = "grpo generate"
+
+
+def attention_ops(prof) -> dict:
+    """How often each upipe op ran, and SDPA kernels outside them: under generate() (the whole
+    sequence, as it must be) or elsewhere (plain attention on a shard: a silent wrong answer)."""
+    counts: dict = {}
+    for event in prof.events():
+        if event.name.startswith("upipe::"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+        elif "scaled_dot_product" in event.name:
+            parent, where = event.cpu_parent, "plain sdpa outside upipe"
+            while parent is not None:
+                if parent.name.startswith("upipe::"):
+                    where = None
+                    break
+                if parent.name == GENERATE:
+                    where = "sdpa in generate"
+                    break
+                parent = parent.cpu_parent
+            if where:
+                counts[where] = counts.get(where, 0) + 1
+    return counts
+
+
+LOGGED = ("loss", "reward", "reward_std", "kl", "completions/mean_length", "entropy")
+
+
+def save_model(folder: str, family: str = "llama") -> str:
+    """The model saved once, by the test's own process (saving on the pool's ranks would wait
+    on the others): TRL loads the policy and the reference model from this path."""
+    path = os.path.join(folder, family)
+    if not os.path.isdir(path):
+        build_model(family).save_pretrained(path)
+    return path
+
+
+def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, num_iterations: int = 1,
+        calls: bool = False, aux: bool = False, **trainer_kwargs):
+    """Train; returns (logged rows, final parameters, each generate() call's output ids with
+    ``calls``, the upipe ops the profiler saw with ``upipe``)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    _reset_accelerate()
+    if upipe:
+        _distributed_env()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            tok = tokenizer(VOCAB)
+            common = {**_common(os.path.join(folder, "out")), "per_device_train_batch_size": 4, "learning_rate": 0.1}
+            # a MoE router's auxiliary loss is refused under context parallelism: off in both runs
+            moe = {"router_aux_loss_coef": 0.0} if family in ("qwen3_next", "mixtral") and not aux else {}
+            args = GRPOConfig(**common, **moe, num_generations=4, max_completion_length=6, beta=beta,
+                              num_iterations=num_iterations, bf16=False, temperature=1.0, max_steps=2,
+                              log_completions=False)
+            logs = _Logs()
+            kwargs = dict(model=model_dir, args=args, reward_funcs=reward, train_dataset=prompts(),
+                          processing_class=tok, callbacks=[logs])
+            if upipe:
+                from upipe_compile.integrations.hf_trainer import UPipeGRPOTrainer
+
+                trainer = UPipeGRPOTrainer(**kwargs, upipe_options={"inner_backend": "aot_eager"}, **trainer_kwargs)
+            else:
+                trainer = GRPOTrainer(**kwargs)
+            generated = []
+            if calls:
+                unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+                original = unwrapped.generate
+
+                def counted(*a, **kw):
+                    with torch.profiler.record_function(GENERATE):
+                        out = original(*a, **kw)
+                    generated.append(out.detach().clone())
+                    return out
+
+                unwrapped.generate = counted
+            from upipe_compile.integrations.transformers_mixers import original_mixers
+
+            ops = {}
+            if upipe:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    trainer.train()
+                ops = attention_ops(prof)
+            else:
+                with original_mixers() if family == "qwen3_next" else _nothing():  # the family's own mixers
+                    trainer.train()
+            params = {name: p.detach().clone()
+                      for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+            return logs.rows, params, generated, ops
+    finally:
+        _reset_accelerate()
+
+
+def refusals(model_dir: str) -> list:
+    """Each refused set-up through UPipeGRPOTrainer on this pool's ranks: (case, error chain)."""
+    from hf_trainer_jobs import refused
+
+    cases = {"ring_degree": dict(ring_degree=2), "loss_chunk_tokens": dict(loss_chunk_tokens=8)}
+    return [(case, refused(run, True, model_dir, **kw)) for case, kw in cases.items()]
+
+
+def moe_aux_loss_refused(model_dir: str) -> list:
+    """Qwen3-Next with TRL's default router_aux_loss_coef (the config's): refused, naming the fix."""
+    from hf_trainer_jobs import refused
+
+    return refused(run, True, model_dir, "qwen3_next", aux=True)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

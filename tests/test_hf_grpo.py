@@ -1,0 +1,86 @@
+"""UPipeGRPOTrainer (upipe_compile.integrations.hf_grpo) on 2 and 4 gloo ranks against TRL's
+GRPOTrainer on one process (tests/hf_grpo_jobs.py): the same prompts, a deterministic reward and
+seeded sampling, so both score the same sequences; every logged loss, reward, reward std, KL and
+entropy, and every final parameter within 1e-5 (fp32), on every rank. Tiny Llama (with a reference
+model and num_iterations=2 too), Mistral's sliding window and the Qwen3-Next hybrid (its router's auxiliary
+loss off in both runs: refused under context parallelism), configs as shipped (use_cache on). Generation runs once per step on every rank, whole, and every rank of the
+group samples the same completions; the scoring runs through upipe's attention."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+import hf_grpo_jobs as jobs  # noqa: E402
+from upipe_compile.errors import UnsupportedAttention  # noqa: E402
+
+TOLERANCE = 1e-5
+CASES = {  # name: (family, ranks, beta, num_iterations)
+    "llama, reference model, 2 iterations": ("llama", 2, 0.1, 2),
+    "llama, 4 ranks": ("llama", 4, 0.0, 1),
+    "mistral (sliding window)": ("mistral", 2, 0.1, 1),
+    "qwen3_next (hybrid)": ("qwen3_next", 2, 0.0, 1),
+}
+ATTENTION_LAYERS = {"qwen3_next": 1}
+
+
+@pytest.fixture(scope="module")
+def folder():
+    with tempfile.TemporaryDirectory() as path:
+        yield path
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grpo_trains_as_the_stock_trainer(rank_pools, folder, name):
+    family, world, beta, iterations = CASES[name]
+    path = jobs.save_model(folder, family)
+    ranks = rank_pools(world).run(jobs.run, True, path, family, beta, iterations, True)
+    ref_rows, ref_params, ref_calls, _ = jobs.run(False, path, family, beta, iterations, True)
+    assert len(ref_rows) == 2 and ref_calls
+    start = dict(jobs.build_model(family).named_parameters())
+    assert max((ref_params[k] - start[k]).abs().max().item() for k in ref_params) > 1e-3  # training moved them
+    logged = [key for key in jobs.LOGGED if key in ref_rows[0]]
+    assert {"loss", "reward", "reward_std", "entropy"} <= set(logged) and ("kl" in logged) == (beta > 0)
+    for rank, (rows, params, calls, ops) in enumerate(ranks):
+        assert len(rows) == len(ref_rows), rank
+        for row, ref in zip(rows, ref_rows):
+            for key in logged:
+                if key in ref:
+                    assert abs(row[key] - ref[key]) <= TOLERANCE, (rank, key, row, ref)
+        assert max((params[k] - ref_params[k]).abs().max().item() for k in params) <= TOLERANCE, rank
+        # generation: as often as the stock trainer's, whole, and the same token ids on every rank
+        assert len(calls) == len(ref_calls), (rank, len(calls), len(ref_calls))
+        for mine, theirs in zip(calls, ref_calls):
+            assert mine.shape == theirs.shape and bool((mine == theirs).all()), rank
+        # scoring: every attention layer through upipe, forward and backward, no plain SDPA on a shard
+        layers = ATTENTION_LAYERS.get(family, 2)
+        assert "plain sdpa outside upipe" not in ops, ops
+        assert ops.get("sdpa in generate", 0) > 0 or family != "llama", ops  # Llama generates with sdpa
+        forward = ops.get("upipe::attention_block", 0) + ops.get("upipe::attention", 0)
+        backward = ops.get("upipe::attention_block_backward", 0) + ops.get("upipe::attention_backward", 0)
+        assert forward >= layers and backward >= layers, ops
+
+
+def test_refusals(rank_pools, folder):
+    """Before the first step, on every rank: a ring, the chunked loss (TRL's fused head scores in
+    chunks already), a MoE router's auxiliary loss. (vLLM generation is refused too, but TRL needs
+    vllm installed to get there.)"""
+    path = jobs.save_model(folder, "llama")
+    cases = {"ring_degree": ("ring", "ring_degree=1"), "loss_chunk_tokens": ("chunk", "fused LM head")}
+    for rank in rank_pools(2).run(jobs.refusals, path):
+        for case, chain in rank:
+            names = [n for n, _ in chain]
+            assert "UnsupportedAttention" in names, (case, chain)
+            assert cases[case][1] in " ".join(text for _, text in chain), (case, chain)
+    qwen3_next = jobs.save_model(folder, "qwen3_next")
+    for chain in rank_pools(2).run(jobs.moe_aux_loss_refused, qwen3_next):
+        assert "UnsupportedAttention" in [n for n, _ in chain], chain
+        assert "router_aux_loss_coef=0.0" in " ".join(text for _, text in chain), chain
+    with pytest.raises(UnsupportedAttention, match="fused LM head"):
+        from upipe_compile.integrations.hf_trainer import UPipeGRPOTrainer
+
+        UPipeGRPOTrainer(loss_chunk_tokens=8)
