@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 
-def tiny_model_dir(folder: str, vocab: int = 64) -> str:
-    """A tiny random Llama and a word-level tokenizer saved where TRL can load them by path."""
+def tiny_model_and_tokenizer(vocab: int = 64):
+    """A tiny random Llama and a word-level tokenizer."""
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -35,12 +34,10 @@ def tiny_model_dir(folder: str, vocab: int = 64) -> str:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          pad_token_id=0, eos_token_id=1, bos_token_id=2)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
     tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
     tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t1").save_pretrained(
-        folder)
-    return folder
+    return LlamaForCausalLM(config), PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1",
+                                                             unk_token="t1")
 
 
 def toy_prompts(samples: int, vocab: int = 64):
@@ -84,19 +81,17 @@ def main() -> None:
     options = {"inner_backend": "inductor" if cuda else "aot_eager"}
     if args.heads_per_stage:
         options["heads_per_stage"] = args.heads_per_stage
-    with tempfile.TemporaryDirectory() as folder:
-        model = args.model or tiny_model_dir(folder)
-        if args.dataset:
-            from datasets import load_dataset
+    model, tokenizer = (args.model, None) if args.model else tiny_model_and_tokenizer()
+    if args.dataset:
+        from datasets import load_dataset
 
-            prompts, rewards = load_dataset(args.dataset, split="train"), toy_reward  # put your reward here
-        else:
-            prompts, rewards = toy_prompts(64), toy_reward
-        trainer = UPipeGRPOTrainer(model=model, args=config, reward_funcs=rewards, train_dataset=prompts,
-                                   cp_size=args.cp_size or int(os.environ.get("WORLD_SIZE", "1")),
-                                   upipe_options=options)
-        trainer.train()
-
+        prompts = load_dataset(args.dataset, split="train")
+    else:
+        prompts = toy_prompts(64)
+    trainer = UPipeGRPOTrainer(model=model, args=config, reward_funcs=toy_reward,  # put your reward here
+                               train_dataset=prompts, processing_class=tokenizer,
+                               cp_size=args.cp_size or int(os.environ.get("WORLD_SIZE", "1")), upipe_options=options)
+    trainer.train()
 
 if __name__ == "__main__":
     main()
