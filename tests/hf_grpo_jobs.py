@@ -117,7 +117,8 @@ def save_model(folder: str, family: str = "llama") -> str:
 
 
 def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, num_iterations: int = 1,
-        calls: bool = False, aux: bool = False, **trainer_kwargs):
+        calls: bool = False, aux: bool = False, loss_type: str | None = None, checkpointing: bool = False,
+        **trainer_kwargs):
     """Train; returns (logged rows, final parameters, each generate() call's output ids with
     ``calls``, the upipe ops the profiler saw with ``upipe``)."""
     from trl import GRPOConfig, GRPOTrainer
@@ -131,7 +132,9 @@ def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, n
             common = {**_common(os.path.join(folder, "out")), "per_device_train_batch_size": 4, "learning_rate": 0.1}
             # a MoE router's auxiliary loss is refused under context parallelism: off in both runs
             moe = {"router_aux_loss_coef": 0.0} if family in ("qwen3_next", "mixtral") and not aux else {}
-            args = GRPOConfig(**common, **moe, num_generations=4, max_completion_length=6, beta=beta,
+            extra = {**moe, **({"loss_type": loss_type} if loss_type else {})}
+            args = GRPOConfig(**common, **extra, gradient_checkpointing=checkpointing, num_generations=4,
+                              max_completion_length=6, beta=beta,
                               num_iterations=num_iterations, bf16=False, temperature=1.0, max_steps=2,
                               log_completions=False)
             logs = _Logs()

@@ -34,6 +34,21 @@ def folder():
         yield path
 
 
+def test_grpo_with_the_stack_and_another_loss_type(rank_pools, folder):
+    """Gradient checkpointing with the tiled MLP and block-input offload (each layer compiled on its
+    own), TRL's "grpo" loss (per-sequence means) instead of the default: the stock numbers."""
+    path = jobs.save_model(folder, "llama")
+    stack = dict(mlp_tile_tokens=4, offload_block_inputs=True, host_memory_reserve_gib=0)
+    ranks = rank_pools(2).run(jobs.run, True, path, "llama", 0.1, 1, False, loss_type="grpo", checkpointing=True,
+                              **stack)
+    ref_rows, ref_params, _, _ = jobs.run(False, path, "llama", 0.1, 1, False, loss_type="grpo", checkpointing=True)
+    for rows, params, _, ops in ranks:
+        for row, ref in zip(rows, ref_rows, strict=True):
+            assert all(abs(row[k] - ref[k]) <= TOLERANCE for k in jobs.LOGGED if k in ref), (row, ref)
+        assert max((params[k] - ref_params[k]).abs().max().item() for k in params) <= TOLERANCE
+        assert ops.get("upipe::tiled_swiglu", 0) > 0 and ops.get("upipe::attention_block", 0) > 0, ops
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_grpo_trains_as_the_stock_trainer(rank_pools, folder, name):
     family, world, beta, iterations = CASES[name]
