@@ -173,6 +173,7 @@ def sharded_log_probs(trainer, model, input_ids, attention_mask, logits_to_keep:
         cut = {"input_ids": ids[row:row + 1], "position_ids": positions[row:row + 1],
                "shift_labels": shift_labels[row:row + 1]}
         cut = {key: value.narrow(1, rank * share, share).contiguous() for key, value in cut.items()}
+        trainer._upipe_check_host(cut)  # offload: this shard's layer inputs against the node's memory
         with trainer.accelerator.autocast():
             outputs = model(**cut, fused_lm_head=True, use_cache=False)
         log_probs.append(_GatherShards.apply(outputs.log_probs, group))

@@ -307,8 +307,8 @@ class UPipeTrainerMixin:
         if self._upipe_stack.offload_block_inputs and tokens and tokens not in self._upipe_host_checked:
             from upipe_compile.integrations.hf_stack import check_host_memory
 
-            check_host_memory(self.accelerator.unwrap_model(self.model), self._upipe_stack, tokens,
-                              self.accelerator.num_processes)
+            processes = dist.get_world_size() if dist.is_initialized() else 1  # all of them, whatever view
+            check_host_memory(self.accelerator.unwrap_model(self.model), self._upipe_stack, tokens, processes)
             self._upipe_host_checked.add(tokens)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
