@@ -19,32 +19,11 @@ PROMPTS = 8
 
 
 def build_model(family: str = "llama"):
-    if family == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+    """hf_stack_jobs' tiny seeded model of the family (config as shipped) with this vocabulary and
+    the tokenizer's special ids."""
+    from hf_stack_jobs import build_model as stack_model
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).float()
-    else:
-        import importlib
-
-        from hf_stack_jobs import FAMILIES
-
-        cls, config = importlib.import_module(FAMILIES[family])._config(family)
-        config.use_cache = type(config)().use_cache
-        config.vocab_size, config.pad_token_id, config.eos_token_id, config.bos_token_id = VOCAB, 0, 1, 2
-        config._attn_implementation = "eager"
-        torch.manual_seed(0)
-        model = cls(config).float()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if "norm" in name else noise / p.shape[-1] ** 0.5 if p.dim() >= 2 else 0.1 * noise)
-    return model
+    return stack_model(family, vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
 def prompts():
