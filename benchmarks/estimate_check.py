@@ -437,10 +437,10 @@ def compare(size: Size, pool=None, explain: bool = False,
     return est, ranks, rows
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], floatfmt: str = ".3f") -> str:
     from tabulate import tabulate
 
-    return tabulate(rows, headers="keys", tablefmt="github", floatfmt=".3f")
+    return tabulate(rows, headers="keys", tablefmt="github", floatfmt=floatfmt)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` and `upipe_compil
 import torch  # noqa: E402
 
 from benchmarks.estimate_check import (  # noqa: E402
-    GIB, _storages_bytes, by_op, corrected_timeline, live_allocations, terms_at_peak,
+    GIB, _storages_bytes, by_op, corrected_timeline, live_allocations, table, terms_at_peak,
 )
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "estimate_check_hf.md")
@@ -209,12 +209,6 @@ def compare(case: Case, pool=None, explain: bool = False) -> tuple[dict, list[di
     return est, ranks, rows
 
 
-def table(rows: list[dict]) -> str:
-    from tabulate import tabulate
-
-    return tabulate(rows, headers="keys", tablefmt="github", floatfmt=".4f")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print the table only")
@@ -233,7 +227,7 @@ def main(argv=None) -> int:
             print(f"{case.family}: estimate at its peak (GiB) {est['breakdown']}")
             for path, size in ranks[0]["explain"].items():
                 print(f"  {size / 2 ** 20:9.2f} MiB  {path}")
-    text = table(rows)
+    text = table(rows, floatfmt=".4f")  # GiB of a tiny job
     print(text)
     if not args.no_write:
         sizes = "; ".join(f"{c.family}: {json.dumps(c.config())}, seq_len {c.seq_len}, P = {c.cp}, "

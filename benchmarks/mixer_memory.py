@@ -37,7 +37,7 @@ from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 
 from benchmarks.report import emit  # noqa: E402
 from upipe_compile.measure.memory import fake_process_group, tracker_peak_bytes  # noqa: E402
-from upipe_compile.mixers.ops import loop_backward, loop_forward  # noqa: E402
+from upipe_compile.mixers.loop import loop_backward, loop_forward  # noqa: E402
 from upipe_compile.mixers.registry import KINDS  # noqa: E402
 from upipe_compile.passes.rewrite_mixer import mixer_stages  # noqa: E402
 

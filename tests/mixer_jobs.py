@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from upipe_compile.mixers.lightning import lightning_attention
-from upipe_compile.mixers.ops import loop_backward, loop_forward, run_mixer
+from upipe_compile.mixers.loop import loop_backward, loop_forward, run_mixer
 from upipe_compile.mixers.registry import KINDS
 
 

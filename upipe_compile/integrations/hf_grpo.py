@@ -241,8 +241,12 @@ def grpo_trainer_class(mixin):
             return grpo_problems(self)
 
         def _upipe_setup(self) -> None:
+            from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION
+
             model = self.accelerator.unwrap_model(self.model)
-            self._upipe_generation_attention = model.config._attn_implementation
+            # generation runs the model's own attention (a model loaded with "upipe": SDPA)
+            own = model.config._attn_implementation
+            self._upipe_generation_attention = "sdpa" if own in (None, ATTN_IMPLEMENTATION) else own
             super()._upipe_setup()
             world = self._upipe_world
             replicas = self._upipe_replicas
