@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` with UPipe context parallelism.
+"""Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` with UPipe context parallelism (and TRL's
+``GRPOTrainer``: ``UPipeGRPOTrainer``, :mod:`upipe_compile.integrations.hf_grpo`).
 
 Two or three added lines turn a working training script into a context-parallel one::
 
