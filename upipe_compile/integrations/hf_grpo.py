@@ -23,7 +23,6 @@ process of its data-parallel replica would:
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 import torch.distributed as dist
@@ -222,19 +221,13 @@ def grpo_trainer_class(mixin):
                 raise UnsupportedAttention(
                     "loss_chunk_tokens: TRL's GRPOTrainer already scores through its fused LM head, in token "
                     "chunks, never the whole logits; leave loss_chunk_tokens=0")
-            in_args = "args" not in kwargs and len(args) > 1
-            cfg = args[1] if in_args else kwargs.get("args")
-            if cfg is not None:
-                self._upipe_cp_size = kwargs.get("cp_size")
+            def count_over_replicas(cfg):
                 size = self._upipe_plan_size(cfg)
                 if size > 1 and cfg.world_size % size == 0:
-                    cfg = copy.copy(cfg)
                     replicas = cfg.world_size // size
                     cfg.generation_batch_size = cfg.per_device_train_batch_size * replicas * cfg.steps_per_generation
-                    if in_args:
-                        args = (args[0], cfg, *args[2:])
-                    else:
-                        kwargs["args"] = cfg
+
+            args, kwargs = self._upipe_own_config(args, kwargs, count_over_replicas)
             super().__init__(*args, **kwargs)
 
         def _upipe_argument_problems(self) -> list[str]:

@@ -129,6 +129,21 @@ class UPipeTrainerMixin:
         self._upipe_setup()
 
     # ---- setup -----------------------------------------------------------------------------
+    def _upipe_own_config(self, args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
+        """The trainer's arguments with its config (``args=`` or the second positional) replaced by
+        a copy that ``change`` edits in place: the user's config object stays as given. Reads
+        ``cp_size`` first, which ``change`` may need (:meth:`_upipe_plan_size`)."""
+        self._upipe_cp_size = kwargs.get("cp_size")
+        in_args = "args" not in kwargs and len(args) > 1
+        cfg = args[1] if in_args else kwargs.get("args")
+        if cfg is None:
+            return args, kwargs
+        cfg = copy.copy(cfg)
+        change(cfg)
+        if in_args:
+            return (args[0], cfg, *args[2:]), kwargs
+        return args, {**kwargs, "args": cfg}
+
     def _upipe_plan_size(self, args) -> int:
         """P as known before the trainer is built (for collator settings)."""
         pc = getattr(args, "parallelism_config", None)
@@ -362,21 +377,15 @@ def _sft_trainer_class():
                 raise UnsupportedAttention(
                     "loss_chunk_tokens: TRL's SFTTrainer already computes its loss through its fused LM head, in "
                     "token chunks, never the whole logits; leave loss_chunk_tokens=0 (it is for UPipeTrainer)")
-            in_args = "args" not in kwargs and len(args) > 1
-            cfg = args[1] if in_args else kwargs.get("args")
-            self._upipe_cp_size = kwargs.get("cp_size")
-            if cfg is not None:
+            def pad_to_multiple(cfg):
                 size = sequence_multiple(self._upipe_plan_size(cfg), kwargs.get("ring_degree", 1))
                 multiple = cfg.pad_to_multiple_of or 1
                 if size > 1 and multiple % size:
-                    cfg = copy.copy(cfg)  # the trainer's own copy: the user's config object stays as given
                     cfg.pad_to_multiple_of = _lcm(multiple, size)
                     logger.info("upipe: SFTConfig.pad_to_multiple_of=%d (a multiple of P=%d)",
                                 cfg.pad_to_multiple_of, size)
-                    if in_args:
-                        args = (args[0], cfg, *args[2:])
-                    else:
-                        kwargs["args"] = cfg
+
+            args, kwargs = self._upipe_own_config(args, kwargs, pad_to_multiple)
             super().__init__(*args, **kwargs)
 
     UPipeSFTTrainer.__qualname__ = "UPipeSFTTrainer"
