@@ -5,9 +5,11 @@ CPU, 2 ranks, a tiny random Llama, made-up prompts and a toy reward (no download
 
     torchrun --nproc_per_node 2 examples/grpo_upipe.py
 
-GPUs (one node, P = 8, DDP; the model, the prompts and the lengths as arguments):
+GPUs (one node, P = 8; the model, the prompts and the lengths as arguments). It runs under DDP, so
+every GPU holds the whole model with its gradients and AdamW state (16 bytes a parameter): a
+small model such as Qwen3-0.6B, until FSDP2 is supported:
 
-    torchrun --nproc_per_node 8 examples/grpo_upipe.py --model Qwen/Qwen3-8B --dataset trl-lib/DeepMath-103K \\
+    torchrun --nproc_per_node 8 examples/grpo_upipe.py --model Qwen/Qwen3-0.6B --dataset trl-lib/DeepMath-103K \\
         --max-completion-length 65536 --cp-size 8
 
 Against a plain GRPOTrainer script, the UPipe lines are the import, ``UPipeGRPOTrainer`` for
@@ -92,6 +94,7 @@ def main() -> None:
                                train_dataset=prompts, processing_class=tokenizer,
                                cp_size=args.cp_size or int(os.environ.get("WORLD_SIZE", "1")), upipe_options=options)
     trainer.train()
+
 
 if __name__ == "__main__":
     main()
