@@ -300,6 +300,30 @@ def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
     return terms
 
 
+def step_start_bytes(model, optimizer_states: list, offloader) -> dict:
+    """What is live at a step's start and persists between steps, counted from the real tensors
+    (the gradients went with the previous step's zero_grad)."""
+    return {
+        "params": _storages_bytes(list(model.parameters())),
+        "optimizer_state": _storages_bytes([v for s in optimizer_states for v in s.values()
+                                            if isinstance(v, torch.Tensor)]),
+        "buffers": _storages_bytes(list(model.buffers())),
+        "host_buffers": _storages_bytes([offloader.host_buffer(i) for i in range(len(offloader.blocks))]),
+    }
+
+
+def profiled_step(train_step, seed: int):
+    """``train_step(seed)`` on every rank at once under the profiler with memory events:
+    (the profile, its return value, seconds)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.time()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = train_step(seed)
+    return prof, result, time.time() - start
+
+
 def measure_step(size: Size, explain: bool = False, inner_backend: str | None = None) -> dict:
     """On every rank of the pool: build the job as the Trainer does, one warm-up step, then one
     profiled step. Returns bytes at the step's start (by kind), the step's rise, and more."""
@@ -345,19 +369,8 @@ def measure_step(size: Size, explain: bool = False, inner_backend: str | None = 
     optimizers.zero_grad()  # the gradients of step 1 go, as the next step's zero_grad does
     gc.collect()
     params = list(model.parameters())
-    states = [v for opt in optimizers.optimizers for s in opt.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor)]
-    start_bytes = {
-        "params": _storages_bytes(params),
-        "optimizer_state": _storages_bytes(states),
-        "buffers": _storages_bytes(list(model.buffers())),
-        "host_buffers": _storages_bytes([offloader.host_buffer(i) for i in range(len(offloader.blocks))]),
-    }
-    dist.barrier()
-    start = time.time()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = train_step(2)
-    step_s = time.time() - start
+    start_bytes = step_start_bytes(model, [s for opt in optimizers.optimizers for s in opt.state.values()], offloader)
+    prof, loss, step_s = profiled_step(train_step, 2)
     timeline = live_bytes_timeline(prof)
     # The running sum of [memory] events misses frees made on threads the profiler does not
     # follow (gloo's worker threads drop the last reference to an all-to-all's buffers): an

@@ -40,7 +40,7 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` and `upipe_compil
 import torch  # noqa: E402
 
 from benchmarks.estimate_check import (  # noqa: E402
-    GIB, _storages_bytes, by_op, corrected_timeline, live_allocations, table, terms_at_peak,
+    GIB, by_op, corrected_timeline, live_allocations, profiled_step, step_start_bytes, table, terms_at_peak,
 )
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "estimate_check_hf.md")
@@ -153,25 +153,16 @@ def measure_step(case: Case, path: str, explain: bool = False) -> dict:
     warmup_s = time.time() - start
     optimizer.zero_grad()
     gc.collect()
-    params = list(model.parameters())
-    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    start_bytes = {
-        "params": _storages_bytes(params), "optimizer_state": _storages_bytes(states),
-        "buffers": _storages_bytes(list(model.buffers())),
-        "host_buffers": _storages_bytes([offloader.host_buffer(i) for i in range(len(offloader.blocks))]),
-    }
-    dist.barrier()
-    start = time.time()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = train_step(2)
-    step_s = time.time() - start
+    start_bytes = step_start_bytes(model, list(optimizer.state.values()), offloader)
+    prof, loss, step_s = profiled_step(train_step, 2)
     corrected = corrected_timeline(prof)
     rise, peak_ns = max(((live, t) for t, live in corrected), default=(0, None))
     at_peak = live_allocations(prof, peak_ns)
     terms = terms_at_peak(at_peak, live_allocations(prof, None))
     explained = dict(list(by_op(at_peak).items())[:25]) if explain else {}
-    return {"explain": explained, "start": start_bytes, "rise": rise, "terms": terms, "loss": loss, "warmup_s": round(warmup_s, 1),
-            "step_s": round(step_s, 1), "offloaded": offloader.offloaded_bytes_last_step}
+    return {"explain": explained, "start": start_bytes, "rise": rise, "terms": terms, "loss": loss,
+            "warmup_s": round(warmup_s, 1), "step_s": round(step_s, 1),
+            "offloaded": offloader.offloaded_bytes_last_step}
 
 
 def measured(case: Case, path: str, pool=None, explain: bool = False) -> list[dict]:

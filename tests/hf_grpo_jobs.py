@@ -5,6 +5,7 @@ Module-level for spawned RankPool workers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -12,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from hf_trainer_jobs import _common, _distributed_env, _reset_accelerate, tokenizer  # noqa: E402
+from hf_trainer_jobs import _common, _distributed_env, _Record, _reset_accelerate, tokenizer  # noqa: E402
 
 VOCAB = 48
 PROMPTS = 8
@@ -41,21 +42,6 @@ def reward(completions, **kwargs) -> list[float]:
     """Deterministic in the completion's words: more low-numbered words, higher reward."""
     return [sum(1.0 for word in text.split() if int(word[1:]) < VOCAB // 2) - 0.1 * len(text.split())
             for text in completions]
-
-
-class _Logs:
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class Logs(TrainerCallback):
-            def __init__(self):
-                self.rows = []
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "loss" in logs:
-                    self.rows.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
-
-        return Logs()
 
 
 GENERATE = "grpo generate"
@@ -116,7 +102,7 @@ def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, n
                               max_completion_length=6, beta=beta,
                               num_iterations=num_iterations, bf16=False, temperature=1.0, max_steps=2,
                               log_completions=False)
-            logs = _Logs()
+            logs = _Record()
             kwargs = dict(model=model_dir, args=args, reward_funcs=reward, train_dataset=prompts(),
                           processing_class=tok, callbacks=[logs])
             if upipe:
@@ -145,7 +131,7 @@ def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, n
                     trainer.train()
                 ops = attention_ops(prof)
             else:
-                with original_mixers() if family == "qwen3_next" else _nothing():  # the family's own mixers
+                with original_mixers() if family == "qwen3_next" else contextlib.nullcontext():  # its own mixers
                     trainer.train()
             params = {name: p.detach().clone()
                       for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
@@ -167,11 +153,3 @@ def moe_aux_loss_refused(model_dir: str) -> list:
     from hf_trainer_jobs import refused
 
     return refused(run, True, model_dir, "qwen3_next", aux=True)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -77,18 +77,22 @@ def tokenizer(vocab: int = VOCAB):
 
 
 class _Record:
-    """A TrainerCallback recording every logged training loss."""
+    """A TrainerCallback recording every logged training row (its numbers) and its loss."""
 
     def __new__(cls):
         from transformers import TrainerCallback
 
         class Record(TrainerCallback):
             def __init__(self):
-                self.losses = []
+                self.rows = []
+
+            @property
+            def losses(self) -> list[float]:
+                return [row["loss"] for row in self.rows]
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:
-                    self.losses.append(float(logs["loss"]))
+                    self.rows.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
 
         return Record()
 

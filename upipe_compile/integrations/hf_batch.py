@@ -48,7 +48,7 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     if world is None:
         groups = resolve_groups(cp_mesh)
         world = groups[0].size() * (1 if groups[1] is None else groups[1].size())
-    multiple = sequence_multiple(world, 2 if ring else 1)
+    multiple = sequence_multiple(world, cp_mesh.size(0) if ring else 1)
     inputs = dict(inputs)
     if inputs.get("inputs_embeds") is not None:
         raise UnsupportedAttention(
