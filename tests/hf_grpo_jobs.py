@@ -69,7 +69,7 @@ def attention_ops(prof) -> dict:
     return counts
 
 
-LOGGED = ("loss", "reward", "reward_std", "kl", "completions/mean_length", "entropy")
+LOGGED = ("loss", "reward", "reward_std", "kl", "completions/mean_length", "entropy", "aux_loss")
 
 
 def save_model(folder: str, family: str = "llama") -> str:
@@ -83,7 +83,7 @@ def save_model(folder: str, family: str = "llama") -> str:
 
 def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, num_iterations: int = 1,
         calls: bool = False, aux: bool = False, loss_type: str | None = None, checkpointing: bool = False,
-        **trainer_kwargs):
+        importance_sampling_level: str = "token", **trainer_kwargs):
     """Train; returns (logged rows, final parameters, each generate() call's output ids with
     ``calls``, the upipe ops the profiler saw with ``upipe``)."""
     from trl import GRPOConfig, GRPOTrainer
@@ -95,12 +95,13 @@ def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, n
         with tempfile.TemporaryDirectory() as folder:
             tok = tokenizer(VOCAB)
             common = {**_common(os.path.join(folder, "out")), "per_device_train_batch_size": 4, "learning_rate": 0.1}
-            # a MoE router's auxiliary loss is refused under context parallelism: off in both runs
+            # the MoE families' router loss: the config's coefficient with ``aux``, else off in both runs
             moe = {"router_aux_loss_coef": 0.0} if family in ("qwen3_next", "mixtral") and not aux else {}
             extra = {**moe, **({"loss_type": loss_type} if loss_type else {})}
             args = GRPOConfig(**common, **extra, gradient_checkpointing=checkpointing, num_generations=4,
                               max_completion_length=6, beta=beta,
                               num_iterations=num_iterations, bf16=False, temperature=1.0, max_steps=2,
+                              importance_sampling_level=importance_sampling_level,
                               log_completions=False)
             logs = _Record()
             kwargs = dict(model=model_dir, args=args, reward_funcs=reward, train_dataset=prompts(),
@@ -140,6 +141,16 @@ def run(upipe: bool, model_dir: str, family: str = "llama", beta: float = 0.0, n
         _reset_accelerate()
 
 
+def run_loss_types(model_dir: str, types: dict) -> dict:
+    """UPipeGRPOTrainer on this pool's ranks for each loss type (name: extra GRPOConfig fields), two
+    iterations of one generation: {name: (logged rows, final parameters)}."""
+    out = {}
+    for name, config in types.items():
+        rows, params, _, _ = run(True, model_dir, "llama", 0.0, 2, False, loss_type=name, **config)
+        out[name] = rows, params
+    return out
+
+
 def refusals(model_dir: str) -> list:
     """Each refused set-up through UPipeGRPOTrainer on this pool's ranks: (case, error chain)."""
     from hf_trainer_jobs import refused
@@ -147,9 +158,3 @@ def refusals(model_dir: str) -> list:
     cases = {"ring_degree": dict(ring_degree=2), "loss_chunk_tokens": dict(loss_chunk_tokens=8)}
     return [(case, refused(run, True, model_dir, **kw)) for case, kw in cases.items()]
 
-
-def moe_aux_loss_refused(model_dir: str) -> list:
-    """Qwen3-Next with TRL's default router_aux_loss_coef (the config's): refused, naming the fix."""
-    from hf_trainer_jobs import refused
-
-    return refused(run, True, model_dir, "qwen3_next", aux=True)

@@ -139,7 +139,8 @@ def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     ``multiple``: (ids, position ids, shifted labels, where each original column went). Real tokens
     keep their positions (the column they had: what the model gives a left-padded row) and see only
     earlier real tokens under causal attention; only the last ``logits_to_keep`` columns (the
-    completion) carry labels, as TRL scores them."""
+    completion) carry labels, as TRL scores them. Also returned: which rotated columns are real
+    tokens (the attention mask of the new layout)."""
     batch, length = input_ids.shape
     columns = torch.arange(length, device=input_ids.device)
     left = (attention_mask.cumsum(1) == 0).sum(1, keepdim=True)  # leading padding of each row
@@ -152,34 +153,73 @@ def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     if extra:
         ids = F.pad(ids, (0, extra), value=0)
         labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
+        real = F.pad(real, (0, extra), value=False)
         positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra, device=ids.device)], dim=1)
     shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     # the log-prob of original column i (>= 1) sits at rotated shift position i - left - 1
     completion = length - logits_to_keep + torch.arange(logits_to_keep, device=ids.device)
-    return ids, positions, shift_labels, completion[None] - left - 1
+    return ids, positions, shift_labels, completion[None] - left - 1, real
 
 
-def sharded_log_probs(trainer, model, input_ids, attention_mask, logits_to_keep: int, compute_entropy: bool):
+def router_loss(model):
+    """The MoE load-balancing loss as TRL's fused LM head computes it (transformers' Mixtral
+    ``load_balancing_loss_func`` with the text config's expert counts), as a function of every
+    layer's router logits and the attention mask; None where the model states no expert counts."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = model.config.get_text_config()
+    experts = getattr(config, "num_experts", None) or getattr(model, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if experts is None or top_k is None:
+        return None
+    return lambda router_logits, mask: load_balancing_loss_func(tuple(router_logits), experts, top_k, mask)
+
+
+def sharded_log_probs(trainer, model, input_ids, attention_mask, logits_to_keep: int, compute_entropy: bool,
+                      compute_aux_loss: bool = False, batch_size: int | None = None):
     """TRL's per-token log-probabilities (and entropies) of the completion, ``[B, logits_to_keep]``,
-    computed on this rank's shard of each row and gathered over the context-parallel group."""
+    computed on this rank's shard of each row and gathered over the context-parallel group; with
+    ``compute_aux_loss``, the MoE router's load-balancing loss of the whole rows (each layer's router
+    logits gathered over the group, padding masked), averaged over chunks of ``batch_size`` rows as
+    TRL does."""
     mesh, world = trainer._upipe_mesh, trainer._upipe_world
     group = mesh.get_group()
     rank = dist.get_rank(group)
-    ids, positions, shift_labels, index = right_aligned(input_ids, attention_mask, logits_to_keep, world)
+    ids, positions, shift_labels, index, real = right_aligned(input_ids, attention_mask, logits_to_keep, world)
     share = ids.shape[1] // world
-    log_probs, entropies = [], []
-    for row in range(ids.shape[0]):  # one row a forward: the op reads a row's positions as one sequence
-        cut = {"input_ids": ids[row:row + 1], "position_ids": positions[row:row + 1],
-               "shift_labels": shift_labels[row:row + 1]}
-        cut = {key: value.narrow(1, rank * share, share).contiguous() for key, value in cut.items()}
-        trainer._upipe_check_host(cut)  # offload: this shard's layer inputs against the node's memory
-        with trainer.accelerator.autocast():
-            outputs = model(**cut, fused_lm_head=True, use_cache=False)
-        log_probs.append(_GatherShards.apply(outputs.log_probs, group))
-        if compute_entropy:
-            entropies.append(_GatherShards.apply(outputs.entropy, group))
+    log_probs, entropies, routers = [], [], []
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    # TRL's fused head reads the backbone's router logits but returns only its loss over this shard
+    captured: list = []
+    hook = unwrapped.base_model.register_forward_hook(
+        lambda module, args, out: captured.append(out.router_logits)) if compute_aux_loss else None
+    try:
+        for row in range(ids.shape[0]):  # one row a forward: the op reads a row's positions as one sequence
+            cut = {"input_ids": ids[row:row + 1], "position_ids": positions[row:row + 1],
+                   "shift_labels": shift_labels[row:row + 1]}
+            cut = {key: value.narrow(1, rank * share, share).contiguous() for key, value in cut.items()}
+            trainer._upipe_check_host(cut)  # offload: this shard's layer inputs against the node's memory
+            with trainer.accelerator.autocast():
+                outputs = model(**cut, fused_lm_head=True, use_cache=False,
+                                **({"output_router_logits": True} if compute_aux_loss else {}))
+            log_probs.append(_GatherShards.apply(outputs.log_probs, group))
+            if compute_entropy:
+                entropies.append(_GatherShards.apply(outputs.entropy, group))
+            if compute_aux_loss:  # each layer's [tokens, experts] of the whole row
+                routers.append([_GatherShards.apply(layer.reshape(1, share, -1), group)[0]
+                                for layer in captured.pop()])
+    finally:
+        if hook is not None:
+            hook.remove()
     log_probs = torch.cat(log_probs).gather(1, index)
-    return log_probs, torch.cat(entropies).gather(1, index) if compute_entropy else None
+    aux_loss = None
+    if compute_aux_loss:
+        loss = router_loss(unwrapped)
+        step = batch_size or ids.shape[0]
+        chunks = [loss([torch.cat(layer) for layer in zip(*routers[start:start + step])], real[start:start + step])
+                  for start in range(0, ids.shape[0], step)]
+        aux_loss = torch.stack(chunks).mean()
+    return log_probs, torch.cat(entropies).gather(1, index) if compute_entropy else None, aux_loss
 
 
 # --- the trainer ------------------------------------------------------------------------------------
@@ -199,9 +239,11 @@ def grpo_problems(trainer) -> list[str]:
     if not trainer._upipe_own_layout:
         out.append("ParallelismConfig(cp_size=P): UPipeGRPOTrainer runs under DDP (pass cp_size= to the trainer, "
                    "no ParallelismConfig)")
-    if getattr(trainer, "aux_loss_enabled", False):
-        out.append(f"router_aux_loss_coef={trainer.router_aux_loss_coef}: a mixture-of-experts router's auxiliary "
-                   "loss over a shard is not the whole sequence's (it multiplies two means over the tokens); set "
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if getattr(trainer, "aux_loss_enabled", False) and router_loss(model) is None:
+        out.append(f"router_aux_loss_coef={trainer.router_aux_loss_coef}: {type(model).__name__} computes its "
+                   "router's auxiliary loss otherwise than transformers' load_balancing_loss_func(router_logits, "
+                   "num_experts, num_experts_per_tok, attention_mask), which upipe gathers over the group; set "
                    "GRPOConfig(router_aux_loss_coef=0.0)")
     return out
 
@@ -285,13 +327,11 @@ def grpo_trainer_class(mixin):
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
             given = sorted(k for k, v in multimodal.items() if v is not None)
-            if given or compute_aux_loss:
+            if given:
                 raise UnsupportedAttention(
-                    f"UPipeGRPOTrainer scores text-only causal LMs: {given or 'the MoE auxiliary loss'} "
-                    "cannot be sharded over the sequence yet")
-            logps, entropies = sharded_log_probs(self, model, input_ids, attention_mask, logits_to_keep,
-                                                 compute_entropy)
-            return logps, entropies, None
+                    f"UPipeGRPOTrainer scores text-only causal LMs: {given} cannot be sharded over the sequence yet")
+            return sharded_log_probs(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy,
+                                     compute_aux_loss, batch_size)
 
     UPipeGRPOTrainer.__qualname__ = "UPipeGRPOTrainer"
     return UPipeGRPOTrainer
