@@ -1,13 +1,16 @@
 """upipe-compile demo: a small Llama-style model on P=4 gloo ranks (CPU), compiled with
 backend="upipe", forward + backward, checked against eager on the full sequence; then
-Ulysses (U = all heads) vs UPipe (U = P) side by side.
+Ulysses (U = all heads) vs UPipe (U = P) side by side. Last, what UPipe is for: per-rank
+memory of Llama3-8B's and a 64-head model's attention at 1M tokens on 8 ranks, Ulysses vs
+UPipe, measured in seconds on fake tensors over a fake process group.
 
-    python demo.py [--world 4] [--seq 2048] [--inner-backend inductor]
+    python demo.py [--world 4] [--seq 2048] [--inner-backend inductor] [--memory-seq 1048576]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -17,11 +20,17 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import upipe_compile
+from benchmarks.memory import HEAD_DIM, PRESETS, measure_layer, upipe
 from benchmarks.tiny_llama import LlamaConfig, build
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.launch import report, run_on_ranks
 from upipe_compile.measure.memory import fake_process_group, measure_op_memory
+from upipe_compile.options import DEFAULT_FUSE_PROJECTIONS
 
 CONFIG = LlamaConfig(vocab=512, hidden=256, layers=2, q_heads=8, kv_heads=2, ffn=512)
+# Real attention shapes for the memory table, where UPipe's saving shows: Llama3-8B
+# (32 q / 8 KV heads, head_dim 128) and a 64-head one (Qwen3-32B, 64 q / 8 KV heads).
+AT_SCALE = [preset for preset in PRESETS if preset.name in ("Llama3-8B", "Qwen3-32B")]
 
 
 def relative_error(actual, expected) -> float:
@@ -93,16 +102,59 @@ def rank_main(args) -> list[dict]:
     return rows
 
 
-def attention_memory_at_scale(world: int, seq: int) -> dict[int, float]:
-    """Per-rank attention-op peak (GiB) for this architecture at ``seq`` tokens, measured on
-    fake tensors over a fake process group, with the CPU kernels this demo runs (no CUDA
-    kernel workspace)."""
+def op_peak_gib(group, preset, seq: int, heads_per_stage: int) -> float:
+    """One rank's attention-op peak beyond its inputs and outputs, forward + backward."""
+    return measure_op_memory(group, seq=seq, q_heads=preset.q_heads, kv_heads=preset.kv_heads, head_dim=HEAD_DIM,
+                             heads_per_stage=heads_per_stage, cuda_kernel=DEFAULT_CUDA_KERNEL).peak_bytes / 2**30
+
+
+def layer_peak_gib(group, preset, seq: int, heads_per_stage: int, fused: bool) -> float:
+    """One rank's activation peak of the whole attention layer (projections, RoPE, attention,
+    output projection), forward + backward; ``fused``: through the fused block op."""
+    attention = ("fused", group, heads_per_stage) if fused else upipe(heads_per_stage, group)
+    return measure_layer(preset, seq, group.size(), attention, DEFAULT_CUDA_KERNEL) / 2**30
+
+
+def memory_row(preset, measured: str, ulysses_gib: float, upipe_gib: float, heads_per_stage: int) -> dict:
+    return {"model": preset.name, "Hq / Hkv": f"{preset.q_heads} / {preset.kv_heads}", "measured": measured,
+            "Ulysses GiB": ulysses_gib, f"UPipe U={heads_per_stage} GiB": upipe_gib,
+            "UPipe / Ulysses": upipe_gib / ulysses_gib}
+
+
+def memory_at_scale(world: int, seq: int, progress) -> list[dict]:
+    """Ulysses (U = all q heads) vs UPipe (U = P, the default) per rank at real shapes, on fake
+    tensors: the attention op, and the whole layer (as compiled by default: the fused block
+    when it is on; Ulysses is the plain layer, as in benchmarks/fused_memory.py)."""
+    layer_kind = "attention layer, fused block" if DEFAULT_FUSE_PROJECTIONS else "attention layer"
+    rows = []
     with fake_process_group(world) as group:
-        return {
-            u: measure_op_memory(group, seq=seq, q_heads=CONFIG.q_heads, kv_heads=CONFIG.kv_heads,
-                                 head_dim=CONFIG.head_dim, heads_per_stage=u, cuda_kernel=None).peak_bytes / 2**30
-            for u in (CONFIG.q_heads, world)
-        }
+        for preset in AT_SCALE:
+            progress(f"{preset.name}: measuring its attention at {seq} tokens on {world} fake ranks")
+            rows.append(memory_row(preset, "attention op", op_peak_gib(group, preset, seq, preset.q_heads),
+                                   op_peak_gib(group, preset, seq, world), world))
+            rows.append(memory_row(preset, layer_kind,
+                                   layer_peak_gib(group, preset, seq, preset.q_heads, fused=False),
+                                   layer_peak_gib(group, preset, seq, world, fused=DEFAULT_FUSE_PROJECTIONS), world))
+    return rows
+
+
+def print_check_table(rows: list[dict], args) -> None:
+    """The tiny model on real gloo ranks: agreement with eager, and CPU times."""
+    ulysses_ms = rows[0]["fwd+bwd ms (median)"]
+    for row in rows:
+        row["time vs Ulysses"] = row["fwd+bwd ms (median)"] / ulysses_ms
+    print(f"# {CONFIG}\n# P={args.world} gloo ranks on CPU, {args.seq} tokens, inner backend {args.inner_backend}")
+    print(tabulate(rows, headers="keys", floatfmt=".3g", tablefmt="github"))
+    print(f"# times: {args.world} ranks share {os.cpu_count()} CPU cores at {args.seq} tokens, so they measure "
+          f"core contention and UPipe's extra per-stage collectives, not speed (GPUs: docs/results.md#speed)")
+
+
+def print_memory_table(rows: list[dict], args) -> None:
+    print(f"\n# What UPipe is for: per-rank memory, forward + backward, {args.memory_seq} tokens on "
+          f"P={args.memory_world}, bf16, {DEFAULT_CUDA_KERNEL} backward workspace counted (fake tensors, fake "
+          f"process group)\n# attention op: peak beyond its inputs and outputs; attention layer: activation "
+          f"peak, projections included")
+    print(tabulate(rows, headers="keys", floatfmt=".3f", tablefmt="github"))
 
 
 def main():
@@ -111,27 +163,20 @@ def main():
     parser.add_argument("--seq", type=int, default=2048, help="full sequence length (sharded over the ranks)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--inner-backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
-    parser.add_argument("--memory-seq", type=int, default=2**20)
+    parser.add_argument("--memory-seq", type=int, default=2**20, help="tokens for the fake-tensor memory table")
+    parser.add_argument("--memory-world", type=int, default=8, help="ranks for the fake-tensor memory table")
     args = parser.parse_args()
 
     say(f"starting {args.world} gloo ranks")
     threads = max(1, torch.get_num_threads() // args.world)
     rows = run_on_ranks(args.world, rank_main, args, on_report=lambda rank, message: say(message),
                         threads=threads, timeout_s=1800, group_timeout_s=300)[0]
-    say(f"measuring the attention op's memory at {args.memory_seq} tokens on fake tensors")
-    memory = attention_memory_at_scale(args.world, args.memory_seq)
-    ulysses_ms, ulysses_mem = rows[0]["fwd+bwd ms (median)"], memory[CONFIG.q_heads]
-    for row in rows:
-        row["time vs Ulysses"] = row["fwd+bwd ms (median)"] / ulysses_ms
-        row[f"attn GiB/rank @{args.memory_seq} tok"] = memory[row["U"]]
-        row["memory vs Ulysses"] = memory[row["U"]] / ulysses_mem
-    print(f"# {CONFIG}\n# P={args.world} gloo ranks on CPU, {args.seq} tokens, inner backend {args.inner_backend}; "
-          f"memory: attention op peak beyond inputs/outputs, bf16, fake tensors")
-    print(tabulate(rows, headers="keys", floatfmt=".3g", tablefmt="github"))
+    print_check_table(rows, args)
     worst = max(max(r["logits rel. err"], r["max grad rel. err"]) for r in rows)
     if worst > 1e-4:
         raise SystemExit(f"FAIL: compiled model differs from eager (relative error {worst:.2e})")
     print(f"OK: logits and all parameter gradients match eager on the full sequence (max rel. error {worst:.1e})")
+    print_memory_table(memory_at_scale(args.memory_world, args.memory_seq, progress=say), args)
 
 
 if __name__ == "__main__":
