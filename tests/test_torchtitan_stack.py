@@ -191,7 +191,7 @@ def test_qwen3_spec_is_registered_and_moe_flavors_refused():
     config = load_config(DEBUG_TOML, "--model.name=qwen3", "--model.flavor=32B")
     dims = dims_for(config, 2)
     check_job(config, dims, spec.model_args["32B"])  # 64 q / 8 kv heads, dense: accepted
-    with pytest.raises(UnsupportedAttention, match="MoE model flavors are not supported"):
+    with pytest.raises(UnsupportedAttention, match="model flavor has MoE layers"):
         check_job(config, dims, spec.model_args["30B-A3B"])
 
 

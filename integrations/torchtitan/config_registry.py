@@ -26,7 +26,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
 
 from upipe_compile.integrations.torchtitan.config import UPipe
-from upipe_compile.integrations.torchtitan.parallelize_03 import SPMD_BACKEND
+from upipe_compile.integrations.torchtitan.job_rules import SPMD_BACKEND
 from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer
 
 __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",

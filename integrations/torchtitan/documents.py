@@ -67,7 +67,7 @@ def varlen_model_args(args):
 
     class UPipeVarlenArgs(base):
         def update_from_config(self, job_config, **kwargs):
-            from upipe_compile.integrations.torchtitan.parallelize import upipe_enabled
+            from upipe_compile.integrations.torchtitan.compile_blocks import upipe_enabled
 
             parallelism = job_config.parallelism
             cp = parallelism.context_parallel_degree

@@ -34,43 +34,25 @@ import logging
 import torch
 import torch.nn as nn
 
-from upipe_compile.backend import upipe_backend
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import stack
+from upipe_compile.integrations.torchtitan.compile_blocks import (
+    BACKEND, compile_blocks, compile_options, inner_backend, upipe_enabled,
+)
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.cp_layout import forget_layout, upipe_cp_mesh
-from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
 from upipe_compile.integrations.torchtitan.documents import use_document_attention
+from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
+from upipe_compile.integrations.torchtitan.job_rules import STACK_RULES, job_problems, refuse
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
-from upipe_compile.options import option_problems
-from upipe_compile.sharding import sequence_multiple
+from upipe_compile.integrations.torchtitan.release_022 import SPELLING, job_facts
+from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
 from upipe_compile.stack.keep_attention import KEPT_OPS
 
+__all__ = ["BACKEND", "build_loss_fn_upipe", "check_job", "compile_blocks", "compile_options",
+           "parallelize_llama_upipe", "parallelize_qwen3_upipe", "upipe_enabled"]
+
 log = logging.getLogger(__name__)
-
-BACKEND = "upipe"
-
-
-def upipe_enabled(job_config) -> bool:
-    return job_config.compile.enable and job_config.compile.backend == BACKEND
-
-
-def compile_options(job_config, parallel_dims) -> dict:
-    """The options each block is compiled with (``cp_mesh``: torchtitan's CP mesh, or its
-    (cp_ring, cp_a2a) unflattening with [upipe] ring_degree > 1)."""
-    cfg = upipe_config(job_config)
-    options = {"cp_mesh": upipe_cp_mesh(job_config, parallel_dims), "inner_backend": cfg.inner_backend,
-               "prefetch": cfg.prefetch, "fuse_projections": cfg.fuse_projections,
-               "recompute_attention_output": cfg.recompute_attention_output,
-               "heads_per_stage": cfg.heads_per_stage_option}
-    return options
-
-
-def _refuse(problems: list[str]) -> None:
-    if problems:
-        raise UnsupportedAttention("torchtitan job cannot run with [compile] backend = \"upipe\":\n"
-                                   + "".join(f"  - {p}\n" for p in problems))
-
 
 def refuse_stack_without_upipe(job_config) -> None:
     """Stack keys only act on the upipe path; set without it they would be silently ignored."""
@@ -83,68 +65,12 @@ def refuse_stack_without_upipe(job_config) -> None:
 
 
 def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
-    """Everything the UPipe path refuses, with the TOML key to change."""
-    cfg = upipe_config(job_config)
-    problems = stack.stack_problems(job_config)
-    cp, ring = parallel_dims.cp, cfg.ring_degree
-    ring_problems = _ring_problems(job_config, cp, ring)
-    problems += ring_problems
-    a2a = cfg.all_to_all_degree(cp)
-    # the options' own check (UPipeOptions'), named by their [upipe] keys
-    problems += [f"[upipe] {p}" for p in option_problems(
-        world=a2a, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,
-        inner_backend=cfg.inner_backend, fuse_projections=cfg.fuse_projections,
-        recompute_attention_output=cfg.recompute_attention_output)]
-    if "model" not in job_config.compile.components:
-        problems.append('[compile] components must contain "model" (the blocks are what upipe rewrites)')
-    if parallel_dims.tp_enabled:
-        problems.append("[parallelism] tensor_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
-    if parallel_dims.pp_enabled:
-        problems.append("[parallelism] pipeline_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
-    if parallel_dims.ep_enabled:
-        problems.append("[parallelism] expert_parallel_degree > 1 is not supported with backend upipe (not implemented/tested)")
-    if job_config.training.seq_len % cp:
-        problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by the CP degree {cp}")
-    if model_args is not None:
-        if getattr(model_args, "moe_enabled", False):
-            problems.append("MoE model flavors are not supported with backend upipe (not implemented/tested); "
-                            "use a dense flavor")
-        attn_type = getattr(model_args, "attn_type", "sdpa")
-        if attn_type not in ("sdpa", "varlen"):
-            problems.append(f'model flavor uses attn_type = "{attn_type}"; backend upipe needs "sdpa" or "varlen" '
-                            '(e.g. flavor "8B" or "8B_varlen", not "8B_flex")')
-        if attn_type == "varlen" and job_config.training.local_batch_size != 1:
-            problems.append("[training] local_batch_size must be 1 with a varlen flavor (one packed row per rank; "
-                            "see documents.py)")
-        heads = model_args.n_heads
-        if heads % a2a:
-            problems.append(f"n_heads = {heads} is not divisible by the all-to-all degree {a2a} (the CP degree "
-                            f"{cp} / [upipe] ring_degree {ring}): raise ring_degree" if ring > 1 else
-                            f"n_heads = {heads} is not divisible by the CP degree {cp}: set [upipe] ring_degree "
-                            "so that CP / ring_degree divides it (ring attention across the groups)")
-        if cfg.heads_per_stage and heads % cfg.heads_per_stage:
-            problems.append(f"[upipe] heads_per_stage = {cfg.heads_per_stage} must divide n_heads = {heads}")
+    """Everything the UPipe path refuses (job_rules.py), with the TOML key to change; with
+    ``model``, what the stack keys cannot apply to on it."""
+    problems = job_problems(job_facts(job_config, parallel_dims, model_args))
     if model is not None:
         problems += stack.model_problems(model, job_config)
-    _refuse(problems)
-
-
-def _ring_problems(job_config, cp: int, ring: int) -> list[str]:
-    """What [upipe] ring_degree asks that the job cannot do."""
-    if ring < 1:
-        return [f"[upipe] ring_degree = {ring} must be >= 1 (1 = no ring)"]
-    if ring == 1:
-        return []
-    if cp % ring:
-        return [f"[upipe] ring_degree = {ring} must divide [parallelism] context_parallel_degree = {cp} "
-                "(the CP ranks split into ring_degree groups of equal size)"]
-    problems = []
-    pieces = sequence_multiple(cp, ring)
-    if job_config.training.seq_len % pieces:
-        problems.append(f"[training] seq_len = {job_config.training.seq_len} must be divisible by 2 x "
-                        f"context_parallel_degree = {pieces} with [upipe] ring_degree = {ring} (two zigzag "
-                        "chunks per ring rank, split over its all-to-all ranks)")
-    return problems
+    refuse(problems, SPELLING)
 
 
 def disable_torchtitan_cp_sharding_balance(job_config) -> None:
@@ -154,68 +80,6 @@ def disable_torchtitan_cp_sharding_balance(job_config) -> None:
     if lb is not None:
         log.info("upipe: parallelism.context_parallel_load_balancer %r -> None (contiguous shards)", lb)
     job_config.parallelism.context_parallel_load_balancer = None
-
-
-def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
-    """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
-    the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
-    if is_measuring():
-        route_blocks_through_stage_loops(model, job_config, parallel_dims)
-        return
-    cfg = upipe_config(job_config)
-    for layer_id, block in model.layers.named_children():
-        if parallel_dims.cp_enabled:
-            # The backend callable, not its name: the name resolves only through the
-            # package's entry point, which a source checkout on PYTHONPATH does not have.
-            compiled = torch.compile(block, backend=upipe_backend, fullgraph=True,
-                                     options=compile_options(job_config, parallel_dims))
-        else:
-            compiled = torch.compile(block, backend=_inner(cfg.inner_backend), fullgraph=True)
-        model.layers.register_module(layer_id, compiled)
-    log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
-
-
-def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:
-    """What compile_blocks does to attention, eagerly, for fake-tensor memory measurement: every
-    block's SDPA runs as the real stage loops with the options it would be compiled with. The
-    routing sits inside the activation-checkpoint wrapper, so AC's recompute in backward is
-    routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    from upipe_compile.measure.eager_twins import eager_twin_backend
-    from upipe_compile.measure.memory import SDPAThroughStageLoops
-    from upipe_compile.options import UPipeOptions
-
-    if not parallel_dims.cp_enabled:
-        return
-    options = UPipeOptions.from_user(compile_options(job_config, parallel_dims))
-    for block in model.layers.values():
-        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-        if options.fuse_projections:
-            # The fusion pass needs the graph: the attention module is compiled (same passes and
-            # options as training), its ops swapped for their eager twins (eager_twins.py).
-            inner.attention.forward = torch.compile(inner.attention.forward, backend=eager_twin_backend,
-                                                    options=compile_options(job_config, parallel_dims),
-                                                    fullgraph=True, dynamic=False)
-        else:
-            _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(),
-                                                                    options.prefetch, options.ring_group))
-
-
-def _run_forward_under(module: nn.Module, make_mode) -> None:
-    forward = module.forward
-
-    def routed_forward(*args, **kwargs):
-        with make_mode():
-            return forward(*args, **kwargs)
-
-    module.forward = routed_forward
-
-
-def _inner(name: str):
-    from upipe_compile.backend import _inner_backend
-
-    return name if name != "eager" else _inner_backend(name)
 
 
 def parallelize_llama_upipe(model: nn.Module, parallel_dims, job_config) -> nn.Module:
@@ -268,7 +132,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
         )
-        _sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))
+        sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))
         _root_buffers_in_param_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
         stack.keep_output_weight_for_loss(model, job_config)
     elif parallel_dims.dp_replicate_enabled:
@@ -315,22 +179,6 @@ def _root_buffers_in_param_dtype(model: nn.Module, param_dtype: torch.dtype) -> 
     model.register_forward_pre_hook(cast_once, with_kwargs=True)
 
 
-def _sum_reductions_on_gloo(model: nn.Module, dp_mesh) -> None:
-    """torchtitan sets FSDP's gradient divide factor to 1.0 (it scales the loss by the global
-    token count instead); FSDP2 then reduce-scatters with ReduceOp.PREMUL_SUM(1.0), which gloo
-    rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). On gloo, ask FSDP for plain SUM
-    reductions (its divide by 1.0 is exact). NCCL is left as torchtitan configures it."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]
-    if not any(dist.get_backend(g) == "gloo" for g in groups):
-        return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-
-
 def build_loss_fn_upipe(job_config, **kwargs):
     """torchtitan's cross-entropy loss, or with [upipe] loss_chunk_tokens the chunked one (the
     model then returns LazyLogits, see stack.py); with backend "upipe" the loss (no attention in
@@ -340,8 +188,8 @@ def build_loss_fn_upipe(job_config, **kwargs):
     refuse_stack_without_upipe(job_config)
     if not upipe_enabled(job_config):
         return build_cross_entropy_loss(job_config, **kwargs)
-    _refuse(stack.stack_problems(job_config))
+    refuse(job_problems(job_facts(job_config), STACK_RULES), SPELLING)
     loss_fn = stack.stack_loss_fn(job_config) or cross_entropy_loss
     if "loss" in job_config.compile.components and not is_measuring():
-        return torch.compile(loss_fn, backend=_inner(upipe_config(job_config).inner_backend))
+        return torch.compile(loss_fn, backend=inner_backend(upipe_config(job_config).inner_backend))
     return loss_fn

@@ -40,47 +40,6 @@ def stack_enabled(cfg) -> list[str]:
     return [key for key in STACK_KEYS if getattr(cfg, key)]
 
 
-def count_problem(cfg, key: str) -> str | None:
-    value = getattr(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return f"[upipe] {key} = {value!r} must be a whole number of tokens > 0 (or 0 = off)"
-    return None
-
-
-def stack_problems(job_config) -> list[str]:
-    """What the job's stack keys get wrong, before any model exists."""
-    cfg = upipe_config(job_config)
-    problems = [p for p in (count_problem(cfg, "mlp_tile_tokens"), count_problem(cfg, "loss_chunk_tokens")) if p]
-    if not isinstance(cfg.offload_block_inputs, bool):
-        problems.append(f"[upipe] offload_block_inputs = {cfg.offload_block_inputs!r} must be true or false")
-    if cfg.offload_block_inputs and job_config.activation_checkpoint.mode != "full":
-        problems.append(
-            f'[upipe] offload_block_inputs = true needs [activation_checkpoint] mode = "full" (got '
-            f'"{job_config.activation_checkpoint.mode}"): only then is the block input all a block saves'
-        )
-    problems += _keep_attention_problems(cfg, job_config)
-    reserve = cfg.host_memory_reserve_gib
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
-        problems.append(f"[upipe] host_memory_reserve_gib = {reserve!r} must be a number >= 0")
-    return problems
-
-
-def _keep_attention_problems(cfg, job_config) -> list[str]:
-    if not isinstance(cfg.keep_attention, bool):
-        return [f"[upipe] keep_attention = {cfg.keep_attention!r} must be true or false"]
-    if not cfg.keep_attention:
-        return []
-    problems = []
-    if job_config.activation_checkpoint.mode != "full":
-        problems.append(f'[upipe] keep_attention = true needs [activation_checkpoint] mode = "full" (got '
-                        f'"{job_config.activation_checkpoint.mode}"): without a recompute there is no second '
-                        'attention forward to save ("selective" op AC keeps the attention ops already)')
-    if cfg.recompute_attention_output:
-        problems.append("[upipe] keep_attention = true and recompute_attention_output = true ask for opposite "
-                        "things (keep the attention output / run attention again in backward): set one")
-    return problems
-
-
 def mlp_tile_problems(model: nn.Module, cfg) -> list[str]:
     """What ``mlp_tile_tokens`` cannot tile on this model (torchtitan 0.2.2 and 0.3)."""
     if cfg.mlp_tile_tokens:

@@ -8,7 +8,7 @@ without it the Trainer is torchtitan's, unchanged.
 
 With it, the Trainer
 
-- checks the whole job before anything is built (parallelize_03.config_problems), naming the
+- checks the whole job before anything is built (job_rules.py, with the facts release_03.py reads), naming the
   field to change;
 - sizes 0.3's ChunkedLossWrapper from ``upipe.loss_chunk_tokens`` (chunks of at most that
   many local tokens, whatever ``training.seq_len`` is);
@@ -41,8 +41,9 @@ from torchtitan.trainer import Trainer
 
 from upipe_compile.integrations.torchtitan.config import UPipe
 from upipe_compile.integrations.torchtitan.cp_layout import upipe_cp_mesh
-from upipe_compile.integrations.torchtitan.parallelize import _inner, upipe_enabled
-from upipe_compile.integrations.torchtitan.parallelize_03 import attention_configs, check_config, parallelize_upipe
+from upipe_compile.integrations.torchtitan.compile_blocks import inner_backend, upipe_enabled
+from upipe_compile.integrations.torchtitan.parallelize_03 import check_config, parallelize_upipe
+from upipe_compile.integrations.torchtitan.release_03 import attention_configs
 from upipe_compile.sharding import shard_sequence
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def shard_batch(config, parallel_dims, model, input_dict: dict[str, torch.Tensor
 def upipe_loss(config, loss_fn):
     """The Trainer's loss rebuilt with its compile backend set to ``upipe.inner_backend``
     (torch.compile of the loss, when ``"loss"`` is in ``compile.components``)."""
-    compile_config = dataclasses.replace(config.compile, backend=_inner(config.upipe.inner_backend))
+    compile_config = dataclasses.replace(config.compile, backend=inner_backend(config.upipe.inner_backend))
     rebuilt = config.loss.build(compile_config=compile_config)
     if isinstance(loss_fn, ChunkedLossWrapper):
         rebuilt.set_lm_head(loss_fn.lm_head)

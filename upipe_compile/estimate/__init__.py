@@ -24,13 +24,11 @@ from upipe_compile.measure.memory import eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.estimate.gpu import CUBLAS_WORKSPACES_GIB, DEVICE_RATIO, GIB, budget_gib, device_peak_gib
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
-from upipe_compile.estimate.job import (
-    JobError, build_job, build_job_03, load_job_config, private_sharding_fake_mode, world_size,
-)
-from upipe_compile.integrations.torchtitan.release import python_configs
+from upipe_compile.estimate.job import JobError, load_job_config, private_sharding_fake_mode, world_size
 from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.step import StepMemory, run_step
+from upipe_compile.estimate.torchtitan_release import installed_release
 from upipe_compile.estimate.step_time import H100, ModelShape, Setup, model_flops, shape_of, step_time, ulysses
 
 H100_80GB_GIB = 79.1
@@ -115,9 +113,10 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         raise ValueError(f"device_ratio must be at least 1 (a device holds what the step holds), got {device_ratio!r}")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from upipe_compile.integrations.torchtitan.config import upipe_config
     from upipe_compile.measure.memory import fake_process_group
 
+    release = installed_release()
+    facts = release.job_facts(job_config)  # the job's settings, read once
     start = time.time()
     world = world_size(job_config)
     eager_calls.clear()
@@ -129,12 +128,12 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     with fake_process_group(world), private_sharding_fake_mode(), kernel_workspace, plain_stack_loops():
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        job = (build_job_03 if python_configs() else build_job)(job_config, fake_mode)
+        job = release.build_job(job_config, fake_mode)
         fused = cuda_kernel is not None if fused_kernels is None else fused_kernels
-        memory = run_step(job, fake_mode, fused_kernels=fused, cuda_ops=cuda_kernel is not None)
-    cp = job_config.parallelism.context_parallel_degree
-    cfg = upipe_config(job_config)
-    a2a = cfg.all_to_all_degree(cp)
+        memory = run_step(job, fake_mode, train_step=release.train_step, fused_kernels=fused,
+                          cuda_ops=cuda_kernel is not None)
+    cp, cfg = facts.cp, facts.upipe
+    a2a = facts.all_to_all_degree
     heads_per_stage = resolved_heads_per_stage(cfg.heads_per_stage_option, a2a)
     calls = dict(eager_calls)
     modelled, modelled_host = {}, {}
@@ -192,38 +191,19 @@ def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, worl
 
 def _op_selective_ac(job_config) -> bool:
     """Whether the blocks keep upipe's attention ops' outputs from the forward: selective op
-    AC, or full AC with [upipe] keep_attention (selective op AC that keeps only them)."""
-    from upipe_compile.integrations.torchtitan.config import upipe_config
-
-    ac = job_config.activation_checkpoint
-    keep = _full_ac(job_config) and upipe_config(job_config).keep_attention
-    if python_configs():  # 0.3: the AC config's class is its mode
-        from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-        return keep or isinstance(ac, SelectiveAC.Config)
-    return keep or (ac.mode == "selective" and ac.selective_ac_option == "op")
+    AC, or full AC with upipe's keep_attention (selective op AC that keeps only them)."""
+    facts = installed_release().job_facts(job_config)
+    return facts.ac == "selective_op" or (facts.ac == "full" and facts.upipe.keep_attention)
 
 
 def step_setup(job_config, heads_per_stage: int, ring_degree: int) -> Setup:
     """The step-time model's view of a job."""
-    from upipe_compile.integrations.torchtitan.config import upipe_config
-
-    cfg = upipe_config(job_config)
-    return Setup(seq_len=job_config.training.seq_len, batch=job_config.training.local_batch_size,
-                 cp=job_config.parallelism.context_parallel_degree, heads_per_stage=heads_per_stage,
-                 ring_degree=ring_degree, full_ac=_full_ac(job_config), keep_attention=cfg.keep_attention,
+    facts = installed_release().job_facts(job_config)
+    cfg = facts.upipe
+    return Setup(seq_len=facts.seq_len, batch=facts.local_batch_size, cp=facts.cp, heads_per_stage=heads_per_stage,
+                 ring_degree=ring_degree, full_ac=facts.ac == "full", keep_attention=cfg.keep_attention,
                  recompute_attention_output=cfg.recompute_attention_output,
                  offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize)
-
-
-def _full_ac(job_config) -> bool:
-    """Whether the job runs full activation checkpointing (0.3: the AC config's class)."""
-    ac = job_config.activation_checkpoint
-    if python_configs():
-        from torchtitan.distributed.activation_checkpoint import FullAC
-
-        return isinstance(ac, FullAC.Config)
-    return ac.mode == "full"
 
 
 def step_time_report(shape: ModelShape, setup: Setup) -> dict:

@@ -186,8 +186,9 @@ class SavedOnDevice:
         return sum(self.storages.values())
 
 
-def run_step(job: Job, fake_mode, fused_kernels: bool = True, cuda_ops: bool = True) -> StepMemory:
-    """One training step measured with the optimizer state already there, as in every step of
+def run_step(job: Job, fake_mode, *, train_step, fused_kernels: bool = True, cuda_ops: bool = True) -> StepMemory:
+    """One training step (``train_step``: the release's, :func:`train_step_022` or
+    :func:`train_step_03`) measured with the optimizer state already there, as in every step of
     a real run but the first. ``fused_kernels``: RMSNorm and RoPE allocate what fused kernels
     do (a GPU's, or inductor's anywhere; plain_loops.py), else what eager CPU torch allocates;
     ``cuda_ops``: the embedding's backward allocates what CUDA's kernel does."""
@@ -195,7 +196,7 @@ def run_step(job: Job, fake_mode, fused_kernels: bool = True, cuda_ops: bool = T
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
         with kernel_models(fused_kernels, cuda_ops), tracker:
-            return _train_step(job, tracker)
+            return train_step(job, tracker)
 
 
 def kernel_models(fused_kernels: bool, cuda_ops: bool) -> ExitStack:
@@ -238,12 +239,8 @@ def _create_optimizer_state(job: Job) -> None:
     job.optimizers.zero_grad()
 
 
-def _train_step(job: Job, tracker: PhaseTracker):
+def train_step_022(job: Job, tracker: PhaseTracker):
     """torchtitan 0.2.2's Trainer.train_step for one microbatch, without PP."""
-    from upipe_compile.integrations.torchtitan.release import python_configs
-
-    if python_configs():
-        return _train_step_03(job, tracker)
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.train import prepare_context_parallel_input  # the Trainer's (upipe's layouts: cp_layout.py)
@@ -283,7 +280,7 @@ def _train_step(job: Job, tracker: PhaseTracker):
     return measured(tracker, saved, logits, after_forward)
 
 
-def _train_step_03(job: Job, tracker: PhaseTracker):
+def train_step_03(job: Job, tracker: PhaseTracker):
     """torchtitan 0.3's Trainer.train_step for one microbatch, without PP, with UPipeTrainer's
     input sharding: one row of one document (positions 0..S-1). The documents' metadata is
     built outside fake mode (its cumulative lengths are data); tokens, positions and labels

@@ -1,0 +1,104 @@
+"""The switch to upipe and the per-block torch.compile, shared by both torchtitan releases.
+
+A job runs upipe's context parallelism when it compiles with ``compile.backend = "upipe"``
+(0.2.2's ``[compile] backend``, 0.3's ``compile.backend``); its TransformerBlocks are then each
+compiled with upipe's backend over the job's CP mesh, with the options of its upipe section,
+read once per job (:func:`compile_options`).
+
+Under ``measurement.measuring()`` (the whole-step memory estimate) nothing is compiled: each
+block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from upipe_compile.backend import upipe_backend
+from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.cp_layout import upipe_cp_mesh
+from upipe_compile.integrations.torchtitan.measurement import is_measuring
+
+log = logging.getLogger(__name__)
+
+BACKEND = "upipe"
+
+
+def upipe_enabled(job_config) -> bool:
+    return job_config.compile.enable and job_config.compile.backend == BACKEND
+
+
+def compile_options(job_config, parallel_dims) -> dict:
+    """The options each block is compiled with (``cp_mesh``: torchtitan's CP mesh, or its
+    (cp_ring, cp_a2a) unflattening with upipe's ring_degree > 1)."""
+    cfg = upipe_config(job_config)
+    return {"cp_mesh": upipe_cp_mesh(job_config, parallel_dims), "inner_backend": cfg.inner_backend,
+            "prefetch": cfg.prefetch, "fuse_projections": cfg.fuse_projections,
+            "recompute_attention_output": cfg.recompute_attention_output,
+            "heads_per_stage": cfg.heads_per_stage_option}
+
+
+def inner_backend(name: str):
+    """What torch.compile takes for upipe's inner backend ``name`` (the callable for "eager")."""
+    from upipe_compile.backend import _inner_backend
+
+    return name if name != "eager" else _inner_backend(name)
+
+
+def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
+    """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
+    the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
+    if is_measuring():
+        route_blocks_through_stage_loops(model, job_config, parallel_dims)
+        return
+    options = None
+    if parallel_dims.cp_enabled:
+        # The backend callable, not its name: the name resolves only through the
+        # package's entry point, which a source checkout on PYTHONPATH does not have.
+        backend, options = upipe_backend, compile_options(job_config, parallel_dims)
+    else:
+        backend = inner_backend(upipe_config(job_config).inner_backend)
+    for layer_id, block in model.layers.named_children():
+        # each block its own copy of the options: the backend may keep what it is given
+        given = {"options": dict(options)} if options is not None else {}
+        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=True, **given))
+    log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
+
+
+def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:
+    """What compile_blocks does to attention, eagerly, for fake-tensor memory measurement: every
+    block's SDPA runs as the real stage loops with the options it would be compiled with. The
+    routing sits inside the activation-checkpoint wrapper, so AC's recompute in backward is
+    routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from upipe_compile.measure.eager_twins import eager_twin_backend
+    from upipe_compile.measure.memory import SDPAThroughStageLoops
+    from upipe_compile.options import UPipeOptions
+
+    if not parallel_dims.cp_enabled:
+        return
+    user_options = compile_options(job_config, parallel_dims)
+    options = UPipeOptions.from_user(dict(user_options))
+    for block in model.layers.values():
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        if options.fuse_projections:
+            # The fusion pass needs the graph: the attention module is compiled (same passes and
+            # options as training), its ops swapped for their eager twins (eager_twins.py).
+            inner.attention.forward = torch.compile(inner.attention.forward, backend=eager_twin_backend,
+                                                    options=dict(user_options), fullgraph=True, dynamic=False)
+        else:
+            _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(),
+                                                                    options.prefetch, options.ring_group))
+
+
+def _run_forward_under(module: nn.Module, make_mode) -> None:
+    forward = module.forward
+
+    def routed_forward(*args, **kwargs):
+        with make_mode():
+            return forward(*args, **kwargs)
+
+    module.forward = routed_forward

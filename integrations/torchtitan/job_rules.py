@@ -1,0 +1,317 @@
+"""What a torchtitan job must be for UPipe context parallelism: one set of facts about the job
+and one ordered list of rules over them, asked by both torchtitan releases.
+
+Each release reads its own config into :class:`JobFacts` once (release_022.py from the 0.2.2
+TOML's JobConfig, release_03.py from 0.3's ``Trainer.Config``); the rules never see a
+config. A rule returns its refusals (empty: the job is fine), each naming the setting to
+change in the job's own spelling (:class:`Spelling`: ``[training] seq_len`` in a TOML,
+``training.seq_len`` in a Python config). A fact a release does not have is None (or False)
+there, and the rules about it stay silent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from upipe_compile.errors import UnsupportedAttention
+from upipe_compile.integrations.torchtitan.config import UPipe
+from upipe_compile.options import option_problems
+from upipe_compile.sharding import sequence_multiple
+
+MODELS = ("llama3", "qwen3")
+"""The models whose parallelize upipe's replaces (dense flavors)."""
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a release's job names its settings, so a refusal names the one to change."""
+
+    toml: bool
+    """True: 0.2.2's TOML sections (``[upipe] ring_degree = 2``, ``true``); False: 0.3's
+    dotted Python fields (``upipe.ring_degree = 2``, ``True``)."""
+    full_ac: str
+    """Full activation checkpointing, as the job asks for it."""
+    attention_fix: str
+    """How to give the model attention upipe rewrites."""
+
+    def key(self, path: str) -> str:
+        section, _, name = path.partition(".")
+        return f"[{section}] {name}" if self.toml else path
+
+    def value(self, value) -> str:
+        if isinstance(value, bool):
+            return str(value).lower() if self.toml else str(value)
+        return repr(value)
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the rules read of one job, read once from its config and model (whatever the release)."""
+
+    spelling: Spelling
+    upipe: UPipe
+    cp: int
+    seq_len: int
+    local_batch_size: int
+    compile_components: tuple[str, ...]
+    other_degrees: dict[str, int]
+    """``parallelism.<name>_degree`` of the parallelisms upipe does not run beside its CP
+    (tensor, pipeline, expert), by field name."""
+    ac: str
+    """Activation checkpointing: "full", "selective", "selective_op" (selective, saving ops),
+    "memory_budget" or "none"."""
+    ac_name: str
+    """``ac`` as the job spells it (0.2.2: the mode; 0.3: the config class)."""
+    # 0.3's own settings: None / False in 0.2.2, which has none of them (or upipe sets them)
+    spmd_backend: str | None = None
+    load_balancer: str | None = None
+    validator: bool = False
+    loss_name: str | None = None
+    """The loss config's class when it is not the chunked loss ``loss_chunk_tokens`` sizes."""
+    # the model: None where not known (not given yet, or a model the rules cannot read)
+    model_name: str | None = None
+    """The model upipe parallelizes ("" : the job names none)."""
+    foreign_parallelize: str | None = None
+    """A parallelize function the job puts in place of the model's own (0.3's ModelSpec)."""
+    moe: bool | None = None
+    attention: str | None = None
+    """The attention the model runs: "sdpa", "varlen", "flex", or another name."""
+    n_heads: tuple[int, ...] | None = None
+    """Query heads of the attention layers (each distinct count once)."""
+
+    @property
+    def all_to_all_degree(self) -> int:
+        return self.upipe.all_to_all_degree(self.cp)
+
+
+Rule = Callable[[JobFacts], list]
+
+
+# --- the [upipe] stack keys ------------------------------------------------------------------
+
+def _token_counts(f: JobFacts) -> list[str]:
+    problems = []
+    for name in ("mlp_tile_tokens", "loss_chunk_tokens"):
+        value = getattr(f.upipe, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(f"{f.spelling.key('upipe.' + name)} = {value!r} must be a whole number of tokens > 0 "
+                            "(or 0 = off)")
+    return problems
+
+
+def _offload_block_inputs(f: JobFacts) -> list[str]:
+    s, offload = f.spelling, f.upipe.offload_block_inputs
+    if not isinstance(offload, bool):
+        return [f"{s.key('upipe.offload_block_inputs')} = {offload!r} must be {s.value(True)} or {s.value(False)}"]
+    if offload and f.ac != "full":
+        return [f"{s.key('upipe.offload_block_inputs')} = {s.value(True)} needs {s.full_ac} (got {f.ac_name}): "
+                "only then is the block input all a block saves"]
+    return []
+
+
+def _keep_attention(f: JobFacts) -> list[str]:
+    s, keep = f.spelling, f.upipe.keep_attention
+    if not isinstance(keep, bool):
+        return [f"{s.key('upipe.keep_attention')} = {keep!r} must be {s.value(True)} or {s.value(False)}"]
+    if not keep:
+        return []
+    problems = []
+    if f.ac != "full":
+        problems.append(f"{s.key('upipe.keep_attention')} = {s.value(True)} needs {s.full_ac} (got {f.ac_name}): "
+                        "without a recompute there is no second attention forward to save (selective op AC "
+                        "keeps upipe's attention ops already)")
+    if f.upipe.recompute_attention_output:
+        problems.append(f"{s.key('upipe.keep_attention')} = {s.value(True)} and recompute_attention_output = "
+                        f"{s.value(True)} ask for opposite things (keep the attention output / run attention "
+                        "again in backward): set one")
+    return problems
+
+
+def _host_memory_reserve(f: JobFacts) -> list[str]:
+    reserve = f.upipe.host_memory_reserve_gib
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
+        return [f"{f.spelling.key('upipe.host_memory_reserve_gib')} = {reserve!r} must be a number >= 0"]
+    return []
+
+
+def _chunked_loss(f: JobFacts) -> list[str]:
+    if f.upipe.loss_chunk_tokens and f.loss_name is not None:
+        return [f"{f.spelling.key('upipe.loss_chunk_tokens')} = {f.upipe.loss_chunk_tokens!r} sizes the chunks of "
+                f"torchtitan's own chunked loss, but loss is {f.loss_name}: set "
+                "loss=ChunkedLossWrapper.Config(loss_fn=...)"]
+    return []
+
+
+STACK_RULES: tuple[Rule, ...] = (_token_counts, _offload_block_inputs, _keep_attention, _host_memory_reserve,
+                                 _chunked_loss)
+"""What the stack keys get wrong, before any model exists (0.2.2's loss builder asks these alone)."""
+
+
+# --- the layout: CP degree, ring, the options ------------------------------------------------
+
+def _ring(f: JobFacts) -> list[str]:
+    s, ring, cp = f.spelling, f.upipe.ring_degree, f.cp
+    if ring < 1:
+        return [f"{s.key('upipe.ring_degree')} = {ring} must be >= 1 (1 = no ring)"]
+    if ring == 1:
+        return []
+    if cp % ring:
+        return [f"{s.key('upipe.ring_degree')} = {ring} must divide {s.key('parallelism.context_parallel_degree')} = "
+                f"{cp} (the CP ranks split into ring_degree groups of equal size)"]
+    pieces = sequence_multiple(cp, ring)
+    if f.seq_len % pieces:
+        return [f"{s.key('training.seq_len')} = {f.seq_len} must be divisible by 2 x context_parallel_degree = "
+                f"{pieces} with {s.key('upipe.ring_degree')} = {ring} (two zigzag chunks per ring rank, split over "
+                "its all-to-all ranks)"]
+    return []
+
+
+def _options(f: JobFacts) -> list[str]:
+    """The options' own check (UPipeOptions'), named by their upipe keys."""
+    cfg = f.upipe
+    return [f.spelling.key(f"upipe.{p}") for p in option_problems(
+        world=f.all_to_all_degree, heads_per_stage=cfg.heads_per_stage_option, prefetch=cfg.prefetch,
+        inner_backend=cfg.inner_backend, fuse_projections=cfg.fuse_projections,
+        recompute_attention_output=cfg.recompute_attention_output)]
+
+
+def _compiles_the_model(f: JobFacts) -> list[str]:
+    if "model" not in f.compile_components:
+        return [f'{f.spelling.key("compile.components")} must contain "model" (the blocks are what upipe rewrites)']
+    return []
+
+
+def _other_parallelisms(f: JobFacts) -> list[str]:
+    s = f.spelling
+    return [f"{s.key('parallelism.' + name)} = {degree}: not supported with {s.key('compile.backend')} = \"upipe\" "
+            "(not implemented)" for name, degree in f.other_degrees.items() if degree > 1]
+
+
+def _seq_len(f: JobFacts) -> list[str]:
+    if f.seq_len % f.cp:
+        return [f"{f.spelling.key('training.seq_len')} = {f.seq_len} must be divisible by the CP degree {f.cp} "
+                f"({f.spelling.key('parallelism.context_parallel_degree')})"]
+    return []
+
+
+def _spmd_backend(f: JobFacts) -> list[str]:
+    if f.spmd_backend is not None and f.spmd_backend != SPMD_BACKEND:
+        return [f"{f.spelling.key('parallelism.spmd_backend')} = {f.spmd_backend!r}: upipe's context parallelism "
+                f"runs on the {SPMD_BACKEND!r} backend (plain tensors inside the blocks); set it"]
+    return []
+
+
+SPMD_BACKEND = "partial_dtensor"
+"""0.3's DTensor-FSDP path, the one whose parallelize applies CP as a separate step (the one
+upipe replaces); "spmd_types" and "full_dtensor" annotate every tensor with its CP sharding."""
+
+
+def _load_balancer(f: JobFacts) -> list[str]:
+    if f.cp > 1 and f.load_balancer is not None:
+        return [f"{f.spelling.key('parallelism.context_parallel_load_balancer')} = {f.load_balancer!r}: torchtitan's "
+                "load balancer reorders the sequence for its own CP; upipe lays it out itself (contiguous shards, "
+                "zigzag over the ring with upipe.ring_degree): set it to None"]
+    return []
+
+
+def _validator(f: JobFacts) -> list[str]:
+    if f.cp > 1 and f.validator:
+        return [f"{f.spelling.key('validator.enable')} = {f.spelling.value(True)}: torchtitan's validator shards its "
+                "batches for torchtitan's own context parallelism, not upipe's; set it to "
+                f"{f.spelling.value(False)}"]
+    return []
+
+
+def _memory_budget_ac(f: JobFacts) -> list[str]:
+    if f.ac == "memory_budget":
+        return [f"activation_checkpoint = {f.ac_name}: not supported with upipe (its budget is solved by "
+                "inductor's partitioner, which upipe's ops sit outside); use FullAC or SelectiveAC"]
+    return []
+
+
+LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _other_parallelisms, _seq_len,
+                                  _spmd_backend, _load_balancer, _validator, _memory_budget_ac)
+
+
+# --- the model -------------------------------------------------------------------------------
+
+def _known_model(f: JobFacts) -> list[str]:
+    if f.model_name is None or f.model_name in MODELS:
+        return []
+    if not f.model_name:
+        return ["model_spec is not set: upipe parallelizes the model the config names"]
+    hybrid = (" Its linear-attention layers (Gated DeltaNet, fla's kernels) mix tokens along the sequence "
+              "and have no context-parallel form here: they would run on each rank's shard alone. Qwen3.5 "
+              "runs exactly through upipe's transformers integration (upipe_compile.integrations."
+              "transformers.register()), its mixers as stage loops." if f.model_name == "qwen3_5" else "")
+    return [f"{f.spelling.key('model_spec.name')} = {f.model_name!r}: upipe runs {' and '.join(MODELS)} "
+            f"(dense).{hybrid}"]
+
+
+def _own_parallelize(f: JobFacts) -> list[str]:
+    if f.foreign_parallelize is not None:
+        return [f"model_spec.parallelize_fn is {f.foreign_parallelize}, not torchtitan's parallelize for "
+                f"{f.model_name!r}: upipe replaces that one (without its apply_cp_to_forward) and cannot tell "
+                "what another does"]
+    return []
+
+
+def _dense(f: JobFacts) -> list[str]:
+    if f.moe:
+        return ["the model flavor has MoE layers: not supported with backend upipe (not implemented); "
+                "use a dense flavor"]
+    return []
+
+
+def _attention_kind(f: JobFacts) -> list[str]:
+    if f.attention is not None and f.attention not in ("sdpa", "varlen"):
+        return [f'the model\'s attention is "{f.attention}"; backend upipe needs "sdpa" or "varlen": '
+                f"{f.spelling.attention_fix}"]
+    return []
+
+
+def _one_packed_row(f: JobFacts) -> list[str]:
+    if f.attention == "varlen" and f.local_batch_size != 1:
+        return [f"{f.spelling.key('training.local_batch_size')} = {f.local_batch_size}: varlen attention needs 1 "
+                "(one packed row of documents per rank; varlen_attn flattens the batch into one row)"]
+    return []
+
+
+def _heads_split(f: JobFacts) -> list[str]:
+    s, a2a, ring = f.spelling, f.all_to_all_degree, f.upipe.ring_degree
+    for heads in f.n_heads or ():
+        if heads % a2a:
+            if ring > 1:
+                return [f"n_heads = {heads} is not divisible by the all-to-all degree {a2a} (the CP degree {f.cp} / "
+                        f"{s.key('upipe.ring_degree')} {ring}): raise ring_degree"]
+            return [f"n_heads = {heads} is not divisible by the CP degree {f.cp}: set {s.key('upipe.ring_degree')} "
+                    "so that CP / ring_degree divides it (ring attention across the groups)"]
+    return []
+
+
+def _heads_per_stage_divides(f: JobFacts) -> list[str]:
+    per_stage = f.upipe.heads_per_stage
+    for heads in f.n_heads or ():
+        if per_stage and isinstance(per_stage, int) and heads % per_stage:
+            return [f"{f.spelling.key('upipe.heads_per_stage')} = {per_stage} must divide n_heads = {heads}"]
+    return []
+
+
+MODEL_RULES: tuple[Rule, ...] = (_known_model, _own_parallelize, _dense, _attention_kind, _one_packed_row,
+                                 _heads_split, _heads_per_stage_divides)
+
+JOB_RULES: tuple[Rule, ...] = STACK_RULES + LAYOUT_RULES + MODEL_RULES
+"""Every rule, in the order the refusal lists them."""
+
+
+def job_problems(facts: JobFacts, rules: tuple[Rule, ...] = JOB_RULES) -> list[str]:
+    """Everything the job gets wrong (empty: nothing), each naming the setting to change."""
+    return [problem for rule in rules for problem in rule(facts)]
+
+
+def refuse(problems: list[str], spelling: Spelling) -> None:
+    """Raise UnsupportedAttention listing ``problems`` (nothing when there are none)."""
+    if problems:
+        raise UnsupportedAttention(f'torchtitan job cannot run with {spelling.key("compile.backend")} = "upipe":\n'
+                                   + "".join(f"  - {p}\n" for p in problems))

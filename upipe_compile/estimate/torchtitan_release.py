@@ -1,0 +1,37 @@
+"""The estimate's adapter for the installed torchtitan release: how it reads a job's facts
+(integrations/torchtitan/release_022.py or release_03.py), builds the job (job.py) and runs
+its training step (step.py). Chosen once; the rest of the estimate asks it instead of
+asking which release is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+from upipe_compile.estimate.job import build_job, build_job_03
+from upipe_compile.estimate.step import train_step_022, train_step_03
+from upipe_compile.integrations.torchtitan.release import python_configs
+
+
+@dataclass(frozen=True)
+class TorchtitanRelease:
+    name: str
+    job_facts: Callable
+    """config -> job_rules.JobFacts (the upipe section, CP degree, AC kind, ...)."""
+    build_job: Callable
+    """(config, fake_mode) -> job.Job, as the release's Trainer builds it."""
+    train_step: Callable
+    """(job, tracker) -> step.StepMemory: the release's Trainer.train_step for one microbatch."""
+
+
+@functools.lru_cache(maxsize=None)
+def installed_release() -> TorchtitanRelease:
+    if python_configs():  # 0.3: Python job configs (its modules import 0.3's torchtitan)
+        from upipe_compile.integrations.torchtitan import release_03
+
+        return TorchtitanRelease(release_03.NAME, release_03.job_facts, build_job_03, train_step_03)
+    from upipe_compile.integrations.torchtitan import release_022
+
+    return TorchtitanRelease(release_022.NAME, release_022.job_facts, build_job, train_step_022)
