@@ -50,7 +50,7 @@ class UPipe:
 
     def all_to_all_degree(self, cp: int) -> int:
         """A, the ranks each all-to-all spans (U and the heads are counted over them):
-        ``cp / ring_degree``, or ``cp`` while ring_degree is 1 or invalid (check_job names it)."""
+        ``cp / ring_degree``, or ``cp`` while ring_degree is 1 or invalid (job_rules.py names it)."""
         ring = self.ring_degree
         return cp // ring if ring >= 1 and cp % ring == 0 else cp
 

@@ -155,15 +155,16 @@ def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_byte
     inputs (exact-size buffers: all the stack allocates on host) next to the reserve."""
     from upipe_compile.errors import UnsupportedAttention
 
+    cfg = upipe_config(job_config)
     per_rank = offload_host_bytes_per_rank(job_config, parallel_dims, model_args)
     if not per_rank:
         return
     ranks = ranks if ranks is not None else ranks_per_node(default=parallel_dims.world_size)
     total, what = (total_bytes, "the node has") if total_bytes is not None else usable_host_memory()
-    reserve = int(upipe_config(job_config).host_memory_reserve_gib * (1 << 30))
+    reserve = int(cfg.host_memory_reserve_gib * (1 << 30))
     problem = host_memory_problem(per_rank, ranks, total, reserve, what)
     if problem:
-        keep = " (with keep_attention's attention outputs)" if upipe_config(job_config).keep_attention else ""
+        keep = " (with keep_attention's attention outputs)" if cfg.keep_attention else ""
         raise UnsupportedAttention(
             f"[upipe] offload_block_inputs = true{keep}: {problem}. Lower [training] seq_len, raise "
             "[parallelism] context_parallel_degree (more nodes), lower [upipe] host_memory_reserve_gib"
@@ -183,13 +184,14 @@ def install_offload(model: nn.Module, job_config, parallel_dims, model_args=None
     """Offload hooks on the final per-block modules; checks the node's RAM first (skipped on a
     fake process group: a memory estimate reports host memory instead of refusing).
     ``model_args``: what has the model's ``n_layers`` and ``dim`` (0.2.2: ``model.model_args``)."""
-    if not upipe_config(job_config).offload_block_inputs:
+    cfg = upipe_config(job_config)
+    if not cfg.offload_block_inputs:
         return None
     if not _on_fake_process_group():
         check_offload_fits_host(job_config, parallel_dims, model_args or model.model_args)
     # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
     offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device(),
-                                    kept_outputs=upipe_config(job_config).keep_attention)
+                                    kept_outputs=cfg.keep_attention)
     model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule
     return offloader
 
