@@ -39,7 +39,7 @@ from benchmarks.report import emit  # noqa: E402
 from upipe_compile.measure.memory import fake_process_group, tracker_peak_bytes  # noqa: E402
 from upipe_compile.mixers.loop import loop_backward, loop_forward  # noqa: E402
 from upipe_compile.mixers.registry import KINDS  # noqa: E402
-from upipe_compile.passes.rewrite_mixer import mixer_stages  # noqa: E402
+from upipe_compile.passes.mixer_match import mixer_stages  # noqa: E402
 
 CONV_CHANNELS, CONV_KERNEL = 8192, 4  # 2 x 16 key heads x 128 + 32 value heads x 128
 VALUE_HEADS, KEY_HEADS, HEAD_DIM = 32, 16, 128

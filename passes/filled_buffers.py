@@ -19,8 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from upipe_compile.passes.find import rewrite_nodes
-from upipe_compile.passes.head_separable import example
+from upipe_compile.passes.graph_utils import example, rewrite_nodes
 
 
 def concatenate_filled_buffers(gm: fx.GraphModule) -> int:

@@ -16,91 +16,23 @@ Before (one block, any graph module, nested checkpoint bodies included):
 
 What this pass returns for it: a :class:`BlockMatch` (the nodes above, the three proven
 chains and their shared extras), or the reason the block cannot be fused, naming the node
-that blocked it. :mod:`upipe_compile.passes.rewrite_block` turns a match into one
-``upipe::attention_block`` call.
+that blocked it. :meth:`BlockMatch.replace <upipe_compile.passes.block_match.BlockMatch.replace>`
+turns a match into one ``upipe::attention_block`` call.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.fx as fx
 
-from upipe_compile.passes.find import AttentionMatch, source_line
-from upipe_compile.passes.head_separable import LINEAR_TARGETS, NotSeparable, prove_chain, shape_of
-
-ROLES = ("q", "k", "v")
-
-
-@dataclass
-class Projection:
-    """Where one role's ``projected`` comes from: ``linear`` itself (``rows`` None) or the
-    rows ``[a, b)`` of a fused projection, read through ``slice_nodes`` (a getitem or
-    narrow; or split/chunk then getitem)."""
-
-    linear: fx.Node
-    weight: fx.Node
-    bias: Optional[fx.Node]
-    rows: Optional[tuple[int, int]] = None
-    slice_nodes: list = field(default_factory=list)
-
-    @property
-    def value(self) -> fx.Node:
-        """The node whose value is ``projected``."""
-        return self.slice_nodes[-1] if self.slice_nodes else self.linear
-
-
-@dataclass
-class BlockMatch:
-    """One fusable attention block, owning its nodes."""
-
-    attention: AttentionMatch
-    x: fx.Node
-    projections: dict  # role -> Projection
-    chains: dict  # role -> Chain
-    extras: list  # tensor nodes the chains read from outside, graph order (shared by q, k, v)
-    out_nodes: list  # sdpa output -> ... -> o_proj input
-    out_linear: fx.Node
-    wo: fx.Node
-    bo: Optional[fx.Node]
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    value_dim: int
-    """Output columns per head the output projection reads (< head_dim where v was padded)."""
-    projection_inputs: tuple
-    """Per role, what it projects: -1 the block input x, i ``extras[i]``."""
-
-    @property
-    def graph_module(self) -> fx.GraphModule:
-        return self.attention.graph_module
-
-    @property
-    def source_line(self) -> str:
-        return self.attention.source_line
-
-    def nodes(self) -> set:
-        """Every node the fused op replaces (projections, chains, SDPA, output side, o_proj)."""
-        nodes = {self.attention.node, self.out_linear, *self.out_nodes}
-        for role in ROLES:
-            p = self.projections[role]
-            nodes |= {p.linear, *p.slice_nodes, *self.chains[role].nodes}
-        return nodes
-
-
-@dataclass
-class NotFusable:
-    attention: AttentionMatch
-    node: fx.Node
-    reason: str
-
-    def __str__(self) -> str:
-        return self.reason
-
+from upipe_compile.passes.attention_match import AttentionMatch
+from upipe_compile.passes.block_match import ROLES, BlockMatch, NotFusable, Projection
+from upipe_compile.passes.graph_utils import shape_of, source_line
+from upipe_compile.passes.head_separable import LINEAR_TARGETS, NotSeparable, prove_chain
 
 def _linear_args(node: fx.Node):
     """(input, weight, bias) of a linear call, positional or keyword."""

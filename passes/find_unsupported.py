@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from upipe_compile.passes.find import _graph_modules, source_line
+from upipe_compile.passes.context import RefusedOp
+from upipe_compile.passes.graph_utils import example, graph_modules, is_weight_placeholder, source_line
 
 FLEX_ATTENTION = "flex_attention"
 HAND_WRITTEN = "hand-written attention"
@@ -81,7 +82,7 @@ _OP_NAMESPACES = ("aten", "prims")
 
 
 @dataclass
-class UnsupportedMatch:
+class UnsupportedMatch(RefusedOp):
     """One attention call upipe does not rewrite (it would attend over the local shard only)."""
 
     graph_module: fx.GraphModule
@@ -111,7 +112,7 @@ def find_unsupported_attention(gm: fx.GraphModule) -> list[UnsupportedMatch]:
     static: set[fx.Node] = set()  # nodes computed from no activation, over all modules
     callers: dict[int, list[tuple]] = {}  # id(body) -> the operands of each higher-order op calling it
     matches: list[UnsupportedMatch] = []
-    for module in _graph_modules(gm):  # named_modules is pre-order: a body comes after its caller
+    for module in graph_modules(gm):  # named_modules is pre-order: a body comes after its caller
         candidates = _scan(module, static, callers)
         matches += filter(None, (_match(module, node, static) for node in candidates))
     return matches
@@ -134,7 +135,7 @@ def _scan(gm: fx.GraphModule, static: set[fx.Node], callers: dict[int, list[tupl
                 # a nested body: its inputs are the calling higher-order op's operands
                 if all(not isinstance(args[position], fx.Node) or args[position] in static for args in calls):
                     static.add(node)
-            elif _is_weight_placeholder(node) or not isinstance(_value(node), torch.Tensor):
+            elif is_weight_placeholder(node) or not isinstance(example(node), torch.Tensor):
                 static.add(node)
         elif node.op == "get_attr":
             static.add(node)
@@ -145,39 +146,6 @@ def _scan(gm: fx.GraphModule, static: set[fx.Node], callers: dict[int, list[tupl
             if node.target is torch.ops.higher_order.flex_attention or _op_name(node) in _SOFTMAX:
                 candidates.append(node)
     return candidates
-
-
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def _is_weight_placeholder(node: fx.Node) -> bool:
-    """A Dynamo graph input that is a parameter or a buffer (not mutated in the graph). Dynamo
-    passes both as placeholders; a parameter's is typed ``nn.Parameter`` and its fake value
-    has ``_is_param``; a buffer is known by its source, ``L['self']..._buffers['name']``."""
-    if isinstance(node.type, type) and issubclass(node.type, torch.nn.Parameter):
-        return True
-    value = _value(node)
-    if isinstance(value, torch.nn.Parameter) or getattr(value, "_is_param", False):
-        return True
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", "")
-    name = name() if callable(name) else str(name)
-    if "._parameters[" in name:
-        return True
-    # A buffer written in the graph (a KV cache) holds activations.
-    return "._buffers[" in name and not any(_writes(user, node) for user in node.users)
-
-
-def _writes(user: fx.Node, node: fx.Node) -> bool:
-    if user.op == "call_method" and user.target.endswith("_") and not user.target.startswith("__"):
-        return bool(user.args) and user.args[0] is node
-    if user.op == "call_function":
-        if user.target is operator.setitem:
-            return user.args[0] is node
-        schema = getattr(user.target, "_schema", None)
-        return bool(schema is not None and schema.is_mutable)
-    return False
 
 
 def _record_bodies(gm: fx.GraphModule, node: fx.Node, callers: dict[int, list[tuple]]) -> None:

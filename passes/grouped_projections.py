@@ -27,8 +27,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from upipe_compile.passes.find import rewrite_nodes
-from upipe_compile.passes.head_separable import LINEAR_TARGETS, example, shape_of
+from upipe_compile.passes.graph_utils import example, rewrite_nodes, shape_of
+from upipe_compile.passes.head_separable import LINEAR_TARGETS
 
 _MOVES = {"view", "reshape", "contiguous", "split", "chunk", "narrow", "squeeze", "unsqueeze", "transpose",
           "flatten"}

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from upipe_compile.passes.find import source_line
+from upipe_compile.passes.graph_utils import example, shape_of, source_line
 
 
 class NotSeparable(Exception):
@@ -53,20 +53,6 @@ class NotSeparable(Exception):
 def _describe(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return f"{node.op} {target}"
-
-
-def example(node) -> Optional[torch.Tensor]:
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return value
-
-
-def shape_of(node) -> Optional[tuple]:
-    value = example(node)
-    if isinstance(value, torch.Tensor) and all(type(d) is int for d in value.shape):
-        return tuple(value.shape)
-    return None  # unknown, or symbolic (dynamic shapes): not proven, the block is not fused
 
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear, torch.ops.aten.linear.default)

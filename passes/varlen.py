@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from upipe_compile.passes.find import DOCUMENT_SDPA, rewrite_nodes, source_line
-from upipe_compile.passes.head_separable import shape_of
+from upipe_compile.passes.attention_match import DOCUMENT_SDPA
+from upipe_compile.passes.context import Refusal
+from upipe_compile.passes.graph_utils import rewrite_nodes, shape_of, source_line
 
 _ARGUMENTS = ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "scale",
               "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits")
@@ -51,9 +52,9 @@ def _is_varlen(node: fx.Node, targets: tuple) -> bool:
     return node.op == "call_function" and node.target in targets
 
 
-def varlen_as_document_sdpa(gm: fx.GraphModule) -> list[str]:
+def varlen_as_document_sdpa(gm: fx.GraphModule) -> list[Refusal]:
     """Rewrite every ``varlen_attn`` call in ``gm`` and its nested graph modules; returns one
-    refusal (source line and reasons, as the backend reports them) per call that cannot be."""
+    refusal (source line and reasons) per call that cannot be."""
     refusals, targets = [], _varlen_targets()
 
     def rewrite(module: fx.GraphModule, node: fx.Node) -> bool:
@@ -62,7 +63,7 @@ def varlen_as_document_sdpa(gm: fx.GraphModule) -> list[str]:
         arguments = dict(_DEFAULTS, **dict(zip(_ARGUMENTS, node.args)), **node.kwargs)
         reasons = _problems(node, arguments)
         if reasons:
-            refusals.append(f"  {source_line(node)}\n" + "".join(f"    - {r}\n" for r in reasons))
+            refusals.append(Refusal(source_line(node), reasons))
             return False
         _rewrite(module.graph, node, arguments)
         return True

@@ -1,5 +1,5 @@
 """Single-process graph tests of the attention-block fusion pass (find_block ->
-head_separable -> rewrite_block) on Dynamo graphs of real models, over a FAKE process group.
+head_separable -> BlockMatch.replace) on Dynamo graphs of real models, over a FAKE process group.
 
 For each model: the block is fused into one ``upipe::attention_block`` (or refused with the
 node that blocks it), and the rewritten graph, with the op's call replaced by an unfused
@@ -29,7 +29,7 @@ from upipe_compile.block import region as block_region_registry
 from upipe_compile.block.region import region_by_id
 from upipe_compile.passes import find_attention
 from upipe_compile.passes.find_block import ROLES, BlockMatch, NotFusable, find_block
-from upipe_compile.passes.rewrite_block import block_region
+from upipe_compile.passes.block_match import block_region
 
 WORLD = 2
 BLOCK = torch.ops.upipe.attention_block.default
@@ -244,7 +244,7 @@ def test_olmo2_is_refused_with_the_blocking_node(world, checkpointing, caplog):
 def test_backend_logs_each_block(world, caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="upipe_compile.backend"):
+    with caplog.at_level(logging.INFO, logger="upipe_compile.passes.pipeline"):
         compile_hf("olmo2", False)
         torch._dynamo.reset()
         compile_hf("llama", False)

@@ -10,7 +10,7 @@ import types
 
 import torch.fx as fx
 
-import upipe_compile.passes.find as find
+import upipe_compile.passes.graph_utils as find
 
 USER = "/home/someone/project/model.py"
 
@@ -25,7 +25,7 @@ def _node(*files: str) -> fx.Node:
 
 
 def test_a_checkout_module_outside_the_package_folder_is_upipes():
-    # passes/find.py is upipe_compile.passes.find, mapped in from a folder beside upipe_compile/
+    # passes/graph_utils.py is upipe_compile.passes.graph_utils, mapped in from a folder beside upipe_compile/
     # in a checkout: the model's line is named, not ours
     line = find.source_line(_node(USER, find.__file__))
     assert line.startswith(f"{USER}:10 in fn0: line_0()"), line

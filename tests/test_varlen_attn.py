@@ -31,7 +31,7 @@ def test_varlen_attn_matches_each_document_alone(rank_pools, world, window, fuse
 
 def _refusal(block, batch: int = 1) -> str:
     from upipe_compile import UnsupportedAttention
-    from upipe_compile.passes import mark_sequence_dim
+    from upipe_compile.sequence_marks import mark_sequence_dim
 
     x = mark_sequence_dim(torch.randn(batch, 16, jobs.DIM), 1)
     with pytest.raises(Exception) as refused:

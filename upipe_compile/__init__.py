@@ -5,7 +5,6 @@ UPipe (untied Ulysses) context parallelism.
 """
 
 from upipe_compile.api import upipe_attention
-from upipe_compile.backend import apply_upipe_passes, upipe_backend
 from upipe_compile.block.ops import upipe_attention_block
 from upipe_compile.packed.document_sdpa import document_sdpa
 from upipe_compile.packed.documents import cu_seqlens_from_position_ids
@@ -26,3 +25,13 @@ __all__ = [
     "upipe_attention_block",
     "upipe_backend",
 ]
+
+
+def __getattr__(name: str):
+    # the backend, and the graph passes under it, load when a graph compiles: a training step's
+    # imports (the ops, sharding, the stack) never load them
+    if name in ("apply_upipe_passes", "upipe_backend"):
+        from upipe_compile import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'upipe_compile' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import torch
 from upipe_compile.attention.collectives import all_gather, resolve_groups
 from upipe_compile.attention.zigzag import zigzag_shard, zigzag_unshard
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.passes.token_mixing import mark_sequence_dim
+from upipe_compile.sequence_marks import mark_sequence_dim
 
 
 def sequence_multiple(cp: int, ring_degree: int = 1) -> int:
@@ -42,7 +42,7 @@ def shard_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor:
         t = zigzag_shard(t, ring_group.rank(), ring, dim)
     share = t.shape[dim] // world
     # the backend follows this dimension through the graph to refuse ops that mix tokens
-    return mark_sequence_dim(t.narrow(dim, group.rank() * share, share), dim)
+    return mark_sequence_dim(t.narrow(dim, group.rank() * share, share), dim, group)
 
 
 def gather_sequence(t: torch.Tensor, cp_mesh=None, dim: int = 1) -> torch.Tensor:
@@ -61,6 +61,6 @@ def global_positions(local_length: int, cp_mesh=None, device=None) -> torch.Tens
     group, ring_group = resolve_groups(cp_mesh)
     if ring_group is None:
         start = group.rank() * local_length
-        return mark_sequence_dim(torch.arange(start, start + local_length, device=device).unsqueeze(0), 1)
+        return mark_sequence_dim(torch.arange(start, start + local_length, device=device).unsqueeze(0), 1, group)
     full = torch.arange(local_length * group.size() * ring_group.size(), device=device).unsqueeze(0)
     return shard_sequence(full, cp_mesh, dim=1)

@@ -1,5 +1,5 @@
-"""Replace a proven attention block (:class:`~upipe_compile.passes.find_block.BlockMatch`) by
-one ``upipe::attention_block`` call.
+"""A proven attention block (found by :mod:`upipe_compile.passes.find_block`) as a match: the
+nodes it owns, and its replacement by one ``upipe::attention_block`` call.
 
 Before:
 
@@ -25,14 +25,98 @@ head fns are the chains extracted as ``(projected, n, *extras) -> [B, n, s, D]``
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from upipe_compile.block.ops import BlockSettings
 from upipe_compile.block.region import BlockRegion, register_region
-from upipe_compile.passes.find_block import ROLES, BlockMatch
-from upipe_compile.passes.head_separable import example, extract_head_fn
+from upipe_compile.passes.attention_match import AttentionMatch
+from upipe_compile.passes.context import ATTENTION_CALLS, PassContext
+from upipe_compile.passes.graph_utils import example
+from upipe_compile.passes.head_separable import extract_head_fn
+
+ROLES = ("q", "k", "v")
+
+
+@dataclass
+class Projection:
+    """Where one role's ``projected`` comes from: ``linear`` itself (``rows`` None) or the
+    rows ``[a, b)`` of a fused projection, read through ``slice_nodes`` (a getitem or
+    narrow; or split/chunk then getitem)."""
+
+    linear: fx.Node
+    weight: fx.Node
+    bias: Optional[fx.Node]
+    rows: Optional[tuple[int, int]] = None
+    slice_nodes: list = field(default_factory=list)
+
+    @property
+    def value(self) -> fx.Node:
+        """The node whose value is ``projected``."""
+        return self.slice_nodes[-1] if self.slice_nodes else self.linear
+
+
+@dataclass
+class BlockMatch:
+    """One fusable attention block, owning its nodes."""
+
+    attention: AttentionMatch
+    x: fx.Node
+    projections: dict  # role -> Projection
+    chains: dict  # role -> Chain
+    extras: list  # tensor nodes the chains read from outside, graph order (shared by q, k, v)
+    out_nodes: list  # sdpa output -> ... -> o_proj input
+    out_linear: fx.Node
+    wo: fx.Node
+    bo: Optional[fx.Node]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    """Output columns per head the output projection reads (< head_dim where v was padded)."""
+    projection_inputs: tuple
+    """Per role, what it projects: -1 the block input x, i ``extras[i]``."""
+
+    refusal_kind = ATTENTION_CALLS
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.attention.graph_module
+
+    def problems(self, ctx: PassContext) -> list[str]:
+        return self.attention.problems(ctx)
+
+    def replace(self, ctx: PassContext) -> None:
+        rewrite_block(self, heads_per_stage=ctx.heads_per_stage, world_size=ctx.world, group_name=ctx.group_name,
+                      prefetch=ctx.prefetch, recompute_attention_output=ctx.recompute_attention_output,
+                      ring_group_name=ctx.ring_group_name)
+        ctx.touch(self.graph_module)
+
+    @property
+    def source_line(self) -> str:
+        return self.attention.source_line
+
+    def nodes(self) -> set:
+        """Every node the fused op replaces (projections, chains, SDPA, output side, o_proj)."""
+        nodes = {self.attention.node, self.out_linear, *self.out_nodes}
+        for role in ROLES:
+            p = self.projections[role]
+            nodes |= {p.linear, *p.slice_nodes, *self.chains[role].nodes}
+        return nodes
+
+
+@dataclass
+class NotFusable:
+    attention: AttentionMatch
+    node: fx.Node
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
 
 _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
