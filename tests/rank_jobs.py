@@ -155,8 +155,6 @@ def compiled_document_block_case(case: AttentionCase, bounds: tuple[int, ...], i
     full-sequence boundaries: (out, dx, param grads, how many boundary checks ran)."""
     from tests_support import make_block_inputs
 
-    from upipe_compile.packed import documents
-
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     x, dout = (t.chunk(world, dim=1)[rank] for t in make_block_inputs(case))

@@ -441,7 +441,7 @@ def test_unknown_attention_keyword_refused_with_line(world):
 
 
 def test_window_mask_disagreeing_with_layer_refused():
-    from upipe_compile.integrations.transformers import SlidingWindowMask, _upipe_attention_forward
+    from upipe_compile.integrations.transformers_attention import SlidingWindowMask, _upipe_attention_forward
 
     q = torch.randn(1, 4, 8, 16)
     module = torch.nn.Module()
@@ -453,7 +453,7 @@ def test_window_mask_disagreeing_with_layer_refused():
 def test_chunked_mask_told_from_a_window_by_the_config():
     """transformers hands both a chunk size and a window to the mask function as local_size:
     the config says which; where both are the same size upipe cannot tell and refuses."""
-    from upipe_compile.integrations.transformers import ChunkedMask, SlidingWindowMask, _causal_sdpa_mask
+    from upipe_compile.integrations.transformers_attention import ChunkedMask, SlidingWindowMask, _causal_sdpa_mask
 
     config = type("Config", (), {"attention_chunk_size": 8192, "sliding_window": 4096})()
     assert _causal_sdpa_mask(config=config, local_size=8192) == ChunkedMask(8192)
@@ -465,7 +465,7 @@ def test_chunked_mask_told_from_a_window_by_the_config():
 
 
 def test_chunked_layer_without_positions_refused():
-    from upipe_compile.integrations.transformers import ChunkedMask, _upipe_attention_forward
+    from upipe_compile.integrations.transformers_attention import ChunkedMask, _upipe_attention_forward
 
     q = torch.randn(1, 4, 8, 16)
     message = _unsupported_from(lambda: _upipe_attention_forward(torch.nn.Module(), q, q, q, ChunkedMask(4),
@@ -475,7 +475,7 @@ def test_chunked_layer_without_positions_refused():
 
 def test_sliding_window_reaches_the_op_from_the_mask_alone(world):
     """A layer that relies on its mask for the window (passes no sliding_window=) still gets it."""
-    from upipe_compile.integrations.transformers import SlidingWindowMask, _upipe_attention_forward
+    from upipe_compile.integrations.transformers_attention import SlidingWindowMask, _upipe_attention_forward
 
     backend = Capture(world)
 

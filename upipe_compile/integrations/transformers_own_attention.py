@@ -40,7 +40,7 @@ import importlib
 import torch
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.integrations.transformers import ATTN_IMPLEMENTATION, _context_parallel, _upipe_attention_forward
+from upipe_compile.integrations.transformers_attention import ATTN_IMPLEMENTATION, _context_parallel, _upipe_attention_forward
 
 
 def _falcon_attention(module):
