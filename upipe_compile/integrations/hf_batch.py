@@ -42,7 +42,7 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     contiguous shard, the boundaries unsharded. Pure function of the batch and the rank."""
     from upipe_compile.attention.collectives import resolve_groups
     from upipe_compile.packed.documents import cu_seqlens_from_position_ids
-    from upipe_compile.sharding import sequence_multiple, shard_sequence
+    from upipe_compile.sharding import Layout, sequence_multiple
 
     ring = cp_mesh is not None and getattr(cp_mesh, "ndim", 1) == 2  # ring x all-to-all: two zigzag chunks a ring rank
     if world is None:
@@ -76,9 +76,9 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
         # Right padding needs no mask under causal attention: no real token attends to a later
         # padded one, and padded positions carry no label.
     if length % multiple:
-        layout = f"the context-parallel size {world}" + (" x 2 (two zigzag chunks a ring rank)" if ring else "")
+        cut = f"the context-parallel size {world}" + (" x 2 (two zigzag chunks a ring rank)" if ring else "")
         raise UnsupportedAttention(
-            f"sequence length {length} is not divisible by {layout}: pad every batch to a "
+            f"sequence length {length} is not divisible by {cut}: pad every batch to a "
             f"multiple of {multiple}: SFTConfig(pad_to_multiple_of={multiple}), "
             f"DataCollatorForLanguageModeling(..., pad_to_multiple_of={multiple}) or "
             f"DataCollatorWithPadding(..., pad_to_multiple_of={multiple}) (padding goes on the right, labels "
@@ -110,11 +110,12 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
             "DataCollatorWithFlattening)")
 
     out = {}
+    layout = Layout.of(cp_mesh) if world > 1 else None
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, length) \
                 and not name.startswith("cu_seq_lens"):
             # contiguous: the model's loss views its labels (shift_labels.view(-1))
-            out[name] = shard_sequence(value, cp_mesh, dim=1).contiguous() if world > 1 else value
+            out[name] = layout.shard(value, dim=1).contiguous() if layout else value
         else:
             out[name] = value
     return out
