@@ -6,7 +6,6 @@ says what keeps it from running under context parallelism (``problems``) and rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch.fx as fx
 
@@ -72,10 +71,10 @@ class RefusedOp:
 
     refusal_kind = ATTENTION_CALLS
     source_line: str
-    reason: Any
+    reason: str
 
     def problems(self, ctx: PassContext) -> list[str]:
-        return [self.reason] if isinstance(self.reason, str) else list(self.reason)
+        return [self.reason]
 
     def replace(self, ctx: PassContext) -> None:
         raise AssertionError(f"{self.source_line}: a refused op is never replaced")
@@ -86,5 +85,7 @@ class Refusal(RefusedOp):
     """A call refused by the pass that found it, with every reason (e.g. a varlen call)."""
 
     source_line: str
-    reason: list
-    refusal_kind: str = ATTENTION_CALLS
+    reasons: list
+
+    def problems(self, ctx: PassContext) -> list[str]:
+        return list(self.reasons)
