@@ -29,7 +29,6 @@ most 12 nodes around each softmax.
 
 from __future__ import annotations
 
-import operator
 import os
 from collections import deque
 from dataclasses import dataclass
