@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.hf_batch import IGNORE_INDEX
+from upipe_compile.sharding import Layout
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -184,7 +185,7 @@ def sharded_log_probs(trainer, model, input_ids, attention_mask, logits_to_keep:
     TRL does."""
     mesh, world = trainer._upipe_mesh, trainer._upipe_world
     group = mesh.get_group()
-    rank = dist.get_rank(group)
+    layout = Layout.of(mesh)
     ids, positions, shift_labels, index, real = right_aligned(input_ids, attention_mask, logits_to_keep, world)
     share = ids.shape[1] // world
     log_probs, entropies, routers = [], [], []
@@ -197,7 +198,8 @@ def sharded_log_probs(trainer, model, input_ids, attention_mask, logits_to_keep:
         for row in range(ids.shape[0]):  # one row a forward: the op reads a row's positions as one sequence
             cut = {"input_ids": ids[row:row + 1], "position_ids": positions[row:row + 1],
                    "shift_labels": shift_labels[row:row + 1]}
-            cut = {key: value.narrow(1, rank * share, share).contiguous() for key, value in cut.items()}
+            # contiguous shards, marked so the backend's token-mixing check knows the sequence dimension
+            cut = {key: layout.shard(value, dim=1).contiguous() for key, value in cut.items()}
             trainer._upipe_check_host(cut)  # offload: this shard's layer inputs against the node's memory
             with trainer.accelerator.autocast():
                 outputs = model(**cut, fused_lm_head=True, use_cache=False,
