@@ -23,9 +23,11 @@ def apply_upipe_passes(gm: fx.GraphModule, options: UPipeOptions) -> fx.GraphMod
     """Every SDPA call of ``gm`` (nested bodies included) as the stage-loop op, or each
     head-separable attention block as one ``upipe::attention_block``, and each mixer as a stage
     loop; or UnsupportedAttention naming each call upipe cannot run and why. One rank: unchanged."""
-    if options.group.size() == 1 and options.ring_group is None:
-        return gm
-    return run_passes(gm, PassContext.of(options))
+    return run_passes(gm, PassContext.of(options)) if _context_parallel(options) else gm
+
+
+def _context_parallel(options: UPipeOptions) -> bool:
+    return options.group.size() > 1 or options.ring_group is not None
 
 
 def _never_fall_back_to_eager() -> None:
@@ -55,7 +57,7 @@ def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
         raise UnsupportedAttention(f"backend='upipe' takes options=..., not mode={unused['mode']!r}")
     opts = UPipeOptions.from_user(options)
     ctx = None
-    if opts.group.size() > 1 or opts.ring_group is not None:
+    if _context_parallel(opts):
         _never_fall_back_to_eager()
         ctx = PassContext.of(opts)
         gm = run_passes(gm, ctx)

@@ -186,7 +186,8 @@ def sharded_log_probs(trainer, model, input_ids, attention_mask, logits_to_keep:
     mesh, world = trainer._upipe_mesh, trainer._upipe_world
     group = mesh.get_group()
     layout = Layout.of(mesh)
-    ids, positions, shift_labels, index, real = right_aligned(input_ids, attention_mask, logits_to_keep, world)
+    ids, positions, shift_labels, index, real = right_aligned(input_ids, attention_mask, logits_to_keep,
+                                                              layout.multiple)
     share = ids.shape[1] // world
     log_probs, entropies, routers = [], [], []
     unwrapped = trainer.accelerator.unwrap_model(model)
