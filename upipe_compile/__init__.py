@@ -4,6 +4,8 @@ UPipe (untied Ulysses) context parallelism.
     model = torch.compile(model, backend="upipe", options={"cp_mesh": mesh, "heads_per_stage": U})
 """
 
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 from upipe_compile.api import upipe_attention
 from upipe_compile.block.ops import upipe_attention_block
 from upipe_compile.packed.document_sdpa import document_sdpa
@@ -13,6 +15,7 @@ from upipe_compile.options import UPipeOptions
 from upipe_compile.sharding import gather_sequence, global_positions, shard_sequence
 
 __all__ = [
+    "__version__",
     "UPipeOptions",
     "UnsupportedAttention",
     "apply_upipe_passes",
