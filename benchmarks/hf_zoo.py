@@ -345,14 +345,9 @@ _SOURCE_LINE = re.compile(r"([\w./-]+\.py):(\d+)")
 
 def _refusal(refusal: BaseException, raised: BaseException) -> str:
     """The refusal's first line (shortened), how it was raised where Dynamo wrapped it, and the
-    first file:line the message names (from the package down)."""
-    found = _SOURCE_LINE.search(str(refusal))
-    where = "no file:line named"
-    if found:
-        path = found.group(1)
-        for root in ("site-packages/", ROOT + "/"):
-            path = path.split(root)[-1]
-        where = f"{path}:{found.group(2)}"
+    first file:line the message names."""
+    found = _SOURCE_LINE.search(str(refusal))  # messages name files from their package (display_path)
+    where = f"{found.group(1)}:{found.group(2)}" if found else "no file:line named"
     first = _first_line(refusal)
     wrapped = "" if raised is refusal else f"(raised as {type(raised).__name__}) "
     return f"{wrapped}{first[:DETAIL_CHARS]}{'...' if len(first) > DETAIL_CHARS else ''} [{where}]"

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.fx as fx
 
+from upipe_compile.errors import display_path
+
 
 def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
     for _, module in gm.named_modules():
@@ -111,7 +113,7 @@ def source_line(node: fx.Node) -> str:
     library = library_files()
     outside = [frame for frame in frames if os.path.realpath(frame["file"]) not in library]
     last = (outside or frames)[-1]
-    return f'{last["file"]}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'
+    return f'{display_path(last["file"])}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'
 
 
 def function_of(source_line: str) -> str:

@@ -45,4 +45,24 @@ def test_torch_frames_are_skipped_and_an_all_library_trace_keeps_its_innermost_f
     import torch.nn.functional as F
 
     assert find.source_line(_node(USER, F.__file__)).startswith(f"{USER}:10")
-    assert find.source_line(_node(find.__file__, F.__file__)).startswith(f"{F.__file__}:11")
+    assert find.source_line(_node(find.__file__, F.__file__)).startswith("torch/nn/functional.py:11")
+
+
+def test_a_file_is_named_from_the_import_root_that_holds_it_never_by_the_machines_folders(monkeypatch, tmp_path):
+    """site-packages' files from site-packages (the longest sys.path entry holding them), upipe's
+    checkout folders as the package they map to, a user's file under the working directory
+    from there, anything else as it is."""
+    import torch.nn.functional as F
+
+    from upipe_compile.errors import display_path
+
+    assert display_path(F.__file__) == "torch/nn/functional.py"
+    assert display_path(find.__file__) == "upipe_compile/passes/graph_utils.py"
+    nested = tmp_path / "env" / "lib"
+    (nested / "pkg").mkdir(parents=True)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "env"), str(nested), *sys.path])
+    assert display_path(str(nested / "pkg" / "mod.py")) == "pkg/mod.py"
+    monkeypatch.chdir(tmp_path)
+    assert display_path(str(tmp_path / "train.py")) == "train.py"
+    assert display_path(USER) == USER and display_path("<eval_with_key>.3") == "<eval_with_key>.3"
+    assert find.source_line(_node(str(tmp_path / "train.py"), find.__file__)).startswith("train.py:10 in fn0")

@@ -176,12 +176,12 @@ def _refusing_post_init(family: str, why: str):
 
 def _refusal(family: str, why: str, model: str | None = None):
     def refuse(config, *args, **kwargs):
-        from upipe_compile.errors import UnsupportedAttention
-
         import importlib
 
+        from upipe_compile.errors import UnsupportedAttention, display_path
+
         name = _model_being_built() or model or f"the {family} model"
-        source = importlib.import_module(f"transformers.models.{family}.modeling_{family}").__file__
+        source = display_path(importlib.import_module(f"transformers.models.{family}.modeling_{family}").__file__)
         raise UnsupportedAttention(
             f"{name} ({source}) {why}, not through transformers' attention interface, so upipe's attention (register()) "
             "cannot reach it, and its own attention is refused under context parallelism. upipe cannot run "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from upipe_compile.errors import display_path
 from upipe_compile.integrations.transformers_kwargs import IGNORED_KWARGS
 
 ATTN_IMPLEMENTATION = "upipe"
@@ -82,7 +83,7 @@ def _where(module) -> str:
     cls = type(module)
     forward = getattr(cls.forward, "__wrapped_original__", cls.forward)  # the model's, where upipe replaced it
     try:
-        return f"{inspect.getsourcefile(cls)}:{forward.__code__.co_firstlineno} ({cls.__name__}.forward)"
+        return f"{display_path(inspect.getsourcefile(cls))}:{forward.__code__.co_firstlineno} ({cls.__name__}.forward)"
     except (TypeError, AttributeError):
         return cls.__name__
 
