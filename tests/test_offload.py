@@ -14,8 +14,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from upipe_compile.stack.offload import (
-    BlockInputOffloader, cgroup_memory_limit_bytes, host_bytes_per_rank, host_memory_problem, ranks_per_node,
-    total_host_memory_bytes, usable_host_memory,
+    BlockInputOffloader, cgroup_memory_limit_bytes, host_bytes_per_rank, host_memory_problem, host_reserve,
+    ranks_per_node, total_host_memory_bytes, usable_host_memory,
 )
 
 DIM = 8
@@ -262,6 +262,26 @@ def test_host_memory_arithmetic_and_node_check(tmp_path, monkeypatch):
     assert ranks_per_node(default=16) == 4
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert ranks_per_node(default=16) == 16
+
+
+def test_default_reserve_scales_with_the_machine():
+    """A quarter of the memory, at most 64 GiB: a 24 GiB workstation keeps 6 GiB, a 256 GiB node
+    and a "2 TB" one 64 GiB (the estimate's 2 TB budget stays 1,798 GiB); a reserve the job sets
+    wins, and the refusal says which it was."""
+    from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, NODE_2TB_MEMTOTAL_GIB, default_host_reserve_gib
+
+    gib = 1 << 30
+    assert default_host_reserve_gib(24) == 6
+    assert default_host_reserve_gib(256) == 64
+    assert default_host_reserve_gib(NODE_2TB_MEMTOTAL_GIB) == 64
+    assert HOST_BUDGET_GIB == 1798
+    reserve, why = host_reserve(24 * gib)
+    assert reserve == 6 * gib and why.startswith("the default: 25% of 24.0 GiB, at most 64 GiB")
+    assert host_reserve(24 * gib, 0.5) == (gib // 2, "host_memory_reserve_gib=0.5, as set")
+    # 0.1 MiB of offloaded inputs fit a 24 GiB machine by default; 20 GiB do not
+    assert host_memory_problem(100 << 10, 1, 24 * gib, reserve, reserve_why=why) is None
+    problem = host_memory_problem(20 * gib, 1, 24 * gib, reserve, reserve_why=why)
+    assert "plus a reserve of 6.0 GiB (the default: 25% of 24.0 GiB, at most 64 GiB;" in problem
 
 
 def test_with_fsdp2_inputs_are_released_and_results_exact(rank_pools):

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.stack.chunked_loss import IGNORE_INDEX, LazyLogits, LazyOutputProjection, linear_cross_entropy
-from upipe_compile.stack.host_memory import HOST_RESERVE_GIB
 from upipe_compile.stack.tiled_mlp import swiglu
 
 log = logging.getLogger(__name__)
@@ -44,12 +43,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StackSettings:
-    """The trainer's stack keywords, named as torchtitan's ``[upipe]`` keys; 0 / False = off."""
+    """The trainer's stack keywords, named as torchtitan's ``[upipe]`` keys; 0 / False = off.
+    ``host_memory_reserve_gib`` None: the default reserve, scaled to the node
+    (:func:`upipe_compile.stack.host_memory.default_host_reserve_gib`)."""
 
     loss_chunk_tokens: int = 0
     mlp_tile_tokens: int = 0
     offload_block_inputs: bool = False
-    host_memory_reserve_gib: float = float(HOST_RESERVE_GIB)
+    host_memory_reserve_gib: Optional[float] = None
 
     def problems(self) -> list[str]:
         out = []
@@ -60,8 +61,9 @@ class StackSettings:
         if not isinstance(self.offload_block_inputs, bool):
             out.append(f"offload_block_inputs={self.offload_block_inputs!r} must be True or False")
         reserve = self.host_memory_reserve_gib
-        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
-            out.append(f"host_memory_reserve_gib={reserve!r} must be a number >= 0")
+        bad_reserve = isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0
+        if reserve is not None and bad_reserve:
+            out.append(f"host_memory_reserve_gib={reserve!r} must be a number >= 0 (or None: the default)")
         return out
 
     @property
@@ -285,7 +287,7 @@ def check_host_memory(model: nn.Module, settings: StackSettings, tokens_per_rank
     """Refuse a batch whose offloaded layer inputs (exactly what the offloader allocates on host)
     do not fit this node's memory next to the reserve."""
     from upipe_compile.stack.offload import (
-        host_bytes_per_rank, host_memory_problem, ranks_per_node, usable_host_memory,
+        host_bytes_per_rank, host_memory_problem, host_reserve, ranks_per_node, usable_host_memory,
     )
 
     if not settings.offload_block_inputs:
@@ -294,8 +296,8 @@ def check_host_memory(model: nn.Module, settings: StackSettings, tokens_per_rank
     dtype = model.get_input_embeddings().weight.dtype  # the residual stream's dtype
     per_rank = host_bytes_per_rank(len(layers), tokens_per_rank, model.config.get_text_config().hidden_size, dtype)
     total, what = usable_host_memory()
-    problem = host_memory_problem(per_rank, ranks_per_node(default=ranks), total,
-                                  int(settings.host_memory_reserve_gib * (1 << 30)), what)
+    reserve, why = host_reserve(total, settings.host_memory_reserve_gib)
+    problem = host_memory_problem(per_rank, ranks_per_node(default=ranks), total, reserve, what, why)
     if problem:
         raise UnsupportedAttention(f"offload_block_inputs=True: {problem}. Use shorter sequences or a smaller batch, "
                                    "more context-parallel ranks (more nodes), or a lower host_memory_reserve_gib")

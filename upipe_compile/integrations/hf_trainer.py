@@ -102,7 +102,8 @@ class UPipeTrainerMixin:
     - the long-context stack, off by default (:mod:`upipe_compile.integrations.hf_stack`):
       ``loss_chunk_tokens`` (output projection + loss in chunks of that many tokens),
       ``mlp_tile_tokens`` (the gated MLP over tiles), ``offload_block_inputs`` (checkpointed
-      decoder-layer inputs to host memory, checked against ``host_memory_reserve_gib``).
+      decoder-layer inputs to host memory, checked against the node's memory less
+      ``host_memory_reserve_gib``: by default a quarter of the node's, at most 64 GiB).
     """
 
     def __init__(self, *args, upipe_options: Optional[dict[str, Any]] = None, cp_size: Optional[int] = None,
@@ -113,8 +114,8 @@ class UPipeTrainerMixin:
 
         self._upipe_ring_degree = ring_degree
         self._upipe_keep_attention = keep_attention
-        reserve = {} if host_memory_reserve_gib is None else {"host_memory_reserve_gib": host_memory_reserve_gib}
-        self._upipe_stack = StackSettings(loss_chunk_tokens, mlp_tile_tokens, offload_block_inputs, **reserve)
+        self._upipe_stack = StackSettings(loss_chunk_tokens, mlp_tile_tokens, offload_block_inputs,
+                                          host_memory_reserve_gib)
         self._upipe_host_checked = set()  # tokens per rank whose offload was checked against host memory
         self._upipe_options = dict(upipe_options or {})
         if "cp_mesh" in self._upipe_options:

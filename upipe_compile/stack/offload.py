@@ -107,16 +107,30 @@ def ranks_per_node(default: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
+def host_reserve(total_bytes: int, reserve_gib: float | None = None) -> tuple[int, str]:
+    """The host memory kept for everything but the offloaded inputs, and how it was chosen (for
+    messages): ``reserve_gib`` where the job sets one, else
+    :func:`upipe_compile.stack.host_memory.default_host_reserve_gib` of ``total_bytes``."""
+    from upipe_compile.stack.host_memory import HOST_RESERVE_FRACTION, HOST_RESERVE_GIB, default_host_reserve_gib
+
+    if reserve_gib is not None:
+        return int(reserve_gib * (1 << 30)), f"host_memory_reserve_gib={reserve_gib:g}, as set"
+    gib = default_host_reserve_gib(total_bytes / (1 << 30))
+    return int(gib * (1 << 30)), (f"the default: {HOST_RESERVE_FRACTION:.0%} of {_size(total_bytes)}, at most "
+                                  f"{HOST_RESERVE_GIB} GiB; host_memory_reserve_gib sets another")
+
+
 def host_memory_problem(bytes_per_rank: int, ranks: int, total_bytes: int, reserve_bytes: int,
-                        what: str = "the node has") -> str | None:
+                        what: str = "the node has", reserve_why: str = "") -> str | None:
     """Why ``total_bytes`` (``what`` names it: see :func:`usable_host_memory`) cannot hold
     ``ranks`` x ``bytes_per_rank`` of offloaded inputs next to ``reserve_bytes`` for everything
-    else, or None."""
+    else (chosen as ``reserve_why`` says: see :func:`host_reserve`), or None."""
     need = bytes_per_rank * ranks
     if need + reserve_bytes <= total_bytes:
         return None
+    why = f" ({reserve_why})" if reserve_why else ""
     return (f"offloading block inputs needs {_size(bytes_per_rank)} of host memory per rank x {ranks} "
-            f"ranks per node = {_size(need)}, plus a reserve of {_size(reserve_bytes)}, but {what} "
+            f"ranks per node = {_size(need)}, plus a reserve of {_size(reserve_bytes)}{why}, but {what} "
             f"{_size(total_bytes)}")
 
 
