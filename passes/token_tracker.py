@@ -29,8 +29,9 @@ SEQUENCE_FIX = ("upipe runs every op but attention on this rank's shard of the s
 
 _CACHE_SOURCE = "transformers/cache_utils.py"
 CACHE_FIX = ("this is the cache transformers fills when use_cache is on, which would hold this rank's shard: "
-             "build the model after calling upipe_compile.integrations.transformers.register() (its models run "
-             "without a cache under context parallelism), or call it with use_cache=False")
+             "build the model after calling upipe_compile.integrations.transformers.register(), or switch a model "
+             "built before it with model.set_attn_implementation(register()) (either way it runs without a cache "
+             "under context parallelism), or call it with use_cache=False")
 
 @dataclass
 class TokenMixing(RefusedOp):

@@ -5,6 +5,7 @@ models from their configs with seeded weights; module-level for spawned ranks.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,9 +143,14 @@ def compiled_family_case(family: str, world: int, fuse: bool, as_shipped: bool =
     register()): (local logits, param grads, attention op counts of the second step).
     ``as_shipped``: the config's ``use_cache`` (on) and the call a training loop makes,
     ``model(input_ids=..., position_ids=...)``; the output must then carry no cache."""
+    return _compiled_steps(build_model(family, UPIPE_SDPA, as_shipped=as_shipped), world, fuse, as_shipped)
+
+
+def _compiled_steps(model, world: int, fuse: bool = True, as_shipped: bool = True):
+    """Two steps of ``model`` compiled with backend="upipe" on this rank's shard (see
+    :func:`compiled_family_case`)."""
     torch._dynamo.reset()
     assert dist.get_world_size() == world
-    model = build_model(family, UPIPE_SDPA, as_shipped=as_shipped)
     ids, dout = (upipe_compile.shard_sequence(t, dim=1) for t in make_inputs(world))
     positions = upipe_compile.global_positions(SEQ_LOCAL)
     compiled = torch.compile(model, backend="upipe",
@@ -253,3 +259,33 @@ def cache_refusal_case(family: str) -> str:
     except BackendCompilerFailed as error:
         return str(error.inner_exception)
     raise AssertionError(f"{family} filled its sliding-window cache under context parallelism")
+
+
+@contextlib.contextmanager
+def _built_before_register():
+    """Models built inside it get ``post_init`` as it was before register() (no cache hook): this
+    process has called register() already (importing this module does)."""
+    from transformers import PreTrainedModel
+
+    hooked = PreTrainedModel.post_init
+    PreTrainedModel.post_init = getattr(hooked, "__wrapped__", hooked)
+    try:
+        yield
+    finally:
+        PreTrainedModel.post_init = hooked
+
+
+# transformers builds Gemma2 and GPT-OSS with eager attention only (no SDPA support declared)
+BUILT_WITH = {"gemma2": "eager", "gpt_oss": "eager"}
+
+
+def switched_family_case(family: str, world: int):
+    """A model built with SDPA before register() (at the config's defaults: use_cache on), then
+    switched with ``model.set_attn_implementation(register())``, transformers' documented switch,
+    compiled with backend="upipe" and called as a training loop calls it: (local logits, param
+    grads, attention op counts of the second step); the output must carry no cache."""
+    with _built_before_register():
+        model = build_model(family, BUILT_WITH.get(family, "sdpa"), as_shipped=True)
+    assert model.config.use_cache and not any(m._forward_pre_hooks for m in model.modules()), "not as built before"
+    model.set_attn_implementation(register())
+    return _compiled_steps(model, world)

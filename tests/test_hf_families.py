@@ -70,9 +70,11 @@ def _assert_as_accurate_as_eager(shards, family: str, world: int) -> None:
 
 def test_a_cache_filled_without_registers_hook_is_refused_naming_the_fix(rank_pools):
     """The sliding-window cache's update reads the sequence: refused, naming the cache and
-    the fix that works (register() before the model is built, or use_cache=False)."""
+    the fixes that work (register() before the model is built, or the model switched with
+    set_attn_implementation, or use_cache=False)."""
     for message in rank_pools(2).run(jobs.cache_refusal_case, "mistral"):
         assert "cache_utils.py" in message and "build the model after calling" in message, message
+        assert "model.set_attn_implementation(register())" in message, message
         assert "use_cache=False" in message and "express it as scaled_dot_product_attention" not in message, message
 
 
@@ -125,3 +127,16 @@ def test_sliding_window_family_over_a_ring_by_all_to_all_mesh(rank_pools, family
         assert relative_error(rank_logits, logits) < 1e-5, rank
     for name, grad in grads.items():
         assert relative_error(sum(r[1][name] for r in ranks), grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"])
+def test_a_model_built_before_register_and_switched_runs_without_a_cache(rank_pools, family):
+    """Built before register() ran (SDPA; eager for Gemma2 and GPT-OSS), at the config's
+    defaults (use_cache on), then switched with ``model.set_attn_implementation(register())``:
+    its sliding-window cache is off under context parallelism as a model built after register()
+    has it, and every rank's logits and the summed gradients equal eager on the full sequence."""
+    shards = rank_pools(2).run(jobs.switched_family_case, family, 2)
+    logits, grads = jobs.eager_reference(family, 2)
+    assert_shards_match(shards, logits, grads)
+    for *_, events in shards:
+        assert any(name.startswith("upipe::attention") for name in events), events

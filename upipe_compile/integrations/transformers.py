@@ -29,7 +29,8 @@ implementations for models it has no SDPA support for, such as Gemma2 and GPT-OS
   :func:`upipe_compile.document_sdpa` as packed documents (chunks may cross shards).
 - the cache: under context parallelism a forward from no past runs with ``use_cache=False``
   (a cache would hold this rank's shard), and one handed a past is refused (a forward
-  pre-hook on every model built after register()).
+  pre-hook on every model built after register(), and on a model built before it once
+  switched with ``model.set_attn_implementation(register())``).
 - mask: None when there is no padding (SDPA then gets ``is_causal=True``,
   ``enable_gqa=True``, which upipe rewrites), including an all-ones ``attention_mask``
   (checked once per step, outside the compiled graph). A real padding mask goes to
@@ -94,26 +95,61 @@ def _no_cache_under_context_parallelism(model, args, kwargs):
     return args, {**kwargs, "use_cache": False}
 
 
+_CACHE_HOOKED = "_upipe_cache_hooked"
+
+
+def prepare_model(model) -> None:
+    """Give ``model`` and each transformers model inside it the cache hook (once each), and mark
+    its own-attention layers when it runs register()'s attention. Models built after register()
+    get this from ``post_init``; a model built before it, when switched with
+    ``model.set_attn_implementation(register())``."""
+    from transformers import PreTrainedModel
+
+    from upipe_compile.integrations.transformers_own_attention import mark_own_attention_layers
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not getattr(module, _CACHE_HOOKED, False):
+            module.register_forward_pre_hook(_no_cache_under_context_parallelism, with_kwargs=True)
+            setattr(module, _CACHE_HOOKED, True)
+    if getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+        mark_own_attention_layers(model)  # Bloom's, MPT's ALiBi attention
+
+
 def _hooking_post_init(post_init):
-    """``PreTrainedModel.post_init`` that also adds the cache hook to each model it builds."""
+    """``PreTrainedModel.post_init`` that also prepares each model it builds."""
 
     def hooked_post_init(self):
-        from upipe_compile.integrations.transformers_own_attention import mark_own_attention_layers
-
         post_init(self)
-        self.register_forward_pre_hook(_no_cache_under_context_parallelism, with_kwargs=True)
-        if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
-            mark_own_attention_layers(self)  # Bloom's, MPT's ALiBi attention
+        prepare_model(self)
 
     hooked_post_init.__upipe_hook__ = True
+    hooked_post_init.__wrapped__ = post_init
     return hooked_post_init
 
 
+def _hooking_set_attn_implementation(set_attn_implementation):
+    """``PreTrainedModel.set_attn_implementation`` that also prepares the model it switches: a
+    model built before register() has no cache hook, and under context parallelism its cache
+    (on by the config's default) would hold this rank's shard."""
+
+    def switching_set_attn_implementation(self, *args, **kwargs):
+        set_attn_implementation(self, *args, **kwargs)
+        prepare_model(self)
+
+    switching_set_attn_implementation.__upipe_hook__ = True
+    switching_set_attn_implementation.__wrapped__ = set_attn_implementation
+    return switching_set_attn_implementation
+
+
 def _hook_every_new_model() -> None:
+    """Prepare every model built from now on, and every model switched to another attention."""
     from transformers import PreTrainedModel
 
     if not getattr(PreTrainedModel.post_init, "__upipe_hook__", False):
         PreTrainedModel.post_init = _hooking_post_init(PreTrainedModel.post_init)
+    if not getattr(PreTrainedModel.set_attn_implementation, "__upipe_hook__", False):
+        PreTrainedModel.set_attn_implementation = _hooking_set_attn_implementation(
+            PreTrainedModel.set_attn_implementation)
 
 
 def register() -> str:
@@ -127,7 +163,7 @@ def register() -> str:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _causal_sdpa_mask)
     route_mixers()  # hybrid layers' convs and gated delta rules: upipe::head_mixer
     route_own_attention_tables()  # Falcon, GPT-Neo: an "upipe" entry in their attention tables
-    _hook_every_new_model()  # no cache under context parallelism
+    _hook_every_new_model()  # no cache under context parallelism, built now or switched later
     _refuse_in_own_attention_tables()
     return ATTN_IMPLEMENTATION
 
