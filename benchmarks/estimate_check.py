@@ -1,7 +1,8 @@
 """The whole-step memory estimate checked against a measurement it shares no code with.
 
-(a) ``upipe_compile.estimate.estimate`` for a CPU job, with CPU kernels (``cuda_kernel=None``:
-no GPU workspace, RMSNorm and RoPE as eager CPU torch allocates them), on fake tensors;
+(a) ``upipe_compile.integrations.torchtitan.estimate_run.estimate`` for a CPU job, with CPU
+kernels (``cuda_kernel=None``: no GPU workspace, RMSNorm and RoPE as eager CPU torch allocates
+them), on fake tensors;
 (b) the same job for real: torchtitan's debug Llama3 scaled up, on P gloo ranks
 (:class:`upipe_compile.launch.RankPool`), the long-context stack on (full AC, block inputs
 offloaded to host, tiled MLP, chunked loss), blocks compiled with the "upipe" backend
@@ -115,7 +116,7 @@ def register_flavor(size: Size) -> None:
 
 def job_config(size: Size, inner_backend: str | None = None):
     """The job; ``inner_backend`` (None: the TOML's, aot_eager) overrides [upipe] inner_backend."""
-    from upipe_compile.estimate.job import load_job_config
+    from upipe_compile.integrations.torchtitan.estimate_job import load_job_config
 
     register_flavor(size)
     overrides = size.overrides() + ([f"--upipe.inner_backend={inner_backend}"] if inner_backend else [])
@@ -128,7 +129,7 @@ def estimated(size: Size, inner_backend: str | None = None) -> dict:
     """The estimate with CPU kernels, in bytes: device peak, host, and the step-constant terms.
     With inductor inside, RMSNorm and RoPE are counted as fused kernels (what inductor makes
     of them on CPU as on a GPU), as the GPU estimate counts them."""
-    from upipe_compile.estimate import estimate
+    from upipe_compile.integrations.torchtitan.estimate_run import estimate
 
     result = estimate(job_config(size), cuda_kernel=None, fused_kernels=inner_backend == "inductor")
     b = result.breakdown
@@ -332,7 +333,7 @@ def measure_step(size: Size, explain: bool = False, inner_backend: str | None = 
     import torchtitan.train  # its prepare_context_parallel_input, as the upipe import routes it
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.estimate.job import build_real_job
+    from upipe_compile.integrations.torchtitan.estimate_job import build_real_job
 
     torch._dynamo.reset()
     config = job_config(size, inner_backend)

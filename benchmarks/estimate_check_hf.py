@@ -1,6 +1,6 @@
 """The ``--hf`` whole-step estimate checked against a real step on CPU, for two families.
 
-(a) :func:`upipe_compile.estimate.hf.estimate_hf` for a CPU job (``cuda_kernel=None``: no GPU
+(a) :func:`upipe_compile.integrations.hf_estimate.estimate_hf` for a CPU job (``cuda_kernel=None``: no GPU
 workspace, RMSNorm as eager CPU torch allocates it; device ratio 1), on fake tensors;
 (b) the same job for real on P gloo ranks (:class:`upipe_compile.launch.RankPool`), built as
 ``UPipeTrainer`` builds it on GPUs: the model from the same config with upipe's attention, the
@@ -74,7 +74,7 @@ class Case:
                 "tie_word_embeddings": False, "hidden_act": "silu", **dict(self.extra)}
 
     def job(self, path: str):
-        from upipe_compile.estimate.hf import HFJob
+        from upipe_compile.integrations.hf_estimate import HFJob
 
         return HFJob(path, seq_len=self.seq_len, cp=self.cp, loss_chunk_tokens=self.loss_chunk_tokens,
                      mlp_tile_tokens=self.mlp_tile_tokens, offload_block_inputs=True)
@@ -97,7 +97,7 @@ def write_config(case: Case, folder: str) -> str:
 # --- (a) the estimate -------------------------------------------------------------------------
 
 def estimated(case: Case, path: str) -> dict:
-    from upipe_compile.estimate.hf import estimate_hf
+    from upipe_compile.integrations.hf_estimate import estimate_hf
 
     result = estimate_hf(case.job(path), cuda_kernel=None, device_ratio=1.0, host_gib=1e6)
     b = result.breakdown
@@ -114,7 +114,7 @@ def measure_step(case: Case, path: str, explain: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from upipe_compile.estimate.hf import _shard, load_config
+    from upipe_compile.integrations.hf_estimate import _shard, load_config
     from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, compile_layers
     from upipe_compile.integrations.hf_batch import upipe_batch
     from upipe_compile.integrations.transformers import register

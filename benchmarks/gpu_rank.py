@@ -69,7 +69,7 @@ def job_config(tiny: bool, layers: int, seq_len: int, overrides: list[str]):
     import upipe_compile.integrations.torchtitan  # noqa: F401  (registers the specs)
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.estimate.job import load_job_config
+    from upipe_compile.integrations.torchtitan.estimate_job import load_job_config
 
     base = load_job_config(DEBUG_TOML if tiny else TOML, [])
     args = get_train_spec(base.model.name).model_args
@@ -103,7 +103,7 @@ def _device(tiny: bool) -> torch.device:
 
 def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str], cuda_kernel: str | None) -> dict:
     """The whole-step estimate of the same job (fake tensors, CPU)."""
-    from upipe_compile.estimate import estimate
+    from upipe_compile.integrations.torchtitan.estimate_run import estimate
 
     if cuda_kernel is None and _device(tiny).type == "cuda":
         cuda_kernel = _installed_cuda_kernel()
@@ -138,7 +138,7 @@ def run_method(tiny: bool, jobs: list[tuple[int, int]], overrides: list[str], lo
     The methods' processes run at once: building and the first step (mostly compiling) overlap
     under a shared lock on ``lock_path``; the timed step holds it exclusively, so nothing else
     runs on the device while it is timed."""
-    from upipe_compile.estimate.job import build_real_job, world_size
+    from upipe_compile.integrations.torchtitan.estimate_job import build_real_job, world_size
     from upipe_compile.measure.memory import fake_process_group
 
     device = _device(tiny)

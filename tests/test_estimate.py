@@ -173,8 +173,8 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0, host_gib_per
     """Replace each probe's step estimate by a known memory curve (device per rank, host per node)."""
     from types import SimpleNamespace
 
-    from upipe_compile.estimate import search
     from upipe_compile.estimate.gpu import budget_gib
+    from upipe_compile.integrations.torchtitan import estimate_search
 
     probed = []
 
@@ -187,7 +187,7 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0, host_gib_per
                                fits=fits_device and fits_host,
                                fits_device=fits_device, fits_host=fits_host, seq_len=seq_len)
 
-    monkeypatch.setattr(search, "_probe", probe)
+    monkeypatch.setattr(estimate_search, "_probe", probe)
     return probed
 
 
@@ -196,7 +196,7 @@ def _linear_memory(monkeypatch, base_gib, gib_per_token, curve=0.0, host_gib_per
 def test_max_context_search_finds_the_last_fitting_grid_point(monkeypatch, start, curve):
     from types import SimpleNamespace
 
-    from upipe_compile.estimate.search import max_context
+    from upipe_compile.integrations.torchtitan.estimate_search import max_context
 
     probed = _linear_memory(monkeypatch, 12.0, 20.0 / (1 << 20), curve)  # 12 GiB + 20 GiB per 1M tokens
     config = SimpleNamespace(training=SimpleNamespace(seq_len=start),
@@ -218,7 +218,7 @@ def test_max_context_search_stops_at_the_host_bound(monkeypatch, start):
     grid point within the host budget and says the host stopped it."""
     from types import SimpleNamespace
 
-    from upipe_compile.estimate.search import max_context
+    from upipe_compile.integrations.torchtitan.estimate_search import max_context
 
     per_token = 256 / (1 << 20)
     probed = _linear_memory(monkeypatch, 12.0, 5.0 / (1 << 20), host_gib_per_token=per_token)
@@ -235,7 +235,7 @@ def test_max_context_refuses_when_nothing_fits(monkeypatch):
     from types import SimpleNamespace
 
     from upipe_compile.estimate import JobError
-    from upipe_compile.estimate.search import max_context
+    from upipe_compile.integrations.torchtitan.estimate_search import max_context
 
     _linear_memory(monkeypatch, 100.0, 1e-6)
     config = SimpleNamespace(training=SimpleNamespace(seq_len=65536),
@@ -295,7 +295,7 @@ def test_keep_attention_counts_the_kept_attention_outputs():
     does: the estimate adds them; plain full AC does not."""
     import upipe_compile.integrations.torchtitan  # noqa: F401  the [upipe] section
     from torchtitan_jobs import load_config
-    from upipe_compile.estimate import _op_selective_ac
+    from upipe_compile.integrations.torchtitan.estimate_run import _op_selective_ac
 
     assert _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=full", "--upipe.keep_attention"))
     assert not _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=full"))
@@ -395,7 +395,7 @@ def test_plan_takes_the_fastest_setting_that_fits(debug_estimate, keep_estimates
 
 
 def test_plan_overrides_turn_off_what_the_job_turned_on():
-    from upipe_compile.estimate.plan import Plan
+    from upipe_compile.integrations.torchtitan.estimate_plan import Plan
 
     settings = {"heads_per_stage": 8, "ring_degree": 1, "keep_attention": False, "offload_block_inputs": True}
     given = {"heads_per_stage": 32, "ring_degree": 1, "keep_attention": True, "offload_block_inputs": False}

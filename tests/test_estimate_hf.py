@@ -1,5 +1,5 @@
 """The whole-step estimate of a transformers model trained by UPipeTrainer
-(``python -m upipe_compile.estimate --hf``, upipe_compile/estimate/hf.py), on tiny Llama and
+(``python -m upipe_compile.estimate --hf``, upipe_compile/integrations/hf_estimate.py), on tiny Llama and
 Qwen3 configs: it runs, its persistent terms are hand arithmetic, the chunked loss removes the
 logits, offload moves the block inputs to the host, and bad input is refused before the step."""
 
@@ -16,7 +16,9 @@ import pytest  # noqa: E402
 from upipe_compile.errors import UnsupportedAttention  # noqa: E402
 from upipe_compile.estimate import JobError  # noqa: E402
 from upipe_compile.estimate.gpu import GIB  # noqa: E402
-from upipe_compile.estimate.hf import HFJob, build_model, estimate_hf, load_config, shipped_configs  # noqa: E402
+from upipe_compile.integrations.hf_estimate import (  # noqa: E402
+    HFJob, build_model, estimate_hf, load_config, shipped_configs,
+)
 
 HIDDEN, LAYERS, VOCAB, SEQ, CP = 256, 2, 2048, 8192, 2
 LOCAL = SEQ // CP

@@ -39,8 +39,8 @@ LAYERS = [
     "upipe_compile.backend",
     "upipe_compile.api",
     "upipe_compile.measure",         # measuring code (the backend's eager twins)
-    "upipe_compile.integrations",    # transformers, the hf_* trainers, torchtitan
-    "upipe_compile.estimate",        # python -m upipe_compile.estimate builds integration jobs
+    "upipe_compile.estimate",        # the whole-step estimate: measures and reports jobs the integrations build
+    "upipe_compile.integrations",    # transformers, the hf_* trainers, torchtitan; their estimate jobs
     "upipe_compile",                 # the package's __init__: re-exports the public API
 ]
 
@@ -233,6 +233,20 @@ def test_no_import_circle():
     assert not circles, "import circles:\n    " + "\n  and\n    ".join(messages)
     gone = [sorted(known) for known in KNOWN_CIRCLES if set(known) not in import_circles(graph)]
     assert not gone, f"these KNOWN_CIRCLES are gone, remove them from the list: {gone}"
+
+
+def test_no_floor_module_imports_an_integration():
+    """Everything below the integrations (the estimate included) serves every integration alike:
+    it runs, and installs, without transformers or torchtitan. An integration hands what it
+    must in (the estimate's job sources: entry points, upipe_compile.estimate.job_sources)."""
+    graph = import_graph()
+    integrations = LAYERS.index("upipe_compile.integrations")
+    found = sorted(f"{importer} -> {imported} (line {line})"
+                   for importer, arrows in graph.items() if layer_of(importer) < integrations
+                   for imported, line in arrows.items() if layer_of(imported) == integrations)
+    assert not found, ("modules below upipe_compile.integrations import an integration (at module level or "
+                       "inside a function); move the integration-specific code into the integration, or have "
+                       "the integration hand it in:\n  " + "\n  ".join(found))
 
 
 def test_imports_run_down_the_layers():

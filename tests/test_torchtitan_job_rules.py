@@ -19,7 +19,7 @@ def refusal_of(case) -> str:
     import upipe_compile.integrations.torchtitan  # noqa: F401  registers the spec
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.estimate.job import parallel_dims_of
+    from upipe_compile.integrations.torchtitan.estimate_job import parallel_dims_of
     from upipe_compile.integrations.torchtitan import check_job
 
     mode = "selective" if case.selective_ac else "full"

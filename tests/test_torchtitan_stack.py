@@ -165,7 +165,7 @@ def test_output_group_is_kept_gathered_for_the_chunked_loss(rank_pools):
 def _reshard_policy_with_chunked_loss():
     """On a rank: parallelize the debug model with fsdp_reshard_after_forward = "always";
     (norm/output group resharded after forward?, a block resharded after forward?)."""
-    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan import parallelize_llama_upipe
 
     torchtitan_on_cpu()
@@ -232,7 +232,7 @@ def _rope_table_seen_by_the_blocks():
     import upipe_compile.integrations.torchtitan  # noqa: F401
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan import parallelize_qwen3_upipe
     from upipe_compile.integrations.torchtitan.measurement import measuring
 

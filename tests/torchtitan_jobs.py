@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests_support import attention_events, full_tensor, load_full_weights, wrapped_name
-from upipe_compile.estimate.job import load_job_config, torchtitan_on_cpu
+from upipe_compile.integrations.torchtitan.estimate_job import load_job_config, torchtitan_on_cpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG_TOML = os.path.join(HERE, "..", "integrations", "torchtitan", "debug_model_upipe_cpu.toml")

@@ -2,7 +2,7 @@
 ``Trainer.Config`` (trainer_03.UPipeTrainer.Config, with the ``upipe`` section), the model a
 ModelSpec's config. This file reads the job facts the rules of job_rules.py ask, from the
 config alone (before any process group); the estimate's build and step for such a job are
-upipe_compile.estimate's ``build_job_03`` and ``train_step_03``.
+estimate_job.py's ``build_job_03`` and estimate_step.py's ``train_step_03``.
 """
 
 from __future__ import annotations

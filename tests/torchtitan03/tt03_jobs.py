@@ -154,7 +154,7 @@ CPU_CONFIG = "llama3_debugmodel_upipe_cpu"
 
 def load_config(*overrides: str, config: str = CPU_CONFIG):
     """A shipped 0.3 config through torchtitan's ConfigManager, command-line ``overrides``."""
-    from upipe_compile.estimate.job import load_config_03
+    from upipe_compile.integrations.torchtitan.estimate_job import load_config_03
 
     return load_config_03(CONFIG_MODULE, config, list(overrides))
 
@@ -195,7 +195,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims, utils as dist_utils
 
-    from upipe_compile.estimate.job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer, take_over
 
     torchtitan_on_cpu()

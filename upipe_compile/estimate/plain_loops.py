@@ -6,10 +6,12 @@ On the GPU the job runs it fused (torch's CUDA ``_fused_rms_norm`` kernel in eag
 fused kernel under inductor): output and an fp32 ``rstd`` per row; backward, the input's
 gradient. While :func:`fused_rms_norm` is active, fake-tensor RMSNorms allocate that.
 
-RoPE (torchtitan's Llama3 ``apply_rotary_emb``): eager, it makes fp32 copies of q and k,
-their complex products and the casts back (about five q-sized bf16 units beyond q); the
+RoPE (e.g. torchtitan's Llama3 ``apply_rotary_emb``): eager, it makes fp32 copies of q and
+k, their complex products and the casts back (about five q-sized bf16 units beyond q); the
 compiled block fuses it into one kernel that writes the rotated q and k (and in backward
-their gradients). While :func:`fused_rope` is active, fake-tensor RoPE allocates that.
+their gradients): :class:`FusedRoPEFunction` allocates that. Which model's RoPE it stands in
+for is the job source's to say (the torchtitan integration's ``estimate_step.fused_rope``,
+handed to step.py's ``kernel_models``).
 
 Embedding backward: on CPU ``embedding_dense_backward`` adds each token's gradient row into
 the ``[V, D]`` weight gradient. CUDA's kernel (aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu,
@@ -121,28 +123,6 @@ class FusedRoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         return torch.empty_like(grad_q), torch.empty_like(grad_k)
-
-
-@contextmanager
-def fused_rope():
-    """Fake-tensor RoPE of torchtitan's Llama3 allocates what a fused kernel does (see the
-    module doc). Other models' RoPE (e.g. Qwen3's rotate-half) is counted as eager runs it;
-    torchtitan 0.3's, which the estimate measures in fused blocks only, as the block runs it."""
-    try:
-        from torchtitan.models.llama3.model import model as llama3
-    except ImportError:  # torchtitan 0.3
-        yield
-        return
-
-    original = llama3.apply_rotary_emb
-
-    def apply_rotary_emb(xq, xk, freqs_cis, positions=None):
-        if torch.compiler.is_compiling() or not is_fake(xq):  # traced: the fusion pass reads the real op
-            return original(xq, xk, freqs_cis, positions)
-        return FusedRoPEFunction.apply(xq, xk)
-
-    with mock.patch.object(llama3, "apply_rotary_emb", apply_rotary_emb):
-        yield
 
 
 EMBEDDING_ROWS_PER_THREAD = 10

@@ -3,7 +3,7 @@ a step's device peak is near-linear in seq_len and its host memory (the offloade
 inputs) is linear in it.
 
 "Fits" is both bounds: the per-rank device peak within the GPU's budget (gpu.py) and the
-offloaded activations of one node within the host budget (host.py). Two probes give a line
+offloaded activations of one node within the host budget (upipe_compile.stack.host_memory). Two probes give a line
 per bound; the nearer of the lines' crossings of their budgets is probed next; then secant
 steps on the two probes nearest each budget, staying inside the bracket of a fitting and a
 non-fitting probe, until these are one grid step apart (the grid: multiples of 1024 x CP
@@ -14,24 +14,13 @@ bound that stopped it is the one the smallest longer probe broke ("device", "hos
 
 from __future__ import annotations
 
-import copy
 import math
 
-from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
-from upipe_compile.estimate import H100_80GB_GIB, HOST_BUDGET_GIB, Estimate, JobError, estimate
+from upipe_compile.estimate.errors import JobError
 from upipe_compile.estimate.gpu import budget_gib
+from upipe_compile.estimate.report import Estimate
 
 MAX_PROBES = 8
-
-
-def grid_step(job_config) -> int:
-    return 1024 * job_config.parallelism.context_parallel_degree
-
-
-def _probe(job_config, seq_len: int, **kwargs) -> Estimate:
-    config = copy.deepcopy(job_config)
-    config.training.seq_len = seq_len
-    return estimate(config, **kwargs)
 
 
 def bound_of(result) -> str:
@@ -39,25 +28,15 @@ def bound_of(result) -> str:
     return " and ".join(name for name, ok in (("device", result.fits_device), ("host", result.fits_host)) if not ok)
 
 
-def max_context(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int = 8,
-                host_gib: float = HOST_BUDGET_GIB, progress: bool = True, max_probes: int = MAX_PROBES,
-                cuda_kernel: str = DEFAULT_CUDA_KERNEL, device_ratio: float | None = None):
-    """(largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...] probed, the bound
-    that stopped it: "device", "host", "device and host", or None when the probes ran out
-    before any longer probe failed)."""
-    def probe(seq_len: int) -> Estimate:
-        return _probe(job_config, seq_len, gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib,
-                      cuda_kernel=cuda_kernel, device_ratio=device_ratio)
-
-    return search(probe, job_config.training.seq_len, grid_step(job_config), gpu_gib=gpu_gib, host_gib=host_gib,
-                  progress=progress, max_probes=max_probes, name="[training] seq_len")
-
-
 def search(estimate_at, seq_len: int, step: int, *, gpu_gib: float, host_gib: float, progress: bool = True,
            max_probes: int = MAX_PROBES, name: str = "seq_len"):
-    """:func:`max_context` over any job: ``estimate_at(seq_len)`` is its Estimate at a length,
+    """The max-context search over any job: ``estimate_at(seq_len)`` is its Estimate at a length,
     ``seq_len`` the first probe (rounded to the grid of ``step``), ``name`` what messages call
-    the length."""
+    the length. Returns (largest fitting seq_len, its Estimate, [(seq_len, peak GiB), ...]
+    probed, the bound that stopped it: "device", "host", "device and host", or None when the
+    probes ran out before any longer probe failed). The job sources' searches: the torchtitan
+    integration's ``estimate_search.max_context``, the transformers one's
+    ``hf_estimate.max_context_hf``."""
     from tqdm import tqdm
 
     limits = {"device": budget_gib(gpu_gib), "host": host_gib}

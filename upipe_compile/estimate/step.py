@@ -1,4 +1,6 @@
-"""One training step of a built job, as torchtitan's Trainer runs it, under a memory tracker.
+"""One training step of a built job under a memory tracker, whatever built the job (the job
+sources hand in their Trainer's step: the torchtitan integration's estimate_step.py, the
+transformers one's hf_estimate.py).
 
 ``FSDPMemTracker`` counts every tensor the step allocates on each device, by kind (sharded /
 unsharded params and grads, FSDP all-gather buffers, optimizer state, activations, temps).
@@ -13,14 +15,14 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from contextlib import ExitStack
+from typing import Callable, ContextManager, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from upipe_compile.estimate.job import Job
-from upipe_compile.estimate.plain_loops import cuda_embedding_backward, fused_rms_norm, fused_rope
+from upipe_compile.estimate.plain_loops import cuda_embedding_backward, fused_rms_norm
 
 DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
 HOST = torch.device("meta")  # where offloaded activations are packed while measuring
@@ -186,39 +188,36 @@ class SavedOnDevice:
         return sum(self.storages.values())
 
 
-def run_step(job: Job, fake_mode, *, train_step, fused_kernels: bool = True, cuda_ops: bool = True) -> StepMemory:
-    """One training step (``train_step``: the release's, :func:`train_step_022` or
-    :func:`train_step_03`) measured with the optimizer state already there, as in every step of
-    a real run but the first. ``fused_kernels``: RMSNorm and RoPE allocate what fused kernels
-    do (a GPU's, or inductor's anywhere; plain_loops.py), else what eager CPU torch allocates;
-    ``cuda_ops``: the embedding's backward allocates what CUDA's kernel does."""
+def run_step(job, fake_mode, *, train_step, fused_kernels: bool = True, cuda_ops: bool = True,
+             model_kernels: Sequence[Callable[[], ContextManager]] = ()) -> StepMemory:
+    """One training step of ``job`` (anything with the built ``model`` and its ``optimizers``)
+    measured with the optimizer state already there, as in every step of a real run but the
+    first. ``train_step(job, tracker) -> StepMemory``: the job source's step (the torchtitan
+    integration's ``train_step_022`` / ``train_step_03``). ``fused_kernels``: RMSNorm (and
+    ``model_kernels``) allocate what fused kernels do (a GPU's, or inductor's anywhere;
+    plain_loops.py), else what eager CPU torch allocates; ``cuda_ops``: the embedding's backward
+    allocates what CUDA's kernel does."""
     with fake_mode:
         _create_optimizer_state(job)
         tracker = PhaseTracker(job.model, job.optimizers)
-        with kernel_models(fused_kernels, cuda_ops), tracker:
+        with kernel_models(fused_kernels, cuda_ops, model_kernels), tracker:
             return train_step(job, tracker)
 
 
-def kernel_models(fused_kernels: bool, cuda_ops: bool) -> ExitStack:
-    """The GPU kernels' allocations in place of eager CPU torch's (plain_loops.py): RMSNorm and
-    torchtitan's RoPE as fused kernels, the embedding's backward as CUDA's."""
+def kernel_models(fused_kernels: bool, cuda_ops: bool,
+                  model_kernels: Sequence[Callable[[], ContextManager]] = ()) -> ExitStack:
+    """The GPU kernels' allocations in place of eager CPU torch's (plain_loops.py): RMSNorm as a
+    fused kernel, the embedding's backward as CUDA's. ``model_kernels``: what a job source
+    counts as fused kernels in its own models (the torchtitan integration's Llama3 RoPE), each
+    a context manager factory, entered with the fused kernels."""
     stack = ExitStack()
     if fused_kernels:
         stack.enter_context(fused_rms_norm())
-        stack.enter_context(fused_rope())
+        for model_kernel in model_kernels:
+            stack.enter_context(model_kernel())
     if cuda_ops:
         stack.enter_context(cuda_embedding_backward())
     return stack
-
-
-def _clip_and_step(job: Job, label) -> None:
-    """The step's end, as the Trainer runs it: gradient clipping, then the optimizer."""
-    from torchtitan.distributed import utils as dist_utils
-
-    label("grad clip")
-    dist_utils.clip_grad_norm_(list(job.model.parameters()), job.job_config.training.max_norm, foreach=True)
-    label("optimizer step")
-    job.optimizers.step()
 
 
 def measured(tracker: PhaseTracker, saved: SavedOnDevice, logits: int, after_forward: int) -> StepMemory:
@@ -229,7 +228,7 @@ def measured(tracker: PhaseTracker, saved: SavedOnDevice, logits: int, after_for
     )
 
 
-def _create_optimizer_state(job: Job) -> None:
+def _create_optimizer_state(job) -> None:
     """What a first step leaves behind for memory: the optimizer state (Adam's moments), made
     by one optimizer step on zero gradients. (A whole untracked first step would do the same
     in twice the time.)"""
@@ -237,85 +236,3 @@ def _create_optimizer_state(job: Job) -> None:
         param.grad = torch.zeros_like(param)
     job.optimizers.step()
     job.optimizers.zero_grad()
-
-
-def train_step_022(job: Job, tracker: PhaseTracker):
-    """torchtitan 0.2.2's Trainer.train_step for one microbatch, without PP."""
-    from torchtitan.components.loss import IGNORE_INDEX
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.train import prepare_context_parallel_input  # the Trainer's (upipe's layouts: cp_layout.py)
-
-    config, dims = job.job_config, job.parallel_dims
-
-    def label(name):
-        tracker.outside_model = name
-
-    job.optimizers.zero_grad()
-    batch, seq = config.training.local_batch_size, config.training.seq_len
-    inputs = torch.randint(0, job.model_args.vocab_size, (batch, seq), device=DEVICE)
-    labels = torch.randint(0, job.model_args.vocab_size, (batch, seq), device=DEVICE)
-    global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
-    extra_kwargs = {}
-    if dims.cp_enabled:
-        inputs, labels, extra_kwargs = prepare_context_parallel_input(
-            inputs, labels, extra_kwargs, dims.get_mesh("cp"), DEVICE,
-            config.parallelism.context_parallel_load_balancer,
-        )
-    saved = SavedOnDevice(tracker, job.model)
-    loss_parallel = dims.tp_enabled and not config.parallelism.disable_loss_parallel
-    # AMP only where FSDP does not already cast (DDP / one device), as the Trainer decides.
-    amp = dist_utils.maybe_enable_amp(dims, config.training.mixed_precision_param, DEVICE.type)
-    with dist_utils.get_train_context(loss_parallel)(), amp:
-        label("forward")
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            pred = job.model(inputs, **extra_kwargs)
-        # With [upipe] loss_chunk_tokens the model returns LazyLogits: no logits tensor exists.
-        logits = pred.numel() * pred.element_size() if isinstance(pred, torch.Tensor) else 0
-        after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
-        label("loss")
-        loss = job.loss_fn(pred, labels) / global_valid_tokens
-        del pred
-        loss.backward()
-    _clip_and_step(job, label)
-    return measured(tracker, saved, logits, after_forward)
-
-
-def train_step_03(job: Job, tracker: PhaseTracker):
-    """torchtitan 0.3's Trainer.train_step for one microbatch, without PP, with UPipeTrainer's
-    input sharding: one row of one document (positions 0..S-1). The documents' metadata is
-    built outside fake mode (its cumulative lengths are data); tokens, positions and labels
-    are then made fake device tensors, the full row's as the Trainer holds them."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torchtitan.components.loss import IGNORE_INDEX
-
-    from upipe_compile.integrations.torchtitan.trainer_03 import shard_batch
-
-    config, dims = job.job_config, job.parallel_dims
-
-    def label(name):
-        tracker.outside_model = name
-
-    job.optimizers.zero_grad()
-    batch, seq = config.training.local_batch_size, config.training.seq_len
-    with unset_fake_temporarily():
-        full = {"input": torch.randint(0, job.model_args.vocab_size, (batch, seq)),
-                "positions": torch.arange(seq).expand(batch, seq)}
-        labels = torch.randint(0, job.model_args.vocab_size, (batch, seq))
-        inputs, local_labels, extra = shard_batch(config, dims, job.model, dict(full), labels)
-    on_device = {key: value.clone() for key, value in full.items()}  # the Trainer's batch on the GPU
-    inputs, local_labels = inputs.clone(), local_labels.clone()
-    extra["positions"] = extra["positions"].clone()
-    global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
-    saved = SavedOnDevice(tracker, job.model)
-    label("forward")
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        pred = job.model(inputs, **extra)
-    logits = 0 if getattr(job.model, "_skip_lm_head", False) else pred.numel() * pred.element_size()
-    after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
-    label("loss")
-    loss, _ = job.loss_fn(pred, local_labels, global_valid_tokens, positions=extra["positions"])
-    del pred
-    loss.backward()
-    _clip_and_step(job, label)
-    del on_device
-    return measured(tracker, saved, logits, after_forward)

@@ -180,15 +180,3 @@ def model_flops(shape: ModelShape, setup: Setup) -> float:
 def ulysses(setup: Setup, shape: ModelShape) -> Setup:
     """The same step with one stage of all heads."""
     return replace(setup, heads_per_stage=shape.q_heads, ring_degree=1)
-
-
-def shape_of(model, model_args) -> ModelShape:
-    """The shape of a torchtitan model (0.2.2 model_args, or 0.3's dims under those names):
-    one layer's matmul weights counted from the (meta or fake) module itself."""
-    layer = next(iter(model.layers.values()))
-    weights = sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
-    heads = model_args.n_heads
-    head_dim = getattr(model_args, "head_dim", None) or model_args.dim // heads
-    return ModelShape(n_layers=model_args.n_layers, dim=model_args.dim, q_heads=heads,
-                      kv_heads=model_args.n_kv_heads or heads, head_dim=head_dim, layer_weights=weights,
-                      vocab_size=model_args.vocab_size)

@@ -1,4 +1,5 @@
-"""The fastest setting that fits: ``python -m upipe_compile.estimate --plan``.
+"""The fastest setting of a torchtitan job that fits: ``python -m upipe_compile.estimate --config
+JOB --plan``.
 
 Candidates are the job with each combination of the settings that trade memory for speed:
 U (``heads_per_stage``: multiples of the all-to-all ranks dividing the heads), ``ring_degree``
@@ -18,9 +19,12 @@ import torch
 from dataclasses import dataclass
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.estimate import Estimate, JobError, estimate, step_setup
+from upipe_compile.estimate.cli_format import format_report
+from upipe_compile.estimate.errors import JobError
+from upipe_compile.estimate.report import Estimate
 from upipe_compile.estimate.step_time import ModelShape, step_time
 from upipe_compile.integrations.torchtitan.config import upipe_config
+from upipe_compile.integrations.torchtitan.estimate_run import estimate, step_setup
 
 MAX_ESTIMATES = 12
 KNOBS = ("heads_per_stage", "ring_degree", "keep_attention", "offload_block_inputs")
@@ -101,3 +105,15 @@ def plan(job_config, *, max_estimates: int = MAX_ESTIMATES, **estimate_kwargs) -
     raise JobError(f"none of the {len(tried)} fastest settings fits at [training] seq_len = "
                    f"{job_config.training.seq_len:,}: lower it, or raise [parallelism] context_parallel_degree. Tried: "
                    + "; ".join(", ".join(f"{k}={v}" for k, v in s.items()) + f" ({outcome})" for s, _, outcome in tried))
+
+
+def format_plan(found) -> str:
+    lines = [f"plan: {' '.join(found.overrides()) or '(the job as given)'}",
+             "  " + ", ".join(f"{k} = {v}" for k, v in found.settings.items()),
+             f"  modelled step {found.seconds:.4g} s; Ulysses at this context "
+             f"{found.result.step_time['methods_seconds']['ulysses']:.4g} s "
+             f"({found.result.step_time['methods_seconds']['ulysses'] / found.seconds:.3f}x its throughput)",
+             "settings tried, fastest first:"]
+    for settings, seconds, outcome in found.tried:
+        lines.append(f"  {seconds:10.4g} s  " + ", ".join(f"{k}={v}" for k, v in settings.items()) + f": {outcome}")
+    return "\n".join(lines + ["the plan's estimate:", format_report(found.result)])

@@ -1,4 +1,6 @@
-"""Build a torchtitan job as its Trainer would, on fake CPU tensors over a fake process group.
+"""Build a torchtitan job as its Trainer would, on fake CPU tensors over a fake process group,
+for the whole-step memory estimate (``python -m upipe_compile.estimate --config``; the
+measuring is upipe_compile.estimate's, the run estimate_run.py).
 
 Same steps and functions as torchtitan 0.2.2's ``Trainer.__init__``: ConfigManager (TOML +
 overrides + the custom config module), ``experimental.custom_import``, ParallelDims and its
@@ -18,11 +20,8 @@ from typing import Any
 
 import torch
 
+from upipe_compile.estimate.errors import JobError
 from upipe_compile.integrations.torchtitan.measurement import measuring
-
-
-class JobError(ValueError):
-    """The job cannot be estimated as configured; the message names the TOML key."""
 
 
 def load_job_config(config_file: str, overrides: list[str]):
@@ -66,29 +65,6 @@ def torchtitan_on_cpu() -> None:
     for module in (tools_utils, parallel_dims_module, dist_utils_module):
         module.device_type = "cpu"
     tools_utils.device_module = dist_utils_module.device_module = torch.cpu
-
-
-@contextmanager
-def private_sharding_fake_mode():
-    """DTensor's sharding propagation computes output metadata on fake tensors of the *global*
-    shapes, in the ambient FakeTensorMode when there is one. The memory tracker then counts
-    those unsharded-size scratch tensors as allocations (the optimizer state came out 17x
-    too large). Run the propagation in a fake mode of its own with every dispatch mode off, the
-    tracker too (torch 2.11's tracker also sees a fresh mode's scratch tensors)."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def propagate(self, op_schema):
-        with _disable_current_modes():
-            return original(self, op_schema)
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 @contextmanager

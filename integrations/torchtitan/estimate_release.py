@@ -1,6 +1,6 @@
-"""The estimate's adapter for the installed torchtitan release: how it reads a job's facts
-(integrations/torchtitan/release_022.py or release_03.py), builds the job (job.py) and runs
-its training step (step.py). Chosen once; the rest of the estimate asks it instead of
+"""The torchtitan estimate's adapter for the installed torchtitan release: how it reads a job's
+facts (release_022.py or release_03.py), builds the job (estimate_job.py) and runs its training
+step (estimate_step.py). Chosen once; the rest of the torchtitan estimate asks it instead of
 asking which release is installed.
 """
 
@@ -10,8 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from upipe_compile.estimate.job import build_job, build_job_03
-from upipe_compile.estimate.step import train_step_022, train_step_03
+from upipe_compile.integrations.torchtitan.estimate_job import build_job, build_job_03
+from upipe_compile.integrations.torchtitan.estimate_step import train_step_022, train_step_03
 from upipe_compile.integrations.torchtitan.release import python_configs
 
 
@@ -21,9 +21,10 @@ class TorchtitanRelease:
     job_facts: Callable
     """config -> job_rules.JobFacts (the upipe section, CP degree, AC kind, ...)."""
     build_job: Callable
-    """(config, fake_mode) -> job.Job, as the release's Trainer builds it."""
+    """(config, fake_mode) -> estimate_job.Job, as the release's Trainer builds it."""
     train_step: Callable
-    """(job, tracker) -> step.StepMemory: the release's Trainer.train_step for one microbatch."""
+    """(job, tracker) -> upipe_compile.estimate.step.StepMemory: the release's Trainer.train_step
+    for one microbatch."""
 
 
 @functools.lru_cache(maxsize=None)

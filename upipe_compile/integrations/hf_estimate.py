@@ -1,5 +1,7 @@
 """The whole-step memory estimate of a transformers causal LM trained as ``UPipeTrainer`` trains
-it: ``python -m upipe_compile.estimate --hf CONFIG --seq-len N --cp P``.
+it: ``python -m upipe_compile.estimate --hf CONFIG --seq-len N --cp P`` (entry point ``hf`` in
+the group ``upipe_compile.estimate_jobs``: :func:`command`). The job is built here; the
+measuring and the report are upipe_compile.estimate's.
 
 The job, built as the Trainer path builds it, on fake CPU tensors over a fake process group of
 P x K ranks (K data-parallel groups of P context-parallel ranks):
@@ -19,11 +21,12 @@ P x K ranks (K data-parallel groups of P context-parallel ranks):
   default policy), ``reshard_after_forward=True``; AdamW (``adamw_torch_fused``, the Trainer's
   default) with its state already present.
 
-Then one step under step.py's tracker: rank 0's shard of one row of N tokens
+Then one step under upipe_compile.estimate.step's tracker: rank 0's shard of one row of N tokens
 (:func:`upipe_compile.integrations.hf_batch.upipe_batch`: global positions, shifted labels),
 forward with the model's own loss over ``num_items_in_batch`` (the Trainer's), backward,
 gradient clipping (``max_grad_norm=1``), the optimizer step. The report is the torchtitan
-estimate's (``result_of``): budget, device ratio, host memory per node.
+estimate's (upipe_compile.estimate.report's ``result_of``): budget, device ratio, host memory
+per node.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,16 +43,20 @@ from types import SimpleNamespace
 import torch
 
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
-from upipe_compile.estimate import H100_80GB_GIB, HOST_BUDGET_GIB, Estimate, JobError, result_of, step_time_report
+from upipe_compile.estimate.cli_format import format_report, max_context_output
+from upipe_compile.estimate.errors import JobError
+from upipe_compile.estimate.fake_sharding import private_sharding_fake_mode
 from upipe_compile.estimate.gpu import CUBLAS_WORKSPACES_GIB, DEVICE_RATIO, GIB
-from upipe_compile.estimate.job import private_sharding_fake_mode
 from upipe_compile.estimate.plain_loops import FusedRMSNormFunction, plain_stack_loops
+from upipe_compile.estimate.report import H100_80GB_GIB, Estimate, result_of, step_time_report
+from upipe_compile.estimate.search import search
 from upipe_compile.estimate.step import DEVICE, HOST, PhaseTracker, SavedOnDevice, kernel_models, measured
 from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, decoder_layers
 from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import eager_calls
 from upipe_compile.sharding import sequence_multiple
+from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
 FSDP_POLICY = "fp32 master weights, bf16 params / bf16 reduce (accelerate's FSDP2 default policy)"
 
@@ -370,7 +378,7 @@ def _measure(job: HFJob, config, cuda_kernel):
         model.to_empty(device="cpu")
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        for param in model.parameters():  # the state a first step leaves (as step.py)
+        for param in model.parameters():  # the state a first step leaves (as upipe_compile.estimate.step does)
             param.grad = torch.zeros_like(param)
         optimizer.step()
         optimizer.zero_grad()
@@ -431,13 +439,47 @@ def max_context_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node:
                    host_gib: float = HOST_BUDGET_GIB, cuda_kernel: str | None = DEFAULT_CUDA_KERNEL,
                    device_ratio: float | None = None, progress: bool = True):
     """The largest ``--seq-len`` (a multiple of 1024 x P, x 2 with a ring) that fits both budgets, by the
-    torchtitan estimate's search (search.py) from ``job.seq_len``: (tokens, its Estimate,
+    estimate's search (upipe_compile.estimate.search) from ``job.seq_len``: (tokens, its Estimate,
     probes, the bound that stopped it)."""
-    from upipe_compile.estimate.search import search
-
     def estimate_at(seq_len: int) -> Estimate:
         return estimate_hf(replace(job, seq_len=seq_len), gpu_gib=gpu_gib, gpus_per_node=gpus_per_node,
                            host_gib=host_gib, cuda_kernel=cuda_kernel, device_ratio=device_ratio)
 
     return search(estimate_at, job.seq_len, 1024 * sequence_multiple(job.cp, job.ring_degree), gpu_gib=gpu_gib,
                   host_gib=host_gib, progress=progress, name="--seq-len")
+
+
+def command(args, unknown: list[str]) -> int:
+    """``--hf``: the estimate of a transformers model trained by UPipeTrainer, one step or
+    ``--max-context``; prints the report, 0 (2 and the problems for arguments that do not make
+    a job)."""
+    problems = []
+    if args.config is not None or args.module is not None:
+        problems.append("--hf and --config/--module are two kinds of job: give one")
+    if args.hf is None:
+        problems.append("give --config JOB (torchtitan) or --hf CONFIG (transformers)")
+    if args.plan:
+        problems.append("--plan is for torchtitan jobs (--config)")
+    if unknown:
+        problems.append(f"unknown arguments {unknown} (torchtitan overrides go with --config)")
+    for flag in ("seq_len", "cp"):
+        if args.hf is not None and getattr(args, flag) is None:
+            problems.append(f"--hf needs --{flag.replace('_', '-')}")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    job = HFJob(args.hf, seq_len=args.seq_len, cp=args.cp, nodes=args.nodes, ring_degree=args.ring_degree, heads_per_stage=args.heads_per_stage,
+                loss_chunk_tokens=args.loss_chunk_tokens, mlp_tile_tokens=args.mlp_tile_tokens,
+                offload_block_inputs=args.offload_block_inputs, keep_attention=args.keep_attention,
+                gradient_checkpointing=not args.no_gradient_checkpointing)
+    budgets = dict(gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
+                   cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
+    if args.max_context:
+        found, result, probes, bound = max_context_hf(job, progress=not args.json, **budgets)
+        payload, text = max_context_output(found, result, probes, bound, gpu_gib=args.gpu_gib,
+                                           host_gib=args.host_gib, job=job)
+    else:
+        result = estimate_hf(job, **budgets)
+        payload, text = result.as_json(), format_report(result, job)
+    print(json.dumps({**payload, "hf": job.as_json()}) if args.json else text)
+    return 0
