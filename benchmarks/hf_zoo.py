@@ -408,6 +408,20 @@ def _report(header: str, rows: list[dict], left_out: dict[str, str]) -> str:
     return f"{header}\n\n{table}\n\n{_summary(rows)}\n\nnot swept ({len(left_out)}):\n{not_swept}"
 
 
+def _without_out(argv: list[str]) -> list[str]:
+    """The command as the table records it: where the table was written (``--out``, often a scratch
+    folder before it is copied into benchmarks/results) is not how its rows were made."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--out="):
+            skip = False
+            continue
+        skip = arg == "--out"
+        if not skip:
+            kept.append(arg)
+    return kept
+
+
 def main(argv=None) -> None:
     import transformers
 
@@ -424,7 +438,7 @@ def main(argv=None) -> None:
     if unknown:
         parser.error("not swept: " + ", ".join(unknown))
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"hf_zoo_{args.use_cache}.md")
-    command = "python benchmarks/hf_zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/hf_zoo.py " + " ".join(_without_out(argv if argv is not None else sys.argv[1:]))
     header = (f"# command: {command.strip()}\n# torch {torch.__version__}, transformers {transformers.__version__}; "
               f"{WORLD} gloo ranks on CPU, {SEQ} tokens, fp32, inner backend aot_eager; match: every relative error "
               f"< {TOLERANCE:g}; use_cache: {USE_CACHE[args.use_cache]}; {len(chosen)} of {len(covered)} families")

@@ -45,7 +45,7 @@ FAST_FILES = {
     "test_offload.py", "test_launch.py", "test_readme_results.py", "test_docs_layout.py", "test_token_mixing.py",
     "test_attention_checks.py", "test_mixer_loop.py", "test_hf_own_attention.py", "test_varlen_attn.py",
     "test_step_time.py", "test_source_line.py", "test_pass_pipeline.py", "test_import_structure.py",
-    "test_packaging.py",
+    "test_packaging.py", "test_machine_paths.py",
 }
 
 

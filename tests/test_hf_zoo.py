@@ -48,3 +48,12 @@ def test_family_verdict(rank_pools, family, use_cache, verdict):
         assert row["cache returned"] == "none", row
     else:
         assert row["detail"].startswith("DogeForCausalLM"), row
+        # the file from its package, not the machine's site-packages
+        assert "(transformers/models/doge/modeling_doge.py)" in row["detail"], row
+
+
+def test_the_recorded_command_leaves_out_where_the_table_was_written():
+    """A scratch --out folder would otherwise land in the committed table's header."""
+    assert hf_zoo._without_out(["--use-cache", "off", "--out", "/tmp/zoo.md", "--families", "llama"]) == [
+        "--use-cache", "off", "--families", "llama"]
+    assert hf_zoo._without_out(["--out=/tmp/zoo.md", "--timeout", "60"]) == ["--timeout", "60"]
