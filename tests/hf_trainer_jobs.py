@@ -316,3 +316,63 @@ def refused(job, *args, **kwargs):
             e = e.__cause__ or e.__context__
         return chain
     raise AssertionError("trained without an error")
+
+
+def _nan_column(upipe: bool, seq: int):
+    """Where :func:`run_with_nan` puts its NaN: the row's last labelled token, which is on the last
+    rank's shard under upipe (None on the other ranks)."""
+    import torch.distributed as dist
+
+    if not upipe:
+        return seq - 2
+    return -2 if dist.get_rank() == dist.get_world_size() - 1 else None
+
+
+def run_with_nan(upipe: bool, where: str, micro_batch: int, samples: int = 12):
+    """Trainer (clipping at 1.0, ``logging_nan_inf_filter`` on) with one NaN, on the last rank's
+    shard only under upipe, at micro-batch ``micro_batch`` (counted from 0, gradient accumulation
+    2): ``where="loss"`` adds it to that shard's loss (the gradient stays finite), ``"logits"`` puts
+    it in one logit of one labelled token (the LM head runs eagerly, outside the compiled
+    backbone; the gradient is NaN too). Returns (logged rows, final parameters)."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    _reset_accelerate()
+    if upipe:
+        _distributed_env()
+    try:
+        model = build_model()
+        column = _nan_column(upipe, SEQ)
+        calls = iter(range(10 ** 6))
+        if where == "logits":
+            def poison(module, args, output):
+                if module.training and next(calls) == micro_batch and column is not None:
+                    output = output.clone()
+                    output[0, column, 0] = float("nan")
+                return output
+
+            model.lm_head.register_forward_hook(poison)
+        record = _Record()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(**_common(out), max_grad_norm=1.0, logging_nan_inf_filter=True)
+            kwargs = dict(model=model, args=args, train_dataset=lm_dataset(samples),
+                          data_collator=default_data_collator, callbacks=[record])
+            if upipe:
+                from upipe_compile.integrations.hf_trainer import UPipeTrainer
+
+                trainer = UPipeTrainer(**kwargs, upipe_options=INNER)
+            else:
+                trainer = Trainer(**kwargs)
+            if where == "loss":
+                compute_loss = trainer.compute_loss
+
+                def poisoned_loss(*a, **kw):
+                    loss = compute_loss(*a, **kw)
+                    if next(calls) == micro_batch and column is not None:
+                        loss = loss + float("nan")  # the loss only: its gradient is the finite one
+                    return loss
+
+                trainer.compute_loss = poisoned_loss
+            trainer.train()
+        return record.rows, _result(trainer, record)[1]
+    finally:
+        _reset_accelerate()

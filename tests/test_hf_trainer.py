@@ -6,6 +6,7 @@ must agree within 1e-5; see tests/hf_trainer_jobs.py."""
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,6 +142,49 @@ def test_hybrid_trains_exactly(rank_pools):
         # mixer shows only where Dynamo traced it while compiling (as document_sdpa does)
         assert counts.get("upipe::head_mixer_loop", 0) >= 8, counts
         assert counts.get("upipe::head_mixer", 0) <= counts.get("upipe::document_sdpa", 0), counts
+
+
+def _same_numbers(a: float, b: float) -> bool:
+    """Within the tolerance, a NaN only where the other is NaN."""
+    return math.isnan(a) == math.isnan(b) and (math.isnan(a) or abs(a - b) <= TOLERANCE)
+
+
+def _assert_same_steps(ranks, ref):
+    """Every rank logs what the stock trainer logs, step by step (loss and grad norm, NaN where it is
+    NaN), and ends with its parameters (NaN where they are)."""
+    ref_rows, ref_params = ref
+    for rank, (rows, params) in enumerate(ranks):
+        assert len(rows) == len(ref_rows), (rank, rows, ref_rows)
+        for row, ref_row in zip(rows, ref_rows):
+            for key in ("loss", "grad_norm"):
+                assert _same_numbers(row[key], ref_row[key]), (rank, key, rows, ref_rows)
+        for name, p in params.items():
+            assert torch.equal(p.isnan(), ref_params[name].isnan()), (rank, name)
+            assert torch.allclose(p, ref_params[name], atol=TOLERANCE, rtol=0, equal_nan=True), (rank, name)
+
+
+def test_a_non_finite_loss_on_one_rank_is_filtered_on_every_rank(rank_pools):
+    """NaN added to rank 1's loss only (its gradient stays finite) at the second micro-batch of
+    step 2: the filter (``logging_nan_inf_filter``) replaces that micro-batch's loss on every rank
+    alike, so each rank logs what stock Trainer logs with the NaN in the whole loss, and training
+    goes on to its parameters."""
+    ranks = rank_pools(WORLD).run(jobs.run_with_nan, True, "loss", 3)
+    ref = jobs.run_with_nan(False, "loss", 3)
+    ref_rows, ref_params = ref
+    assert all(math.isfinite(row["loss"]) for row in ref_rows)  # filtered, not logged as NaN
+    assert all(p.isfinite().all() for p in ref_params.values())
+    _assert_same_steps(ranks, ref)
+
+
+def test_a_non_finite_gradient_on_one_rank_reaches_every_rank(rank_pools):
+    """NaN in one logit of a labelled token on rank 1 (a hook on the LM head), at the first
+    micro-batch of step 2: the gradient norm is NaN on every rank at step 2 (DDP's all-reduce spreads it; clipping then makes
+    every parameter NaN, on every rank alike), and each rank logs what stock Trainer logs."""
+    ranks = rank_pools(WORLD).run(jobs.run_with_nan, True, "logits", 2)
+    ref = jobs.run_with_nan(False, "logits", 2)
+    ref_rows, _ = ref
+    assert [math.isnan(row["grad_norm"]) for row in ref_rows] == [False, True, True], ref_rows
+    _assert_same_steps(ranks, ref)
 
 
 def _refusal(chain, *words):

@@ -223,6 +223,25 @@ class UPipeTrainerMixin:
         # Trainer's data-parallel size is the processes over this (P ranks hold one batch).
         return self._upipe_world if self._upipe_own_layout else super().get_cp_size()
 
+    def training_step(self, *args, **kwargs) -> torch.Tensor:
+        """Trainer's step, its (detached) loss made the context-parallel group's (see
+        :meth:`_upipe_group_loss`) before Trainer's ``logging_nan_inf_filter`` reads it."""
+        loss = super().training_step(*args, **kwargs)
+        return loss if self._upipe_world == 1 else self._upipe_group_loss(loss)
+
+    def _upipe_group_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss as the mean over its context-parallel group: the same on every rank
+        of the group, and non-finite on all of them when any rank's shard is, so that Trainer's
+        non-finite filter decides alike on every rank. The mean of the P shard losses, which Trainer
+        then averages over all processes to log, logs what the shard losses did. One scalar
+        all-reduce on the device, no host sync. A non-finite gradient needs nothing more: DDP's
+        all-reduce (FSDP's reduce-scatter, then the clipping norm's all-reduce) carries it to every
+        rank in the same step."""
+        loss = loss.detach().clone()
+        for group in _groups_of(self._upipe_mesh):  # over every rank of the group: each dimension in turn
+            dist.all_reduce(loss, group=group)
+        return loss / self._upipe_world
+
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """The labelled tokens of the optimizer step over all processes, each batch counted
         once although its P context-parallel ranks all hold it. Counted here: transformers
