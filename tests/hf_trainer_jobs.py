@@ -376,3 +376,70 @@ def run_with_nan(upipe: bool, where: str, micro_batch: int, samples: int = 12):
         return record.rows, _result(trainer, record)[1]
     finally:
         _reset_accelerate()
+
+
+# --- stopping and resuming ----------------------------------------------------------------------
+class _Seen:
+    """A TrainerCallback recording the global step each train() starts from and, per logged row, the
+    step it was logged at; :meth:`watch` also records each micro-batch's ``keys`` as the trainer's
+    loss sees them (this rank's shard under upipe)."""
+
+    def __new__(cls, keys=("input_ids",)):
+        from transformers import TrainerCallback
+
+        class Seen(TrainerCallback):
+            def __init__(self):
+                self.start_step, self.rows, self.batches = None, [], []
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.start_step = state.global_step
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    self.rows.append({"step": state.global_step,
+                                      **{k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}})
+
+            def watch(self, trainer):
+                compute_loss = trainer.compute_loss
+
+                def seen(model, inputs, *a, **kw):
+                    if model.training:
+                        self.batches.append({k: inputs[k].detach().clone() for k in keys})
+                    return compute_loss(model, inputs, *a, **kw)
+
+                trainer.compute_loss = seen
+
+            def result(self, trainer):
+                params = _result(trainer, _Record())[1]
+                return {"start_step": self.start_step, "rows": self.rows, "batches": self.batches, "params": params}
+
+        return Seen()
+
+
+def checkpoint_args(out: str, save_steps: int, max_steps: int) -> dict:
+    """AdamW (its moments must come back too), checkpoints every ``save_steps`` of ``max_steps``."""
+    return {**_common(out), "optim": "adamw_torch", "learning_rate": 0.01, "save_strategy": "steps",
+            "save_steps": save_steps, "max_steps": max_steps}
+
+
+def run_sft_resumable(out: str, resume_from: str | None = None, save_steps: int = 2, max_steps: int = 4):
+    """UPipeSFTTrainer, padding-free packing, 16 documents (8 micro-batches of 2, gradient
+    accumulation 2), checkpoints under ``out``; ``resume_from``: a checkpoint folder to resume from
+    (a fresh trainer and model, as a restarted job has). Returns :meth:`_Seen.result`."""
+    from trl import SFTConfig
+
+    from upipe_compile.integrations.hf_trainer import UPipeSFTTrainer
+
+    _reset_accelerate()
+    _distributed_env()
+    try:
+        seen = _Seen()
+        args = SFTConfig(**checkpoint_args(out, save_steps, max_steps), padding_free=True, pad_to_multiple_of=48,
+                         bf16=False, max_length=None, dataset_num_proc=None)
+        trainer = UPipeSFTTrainer(model=build_model(), args=args, train_dataset=sft_dataset(16),
+                                  processing_class=tokenizer(), callbacks=[seen], upipe_options=INNER)
+        seen.watch(trainer)
+        trainer.train(resume_from_checkpoint=resume_from)
+        return seen.result(trainer)
+    finally:
+        _reset_accelerate()
