@@ -158,3 +158,37 @@ def refusals(model_dir: str) -> list:
     cases = {"ring_degree": dict(ring_degree=2), "loss_chunk_tokens": dict(loss_chunk_tokens=8)}
     return [(case, refused(run, True, model_dir, **kw)) for case, kw in cases.items()]
 
+
+
+def run_resumable(model_dir: str, out: str, resume_from: str | None = None, upipe: bool = True,
+                  save_steps: int = 2, max_steps: int = 4):
+    """GRPO with a reference model (beta 0.1) and num_iterations=2 (one generation every 2 steps),
+    AdamW, checkpoints every ``save_steps`` under ``out``; ``resume_from``: a checkpoint folder to
+    resume from (a fresh trainer, as a restarted job has). UPipeGRPOTrainer on this pool's ranks, or
+    with ``upipe=False`` TRL's own GRPOTrainer on one process. Returns the steps, logged rows,
+    prompts and completions each loss saw, and final parameters (hf_trainer_jobs' ``_Seen``)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_trainer_jobs import _Seen, checkpoint_args
+
+    _reset_accelerate()
+    if upipe:
+        _distributed_env()
+    try:
+        seen = _Seen(keys=("prompt_ids", "completion_ids"))
+        args = GRPOConfig(**{**checkpoint_args(out, save_steps, max_steps), "per_device_train_batch_size": 4},
+                          num_generations=4, max_completion_length=6, beta=0.1, num_iterations=2, bf16=False,
+                          temperature=1.0, log_completions=False)
+        kwargs = dict(model=model_dir, args=args, reward_funcs=reward, train_dataset=prompts(),
+                      processing_class=tokenizer(VOCAB), callbacks=[seen])
+        if upipe:
+            from upipe_compile.integrations.hf_trainer import UPipeGRPOTrainer
+
+            trainer = UPipeGRPOTrainer(**kwargs, upipe_options={"inner_backend": "aot_eager"})
+        else:
+            trainer = GRPOTrainer(**kwargs)
+        seen.watch(trainer)
+        trainer.train(resume_from_checkpoint=resume_from)
+        return seen.result(trainer)
+    finally:
+        _reset_accelerate()

@@ -416,6 +416,27 @@ class _Seen:
         return Seen()
 
 
+RESUME_TOLERANCE = 1e-5  # relative, a resumed run against the uninterrupted one (fp32)
+
+
+def assert_resumed_as_straight(straight: dict, resumed: dict, checkpoint_step: int):
+    """The resumed run starts at the checkpoint's step, sees the straight run's micro-batches from
+    there on, and logs its losses and ends with its parameters, within 1e-5 relative (a run that
+    starts over or skips data fails here)."""
+    assert straight["start_step"] == 0 and resumed["start_step"] == checkpoint_step, resumed["start_step"]
+    after = [row for row in straight["rows"] if row["step"] > checkpoint_step]
+    assert after and [row["step"] for row in resumed["rows"]] == [row["step"] for row in after], resumed["rows"]
+    for row, ref in zip(resumed["rows"], after):
+        assert abs(row["loss"] - ref["loss"]) <= RESUME_TOLERANCE * abs(ref["loss"]), (row, ref)
+    later = straight["batches"][len(straight["batches"]) - len(resumed["batches"]):]
+    assert len(resumed["batches"]) < len(straight["batches"])
+    for mine, theirs in zip(resumed["batches"], later, strict=True):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs), "the resumed run saw other batches"
+    for name, p in resumed["params"].items():
+        ref = straight["params"][name]
+        assert (p - ref).abs().max().item() <= RESUME_TOLERANCE * ref.abs().max().item(), name
+
+
 def checkpoint_args(out: str, save_steps: int, max_steps: int) -> dict:
     """AdamW (its moments must come back too), checkpoints every ``save_steps`` of ``max_steps``."""
     return {**_common(out), "optim": "adamw_torch", "learning_rate": 0.01, "save_strategy": "steps",

@@ -19,7 +19,6 @@ from upipe_compile.errors import UnsupportedAttention  # noqa: E402
 from upipe_compile.integrations.hf_batch import upipe_batch  # noqa: E402
 
 TOLERANCE = 1e-5
-RELATIVE = 1e-5  # a resumed run against the uninterrupted one
 WORLD = 2
 
 
@@ -188,24 +187,6 @@ def test_a_non_finite_gradient_on_one_rank_reaches_every_rank(rank_pools):
     _assert_same_steps(ranks, ref)
 
 
-def assert_resumed_as_straight(straight: dict, resumed: dict, checkpoint_step: int):
-    """The resumed run starts at the checkpoint's step, sees the straight run's micro-batches from
-    there on, and logs its losses and ends with its parameters, within 1e-5 relative (a run that
-    starts over or skips data fails here)."""
-    assert straight["start_step"] == 0 and resumed["start_step"] == checkpoint_step, resumed["start_step"]
-    after = [row for row in straight["rows"] if row["step"] > checkpoint_step]
-    assert after and [row["step"] for row in resumed["rows"]] == [row["step"] for row in after], resumed["rows"]
-    for row, ref in zip(resumed["rows"], after):
-        assert abs(row["loss"] - ref["loss"]) <= RELATIVE * abs(ref["loss"]), (row, ref)
-    later = straight["batches"][len(straight["batches"]) - len(resumed["batches"]):]
-    assert len(resumed["batches"]) < len(straight["batches"])
-    for mine, theirs in zip(resumed["batches"], later, strict=True):
-        assert all(torch.equal(mine[k], theirs[k]) for k in theirs), "the resumed run saw other batches"
-    for name, p in resumed["params"].items():
-        ref = straight["params"][name]
-        assert (p - ref).abs().max().item() <= RELATIVE * ref.abs().max().item(), name
-
-
 def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
     """UPipeSFTTrainer on 2 ranks, padding-free packing, AdamW, 4 steps, a checkpoint every 2: a
     fresh trainer resumed from the step-2 checkpoint equals the uninterrupted run."""
@@ -214,7 +195,7 @@ def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
     resumed = pool.run(jobs.run_sft_resumable, str(tmp_path / "resumed"),
                        resume_from=str(tmp_path / "straight" / "checkpoint-2"))
     for rank in range(WORLD):
-        assert_resumed_as_straight(straight[rank], resumed[rank], checkpoint_step=2)
+        jobs.assert_resumed_as_straight(straight[rank], resumed[rank], checkpoint_step=2)
 
 
 def _refusal(chain, *words):
