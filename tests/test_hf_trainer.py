@@ -198,6 +198,57 @@ def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
         jobs.assert_resumed_as_straight(straight[rank], resumed[rank], checkpoint_step=2)
 
 
+def _torchrun_job(out, *flags) -> tuple[float, str]:
+    """tests/hf_rank_death_job.py under torchrun, 2 CPU ranks, one restart allowed: (seconds, log)."""
+    import subprocess
+    import sys
+    import time
+
+    job = os.path.join(os.path.dirname(__file__), "hf_rank_death_job.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--max-restarts", "1", "--monitor-interval", "1", job, str(out), *flags]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RANK_DEATH_TIMEOUT_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-5000:]
+    return time.monotonic() - start, log
+
+
+RANK_DEATH_TIMEOUT_S = 300  # each torchrun job; about 40 s each on 2 shared cores
+
+
+def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts 1, 2 gloo ranks, UPipeTrainer (AdamW, 6 steps, a checkpoint every
+    2): rank 1 SIGKILLs itself in the middle of step 4 on the first attempt. Rank 0 ends with an
+    error within the collective timeout (gloo sees the dead peer's socket close; a peer that hangs
+    instead would raise at ``ddp_timeout``), not a hang; torchrun restarts both, the job resumes
+    from checkpoint-2, and its losses from step 3 on and its final parameters equal the
+    uninterrupted run's."""
+    import json
+
+    from hf_rank_death_job import COLLECTIVE_TIMEOUT_S, KILLED_AT
+
+    _torchrun_job(tmp_path / "straight")
+    _, log = _torchrun_job(tmp_path / "killed", "--kill")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    died_at = float((killed / KILLED_AT).read_text())
+    survivor = json.loads((killed / "error0_attempt0.json").read_text())
+    assert 0 <= survivor["at"] - died_at < COLLECTIVE_TIMEOUT_S, (survivor, died_at)
+    assert "exitcode: -9" in log, log[-5000:]  # torchrun saw rank 1 killed, then restarted the group
+    reference = [json.loads((straight / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in range(2):
+        record = json.loads((killed / f"rank{rank}.json").read_text())
+        assert (record["attempt"], record["resumed_from"], record["start_step"]) == (1, "checkpoint-2", 2), record
+        after = [row for row in reference[rank]["rows"] if row["step"] > 2]
+        assert [row["step"] for row in record["rows"]] == [row["step"] for row in after] == [3, 4, 5, 6]
+        for row, ref in zip(record["rows"], after):
+            assert abs(row["loss"] - ref["loss"]) <= jobs.RESUME_TOLERANCE * abs(ref["loss"]), (row, ref)
+    params, ref_params = torch.load(killed / "params.pt"), torch.load(straight / "params.pt")
+    for name, ref in ref_params.items():
+        assert (params[name] - ref).abs().max().item() <= jobs.RESUME_TOLERANCE * ref.abs().max().item(), name
+
+
 def _refusal(chain, *words):
     names = [name for name, _ in chain]
     message = " ".join(text for _, text in chain)
