@@ -238,6 +238,35 @@ def test_blocks_are_compiled_with_the_backend_callable(monkeypatch):
     assert all(kwargs["options"]["cp_mesh"] is cp_mesh for kwargs in seen)
 
 
+def test_a_upipe_jobs_state_dict_has_the_models_own_names():
+    """Blocks compiled in place: the parallelized debug job's state_dict (what a checkpoint is
+    keyed by) is the plain model's, no "_orig_mod.", so checkpoints move between jobs with and
+    without upipe. On meta tensors over a fake CP = 2 world: nothing runs."""
+    import copy
+    import importlib
+
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan.estimate_job import parallel_dims_of, torchtitan_on_cpu
+    from upipe_compile.measure.memory import fake_process_group
+
+    job_config = load_config(DEBUG_TOML)
+    importlib.import_module(job_config.experimental.custom_import)  # registers upipe's train spec
+    spec = get_train_spec(job_config.model.name)
+    model_args = copy.deepcopy(spec.model_args[job_config.model.flavor])
+    model_args.update_from_config(job_config)
+    with torch.device("meta"):
+        plain, model = spec.model_cls(model_args), spec.model_cls(model_args)
+    torchtitan_on_cpu()
+    world = job_config.parallelism.context_parallel_degree
+    with fake_process_group(world):
+        parallel_dims = parallel_dims_of(job_config, world)
+        parallel_dims.build_mesh()
+        model = spec.parallelize_fn(model, parallel_dims, job_config)
+        keys = list(model.state_dict())
+    assert keys == list(plain.state_dict())
+
+
 def test_debug_model_with_stack_cp2_matches_cp1(rank_pools):
     """Offload + tiled MLP + chunked loss on (full AC, compiled blocks, FSDP over dp x cp):
     CP=2 matches CP=1, losses and every first-step gradient, and each piece really ran."""

@@ -48,8 +48,8 @@ def inner_backend(name: str):
 
 
 def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
-    """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
-    the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
+    """Per-block torch.compile in place, as torchtitan 0.3's apply_compile, but with backend
+    "upipe" and the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
     if is_measuring():
         route_blocks_through_stage_loops(model, job_config, parallel_dims)
         return
@@ -60,10 +60,14 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
         backend, options = upipe_backend, compile_options(job_config, parallel_dims)
     else:
         backend = inner_backend(upipe_config(job_config).inner_backend)
-    for layer_id, block in model.layers.named_children():
+    for block in model.layers.values():
         # each block its own copy of the options: the backend may keep what it is given
         given = {"options": dict(options)} if options is not None else {}
-        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=True, **given))
+        # In place, no OptimizedModule wrapper: the state_dict keeps the model's names (no
+        # "_orig_mod."), so a checkpoint loads into a job with or without upipe. The forward,
+        # not the whole call (nn.Module.compile): hooks put on the block later (FSDP's, the
+        # block-input offload's saved-tensor hooks) stay eager around the compiled forward.
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, **given)
     log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
 
 
