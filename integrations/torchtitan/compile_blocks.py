@@ -48,8 +48,9 @@ def inner_backend(name: str):
 
 
 def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
-    """Per-block torch.compile in place, as torchtitan 0.3's apply_compile, but with backend
-    "upipe" and the CP mesh. With CP = 1 there is nothing to rewrite: the inner backend compiles the blocks."""
+    """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
+    the CP mesh, each block's forward compiled in place. With CP = 1 there is nothing to
+    rewrite: the inner backend compiles the blocks."""
     if is_measuring():
         route_blocks_through_stage_loops(model, job_config, parallel_dims)
         return
