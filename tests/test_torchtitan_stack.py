@@ -61,8 +61,8 @@ def test_offload_needs_full_activation_checkpointing():
 
 
 def test_negative_host_reserve_is_refused():
-    assert "[upipe] host_memory_reserve_gib = -1.0 must be a number >= 0" in refusal(
-        "--upipe.host_memory_reserve_gib=-1")
+    assert "[upipe] host_memory_reserve_gib = -2.0 must be a number >= 0 (or -1: scaled to the node)" in refusal(
+        "--upipe.host_memory_reserve_gib=-2")
 
 
 def test_tiled_mlp_on_a_model_without_swiglu_names_the_key_and_layer():
@@ -133,6 +133,35 @@ def test_offload_host_memory_for_8b_at_5m_tokens_and_the_node_check():
     message = str(info.value)
     assert message.startswith("[upipe] offload_block_inputs = true: offloading block inputs needs 160.0 GiB")
     assert "x 8 ranks per node = 1280.0 GiB" in message and "node has 1024.0 GiB" in message
+
+
+def test_default_host_reserve_scales_with_the_node():
+    """The default reserve (-1) is a quarter of the node's memory, at most 64 GiB: Llama3-8B's
+    1280 GiB of inputs per 8-GPU node at 5M tokens fit 1,700 GiB (64 kept) and not 1,340 GiB;
+    a 24 GiB machine keeps 6 GiB, so 16 GiB of inputs fit it where a fixed 64 GiB refused
+    every machine under 64 GiB. A reserve the job sets wins."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan.stack import check_offload_fits_host
+
+    h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
+    config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs")
+    assert config.upipe.host_memory_reserve_gib == -1
+    dims, args = dims_for(config, 8), get_train_spec("llama3").model_args["8B"]
+    check_offload_fits_host(config, dims, args, total_bytes=1700 * GIB, ranks=8)
+    with pytest.raises(UnsupportedAttention) as info:
+        check_offload_fits_host(config, dims, args, total_bytes=1340 * GIB, ranks=8)
+    assert "a reserve of 64.0 GiB (the default: 25% of 1340.0 GiB, at most 64 GiB" in str(info.value)
+    small = load_config(h100, "--training.seq_len=524288", "--upipe.offload_block_inputs")  # 16 GiB per rank
+    check_offload_fits_host(small, dims, args, total_bytes=24 * GIB, ranks=1)
+    with pytest.raises(UnsupportedAttention) as info:
+        check_offload_fits_host(small, dims, args, total_bytes=20 * GIB, ranks=1)
+    assert "a reserve of 5.0 GiB (the default: 25% of 20.0 GiB" in str(info.value)
+    fixed = load_config(h100, "--training.seq_len=524288", "--upipe.offload_block_inputs",
+                        "--upipe.host_memory_reserve_gib=64")
+    with pytest.raises(UnsupportedAttention) as info:
+        check_offload_fits_host(fixed, dims, args, total_bytes=24 * GIB, ranks=1)
+    assert "a reserve of 64.0 GiB (host_memory_reserve_gib=64, as set)" in str(info.value)
 
 
 def test_keep_attention_offloaded_counts_its_outputs_against_the_node():

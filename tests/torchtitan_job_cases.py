@@ -29,8 +29,9 @@ class BadJob:
 
 BAD_JOBS = [
     # the stack's checks, which 0.3 did not ask before the rules were shared
-    BadJob("negative-host-reserve", upipe={"host_memory_reserve_gib": -1.0},
-           reason=lambda s: f"{s.key('upipe.host_memory_reserve_gib')} = -1.0 must be a number >= 0"),
+    BadJob("negative-host-reserve", upipe={"host_memory_reserve_gib": -2.0},
+           reason=lambda s: f"{s.key('upipe.host_memory_reserve_gib')} = -2.0 must be a number >= 0 (or -1: scaled "
+                            "to the node)"),
     BadJob("offload-not-a-bool", upipe={"offload_block_inputs": "yes"},
            reason=lambda s: f"{s.key('upipe.offload_block_inputs')} = 'yes' must be {s.value(True)} or "
                             f"{s.value(False)}"),

@@ -15,7 +15,7 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     keep_attention = false      # full AC: keep each block's attention output, never run its forward twice
     # the long-context stack (each off by default; see stack.py and README.md)
     offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
-    host_memory_reserve_gib = 64    # node RAM kept free for everything but offloaded inputs
+    host_memory_reserve_gib = -1    # node RAM kept free for everything else; -1: a quarter of it, <= 64 GiB
     mlp_tile_tokens = 0             # SwiGLU over tiles of this many tokens; 0 = untiled
     loss_chunk_tokens = 0           # output projection + loss over chunks; 0 = whole logits
 
@@ -26,9 +26,12 @@ and the integration uses the defaults below.
 
 from dataclasses import dataclass, field
 
-from upipe_compile.stack.host_memory import HOST_RESERVE_GIB
 from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH
 from upipe_compile.options import DEFAULT_FUSE_PROJECTIONS, DEFAULT_INNER_BACKEND, DEFAULT_RECOMPUTE_ATTENTION_OUTPUT
+
+DEFAULT_HOST_RESERVE = -1.0
+"""``host_memory_reserve_gib``'s default: not a size but "scaled to the machine" (TOML and the
+0.3 flags take numbers only; a reserve is never negative, so -1 cannot mean a size)."""
 
 
 @dataclass
@@ -97,9 +100,10 @@ class UPipe:
     outputs when it is on; the job refuses to start when the node (x ranks per node) cannot hold
     it next to host_memory_reserve_gib."""
 
-    host_memory_reserve_gib: float = float(HOST_RESERVE_GIB)
+    host_memory_reserve_gib: float = DEFAULT_HOST_RESERVE
     """Node RAM the offload check leaves for everything else (OS, the ranks' own CPU memory,
-    dataloader workers, pinned staging)."""
+    dataloader workers, pinned staging). -1 (the default): scaled to the node, a quarter of the
+    memory its ranks may use, at most 64 GiB (``upipe_compile.stack.host_memory``)."""
 
     mlp_tile_tokens: int = 0
     """Run each block's SwiGLU feed-forward over tiles of this many tokens, recomputed tile by

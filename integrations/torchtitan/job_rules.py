@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.integrations.torchtitan.config import UPipe
+from upipe_compile.integrations.torchtitan.config import DEFAULT_HOST_RESERVE, UPipe
 from upipe_compile.options import option_problems
 from upipe_compile.sharding import sequence_multiple
 
@@ -130,8 +130,10 @@ def _keep_attention(f: JobFacts) -> list[str]:
 
 def _host_memory_reserve(f: JobFacts) -> list[str]:
     reserve = f.upipe.host_memory_reserve_gib
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
-        return [f"{f.spelling.key('upipe.host_memory_reserve_gib')} = {reserve!r} must be a number >= 0"]
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or (reserve < 0
+                                                                               and reserve != DEFAULT_HOST_RESERVE):
+        return [f"{f.spelling.key('upipe.host_memory_reserve_gib')} = {reserve!r} must be a number >= 0 "
+                f"(or {DEFAULT_HOST_RESERVE:g}: scaled to the node)"]
     return []
 
 
