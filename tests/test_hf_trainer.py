@@ -196,6 +196,14 @@ def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
                        resume_from=str(tmp_path / "straight" / "checkpoint-2"))
     for rank in range(WORLD):
         jobs.assert_resumed_as_straight(straight[rank], resumed[rank], checkpoint_step=2)
+    # the last checkpoint is the model's own: transformers loads it with no upipe in the process's way
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "checkpoint-4", attn_implementation="sdpa")
+    loaded = dict(plain.named_parameters())
+    assert loaded.keys() == straight[0]["params"].keys()
+    for name, p in straight[0]["params"].items():
+        assert torch.equal(loaded[name].detach(), p), name
 
 
 def _torchrun_job(out, *flags) -> tuple[float, str]:
