@@ -115,14 +115,17 @@ def test_cli_json(tiny, capsys):
 
 
 def test_shipped_configs_load():
-    assert {"llama-3.1-8b", "qwen3-8b"} <= set(shipped_configs())
+    assert {"llama-3.1-8b", "llama-3.1-70b", "qwen3-8b"} <= set(shipped_configs())
     llama, qwen = load_config("llama-3.1-8b"), load_config("Qwen3-8B")
     assert (llama.model_type, llama.num_hidden_layers, llama.vocab_size) == ("llama", 32, 128256)
+    big = load_config("llama-3.1-70b")
+    assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.num_key_value_heads,
+            big.intermediate_size) == (8192, 80, 64, 8, 28672)
     assert (qwen.model_type, qwen.num_hidden_layers, qwen.vocab_size) == ("qwen3", 36, 151936)
 
 
 @pytest.mark.parametrize("job, error, words", [
-    (HFJob("llama-9b", seq_len=SEQ, cp=CP), JobError, "shipped: llama-3.1-8b"),
+    (HFJob("llama-9b", seq_len=SEQ, cp=CP), JobError, "shipped: llama-3.1-70b, llama-3.1-8b"),
     (HFJob("llama-3.1-8b", seq_len=SEQ + 1, cp=CP), JobError, "not divisible by 2"),
     (HFJob("llama-3.1-8b", seq_len=SEQ, cp=CP, heads_per_stage=3), JobError, "multiple of the all-to-all ranks"),
     (HFJob("llama-3.1-8b", seq_len=SEQ, cp=4, ring_degree=3), JobError, "--ring-degree 3 must divide --cp 4"),
