@@ -207,14 +207,16 @@ def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
 
 
 def _torchrun_job(out, *flags) -> tuple[float, str]:
-    """tests/hf_rank_death_job.py under torchrun, 2 CPU ranks, one restart allowed: (seconds, log)."""
+    """tests/hf_rank_death_job.py under torchrun, 2 CPU ranks: (seconds, log). Two restarts are
+    allowed: the kill takes one; gloo's connect of the restarted group can time out on a loaded
+    machine (its peer not listening yet), which a user's torchrun answers with another restart."""
     import subprocess
     import sys
     import time
 
     job = os.path.join(os.path.dirname(__file__), "hf_rank_death_job.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "1", "--monitor-interval", "1", job, str(out), *flags]
+               "--max-restarts", "2", "--monitor-interval", "1", job, str(out), *flags]
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=RANK_DEATH_TIMEOUT_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -227,7 +229,7 @@ RANK_DEATH_TIMEOUT_S = 300  # each torchrun job; about 40 s each on 2 shared cor
 
 
 def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint(tmp_path):
-    """torchrun --max-restarts 1, 2 gloo ranks, UPipeTrainer (AdamW, 6 steps, a checkpoint every
+    """torchrun --max-restarts 2, 2 gloo ranks, UPipeTrainer (AdamW, 6 steps, a checkpoint every
     2): rank 1 SIGKILLs itself in the middle of step 4 on the first attempt. Rank 0 ends with an
     error within the collective timeout (gloo sees the dead peer's socket close; a peer that hangs
     instead would raise at ``ddp_timeout``), not a hang; torchrun restarts both, the job resumes
@@ -247,7 +249,7 @@ def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint(tmp_path):
     reference = [json.loads((straight / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in range(2):
         record = json.loads((killed / f"rank{rank}.json").read_text())
-        assert (record["attempt"], record["resumed_from"], record["start_step"]) == (1, "checkpoint-2", 2), record
+        assert record["attempt"] >= 1 and (record["resumed_from"], record["start_step"]) == ("checkpoint-2", 2), record
         after = [row for row in reference[rank]["rows"] if row["step"] > 2]
         assert [row["step"] for row in record["rows"]] == [row["step"] for row in after] == [3, 4, 5, 6]
         for row, ref in zip(record["rows"], after):
