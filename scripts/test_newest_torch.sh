@@ -12,6 +12,6 @@ fi
 export PIP_CONFIG_FILE=/dev/null
 .venv-newest/bin/python -m pip install -q --upgrade pip
 .venv-newest/bin/python -m pip install -q --upgrade torch
-.venv-newest/bin/python -m pip install -q -e ".[test,torchtitan022,bench]"
+.venv-newest/bin/python -m pip install -q -e ".[test,torchtitan022]"
 .venv-newest/bin/python -c "import torch; print('newest torch:', torch.__version__)"
 exec .venv-newest/bin/python -m pytest tests -q -p no:cacheprovider -m fast "$@"
