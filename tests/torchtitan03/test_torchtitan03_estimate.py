@@ -1,6 +1,6 @@
 """The whole-step estimate on torchtitan 0.3 jobs (``--module``/``--config``): every shipped
 0.3 config fits an 80 GB H100 and a 2 TB node's host budget at its own seq_len, as the 0.2.2
-TOMLs do (each estimate in its own process: it needs its own fake default group); the
+TOMLs do (the estimates run two at a time, each in its own process: estimate_commands.py); the
 max-context rows shipped for 0.3 fit the host budget too. Runs in the torchtitan 0.3 tier."""
 
 from __future__ import annotations
@@ -12,25 +12,30 @@ import sys
 
 import pytest
 
+from estimate_commands import EstimateRuns, selected_tests
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULE = "upipe_compile.integrations.torchtitan"
 SHIPPED = ("llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe")
+DEBUG = "llama3_debugmodel_upipe_cpu"
+RUNS = EstimateRuns({config: ["--module", MODULE, "--config", config, "--json"] for config in (*SHIPPED, DEBUG)},
+                    cwd=ROOT)
 
 
-def estimate(config: str, *overrides: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config", config, *overrides, "--json"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+@pytest.fixture(scope="module")
+def runs(request):
+    """The estimates the module's selected tests read, started together."""
+    selected = selected_tests(request)
+    wanted = [config for config in SHIPPED if f"test_shipped_config_fits_by_the_estimate[{config}]" in selected]
+    if "test_the_debug_config_on_cpu_and_a_refusal" in selected:
+        wanted.append(DEBUG)
+    return RUNS.start(wanted)
 
 
 @pytest.mark.parametrize("config", SHIPPED)
-def test_shipped_config_fits_by_the_estimate(config):
-    result = estimate(config)
+def test_shipped_config_fits_by_the_estimate(config, runs):
+    result = runs[config]
     assert result["fits"] and result["fits_device"] and result["fits_host"], result
     assert result["device_ratio"] > 1  # the ratio a GPU measured, not the estimate alone
     assert 0 < result["peak_device_gib"] < result["expected_device_peak_gib"] <= result["budget_gib"] < 79.1, result
@@ -38,10 +43,10 @@ def test_shipped_config_fits_by_the_estimate(config):
     assert result["attention_calls"].get("fused block", 0) > 0, result
 
 
-def test_the_debug_config_on_cpu_and_a_refusal():
+def test_the_debug_config_on_cpu_and_a_refusal(runs):
     """The CPU debug config is estimated too; a job the Trainer would refuse is refused by
     the estimate, naming the field."""
-    result = estimate("llama3_debugmodel_upipe_cpu")
+    result = runs[DEBUG]
     assert result["world_size"] == 2 and result["fits"], result
     refused = subprocess.run(
         [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config", "llama3_debugmodel_upipe_cpu",
