@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from estimate_commands import EstimateRuns
 from torchtitan_jobs import DEBUG_TOML
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,11 +29,26 @@ def run_estimate(*args, timeout=300):
                           timeout=timeout, cwd=ROOT)
 
 
+STACK = ["--upipe.offload_block_inputs", "--upipe.mlp_tile_tokens", "64", "--upipe.loss_chunk_tokens", "64"]
+UNFUSED = ["--upipe.no-fuse_projections"]
+# the debug job's estimates the module's fixtures read, started together when the first is asked for
+RUNS = EstimateRuns({
+    "debug": [*DEBUG_ARGS, "--json"],
+    "stack": [*DEBUG_ARGS, *STACK, "--json"],
+    "unfused": [*DEBUG_ARGS, *UNFUSED, "--json"],
+    "keep on_device": [*DEBUG_ARGS, "--upipe.keep_attention", "--json"],
+    "keep offloaded": [*DEBUG_ARGS, "--upipe.keep_attention", "--upipe.offload_block_inputs", "--json"],
+}, cwd=ROOT)
+
+
 @pytest.fixture(scope="module")
-def debug_estimate():
-    result = run_estimate(*DEBUG_ARGS, "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+def runs():
+    return RUNS.start(RUNS.commands)
+
+
+@pytest.fixture(scope="module")
+def debug_estimate(runs):
+    return runs["debug"]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +69,9 @@ def debug_model():
     return config, args, [p.shape for p in model.parameters()]
 
 
-STACK = ["--upipe.offload_block_inputs", "--upipe.mlp_tile_tokens", "64", "--upipe.loss_chunk_tokens", "64"]
-
-
 @pytest.fixture(scope="module")
-def stack_estimate():
-    result = run_estimate(*DEBUG_ARGS, *STACK, "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+def stack_estimate(runs):
+    return runs["stack"]
 
 
 def test_json_schema(debug_estimate):
@@ -108,14 +119,9 @@ def test_parameter_and_optimizer_terms_match_hand_arithmetic(debug_estimate, deb
     assert b["model_buffers"] == 0
 
 
-UNFUSED = ["--upipe.no-fuse_projections"]
-
-
 @pytest.fixture(scope="module")
-def unfused_estimate():
-    result = run_estimate(*DEBUG_ARGS, *UNFUSED, "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+def unfused_estimate(runs):
+    return runs["unfused"]
 
 
 def test_cuda_kernel_workspace_is_counted():
@@ -332,14 +338,9 @@ def test_the_stack_runs_for_real(debug_estimate, stack_estimate, debug_model):
 
 
 @pytest.fixture(scope="module")
-def keep_estimates():
+def keep_estimates(runs):
     """The debug job under full AC with keep_attention, its outputs on the device and offloaded."""
-    found = {}
-    for name, extra in {"on_device": [], "offloaded": ["--upipe.offload_block_inputs"]}.items():
-        result = run_estimate(*DEBUG_ARGS, "--upipe.keep_attention", *extra, "--json")
-        assert result.returncode == 0, result.stderr[-3000:]
-        found[name] = json.loads(result.stdout)
-    return found
+    return {name: runs[f"keep {name}"] for name in ("on_device", "offloaded")}
 
 
 def test_keep_attention_with_offload_counts_the_kept_outputs_on_host(keep_estimates, stack_estimate, debug_model):
