@@ -21,8 +21,6 @@ KNOWN = {
                                       "benchmarks/hf_zoo.py --use-cache default (and off) to replace them",
     "benchmarks/results/gpu/*": "raw logs of GPU runs: torch's and pytest's warnings as printed (regenerated "
                                 "only on a GPU machine)",
-    "benchmarks/results/max_context_hf/*.json": "config_file: the estimate's absolute path to its config "
-                                                "(GPU measurements; regenerated only on a GPU machine)",
     "benchmarks/results/throughput.csv": "the command that wrote it had --out-dir /tmp/tp (a timing run)",
     "benchmarks/results/throughput_profile.csv": "the command that wrote it had --out-dir /tmp/tp (a timing run)",
     "benchmarks/results/fused_speed/throughput.csv": "the command that wrote it had --out-dir /tmp/speed "

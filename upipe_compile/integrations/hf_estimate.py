@@ -42,6 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
+from upipe_compile.errors import display_path
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
 from upipe_compile.estimate.cli_format import format_report, max_context_output
 from upipe_compile.estimate.errors import JobError
@@ -98,7 +99,8 @@ class HFJob:
         return self.cp // self.ring_degree if self.ring_degree >= 1 and self.cp % self.ring_degree == 0 else self.cp
 
     def as_json(self) -> dict:
-        return {**asdict(self), "config_file": str(config_path(self.config)), "world_size": self.world,
+        # the config named from its package (a shipped one) or the working directory, not the machine's folders
+        return {**asdict(self), "config_file": display_path(str(config_path(self.config))), "world_size": self.world,
                 "fsdp": FSDP_POLICY}
 
     def describe(self) -> str:
