@@ -56,9 +56,9 @@ def test_the_rules_on_facts_alone():
     fine = _facts(SPELLING, UPipe())
     assert job_problems(fine) == []
     bad = dataclasses.replace(fine, upipe=UPipe(host_memory_reserve_gib=-2, ring_degree=0), seq_len=1001)
-    assert job_problems(bad, STACK_RULES) == ["[upipe] host_memory_reserve_gib = -2 must be a number >= 0"]
+    assert job_problems(bad, STACK_RULES) == ["[upipe] host_memory_reserve_gib = -2 must be a number >= 0 (or -1: scaled to the node)"]
     assert job_problems(bad, JOB_RULES) == [
-        "[upipe] host_memory_reserve_gib = -2 must be a number >= 0",
+        "[upipe] host_memory_reserve_gib = -2 must be a number >= 0 (or -1: scaled to the node)",
         "[upipe] ring_degree = 0 must be >= 1 (1 = no ring)",
         "[training] seq_len = 1001 must be divisible by the CP degree 2 ([parallelism] context_parallel_degree)",
     ]
