@@ -17,8 +17,6 @@ MACHINE_PATH = re.compile(r"site-packages|/\.?venv/|(?<![\w.~-])/(?:root|home|wo
 # Files that still hold such paths, with why they are not regenerated yet (a glob from the repo
 # root -> why). Remove an entry once its files are clean; never add one to make a new file pass.
 KNOWN = {
-    "benchmarks/results/hf_zoo_*.md": "written before messages named files from their package; rerun "
-                                      "benchmarks/hf_zoo.py --use-cache default (and off) to replace them",
     "benchmarks/results/gpu/*": "raw logs of GPU runs: torch's and pytest's warnings as printed (regenerated "
                                 "only on a GPU machine)",
     "benchmarks/results/throughput.csv": "the command that wrote it had --out-dir /tmp/tp (a timing run)",
