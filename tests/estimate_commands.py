@@ -41,6 +41,8 @@ class EstimateRuns:
         return json.loads(done.stdout)
 
 
-def selected_tests(request) -> set[str]:
-    """The names of this session's selected tests in the requesting test's module."""
-    return {item.name for item in request.session.items if item.path == request.path}
+def started_for_selected(request, runs: EstimateRuns, test_of: dict[str, str]) -> EstimateRuns:
+    """``runs`` with the commands started whose test (command name -> test item name) this
+    session selected in the requesting module."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    return runs.start([name for name, test in test_of.items() if test in selected])

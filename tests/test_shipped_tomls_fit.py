@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from estimate_commands import EstimateRuns, selected_tests
+from estimate_commands import EstimateRuns, started_for_selected
 from upipe_compile.estimate.gpu import device_peak_gib
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
@@ -26,11 +26,9 @@ RUNS = EstimateRuns({
 @pytest.fixture(scope="module")
 def runs(request):
     """The estimates the module's selected tests read, started together."""
-    selected = selected_tests(request)
-    wanted = [toml for toml in SHIPPED if f"test_shipped_toml_fits_by_the_estimate[{toml}]" in selected]
-    if "test_the_device_ratio_decides_six_million_tokens_on_one_node" in selected:
-        wanted.append(SIX_MILLION)
-    return RUNS.start(wanted)
+    return started_for_selected(request, RUNS, {
+        **{toml: f"test_shipped_toml_fits_by_the_estimate[{toml}]" for toml in SHIPPED},
+        SIX_MILLION: "test_the_device_ratio_decides_six_million_tokens_on_one_node"})
 
 
 @pytest.mark.parametrize("toml", SHIPPED)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from estimate_commands import EstimateRuns, selected_tests
+from estimate_commands import EstimateRuns, started_for_selected
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,11 +26,9 @@ RUNS = EstimateRuns({config: ["--module", MODULE, "--config", config, "--json"] 
 @pytest.fixture(scope="module")
 def runs(request):
     """The estimates the module's selected tests read, started together."""
-    selected = selected_tests(request)
-    wanted = [config for config in SHIPPED if f"test_shipped_config_fits_by_the_estimate[{config}]" in selected]
-    if "test_the_debug_config_on_cpu_and_a_refusal" in selected:
-        wanted.append(DEBUG)
-    return RUNS.start(wanted)
+    return started_for_selected(request, RUNS, {
+        **{config: f"test_shipped_config_fits_by_the_estimate[{config}]" for config in SHIPPED},
+        DEBUG: "test_the_debug_config_on_cpu_and_a_refusal"})
 
 
 @pytest.mark.parametrize("config", SHIPPED)
