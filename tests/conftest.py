@@ -34,7 +34,7 @@ JOB_TIMEOUT_S = float(os.environ.get("UPIPE_TEST_JOB_TIMEOUT", "180"))
 
 _pools: dict[int, RankPool] = {}
 
-# The fast tier (`bash scripts/test.sh --fast`, about 4 minutes on 2 cores): graph passes,
+# The fast tier (`bash scripts/test.sh --fast`, about 2 minutes on 2 cores): graph passes,
 # refusals, kernels, schedules and small numerics over gloo ranks. Everything else (models,
 # torchtitan jobs, the estimate, benchmarks, hypothesis sweeps) runs in the full suite only;
 # a new file is in the full suite until it is added here.
