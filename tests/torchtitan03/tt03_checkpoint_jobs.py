@@ -74,7 +74,7 @@ def run_job(cp: int, dump_folder: str, overrides: tuple[str, ...] = (), stop_aft
     from unittest import mock
 
     from torchtitan.components.loss import IGNORE_INDEX
-    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.distributed import ParallelDims
     from torchtitan.trainer import Trainer
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
@@ -143,13 +143,7 @@ def run_job(cp: int, dump_folder: str, overrides: tuple[str, ...] = (), stop_aft
                 del pred
                 loss.backward()
             counts.append(dict(attention_events(prof)))
-            dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
-            optimizers.step()
-            lr_schedulers.step()
-            loss = loss.detach()
-            if parallel_dims.dp_cp_enabled:  # as the Trainer logs it: the ranks' sums over the "loss" mesh
-                loss = dist_utils.dist_sum(loss, parallel_dims.get_optional_mesh("loss"))
-            losses[job.step] = float(loss)
+            losses[job.step] = jobs.optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss)
             checkpointer.save(job.step, last_step=job.step == config.training.steps)
             if job.step == stop_after:
                 break

@@ -177,6 +177,20 @@ def training_batch(seq: int, step: int):
 
 
 
+def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss: torch.Tensor) -> float:
+    """The end of 0.3's Trainer step after backward: clip, step the optimizers and the LR
+    schedule; the loss as the Trainer logs it (the ranks' sums over the "loss" mesh)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
+    optimizers.step()
+    lr_schedulers.step()
+    loss = loss.detach()
+    if parallel_dims.dp_cp_enabled:
+        loss = dist_utils.dist_sum(loss, parallel_dims.get_optional_mesh("loss"))
+    return float(loss)
+
+
 def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
           config_name: str = CPU_CONFIG):
     """Train the CPU debug config for ``steps`` steps at CP = ``cp`` on every rank of the gloo
@@ -193,7 +207,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     from unittest import mock
 
     from torchtitan.components.loss import IGNORE_INDEX
-    from torchtitan.distributed import ParallelDims, utils as dist_utils
+    from torchtitan.distributed import ParallelDims
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer, take_over
@@ -256,11 +270,5 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
             counts = dict(attention_events(prof))
             if step == 1:
                 first_grads = {wrapped_name(n): full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
-            dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
-            optimizers.step()
-            lr_schedulers.step()
-            loss = loss.detach()
-            if parallel_dims.dp_cp_enabled:  # as the Trainer logs it: the ranks' sums over the "loss" mesh
-                loss = dist_utils.dist_sum(loss, parallel_dims.get_optional_mesh("loss"))
-            losses.append(float(loss))
+            losses.append(optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss))
     return losses, first_grads, counts

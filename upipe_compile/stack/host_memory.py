@@ -2,7 +2,8 @@
 budget, ``upipe_compile/estimate/gpu.py``).
 
 One owner for the figures, below both users: a job's start-up check (the reserve it keeps when
-none is set) takes :func:`default_host_reserve_gib` from here without loading the estimate; the estimate's search, its CLI (``--host-gib``), ``benchmarks/max_context.py`` and
+none is set) takes :func:`default_host_reserve_gib` from here without loading the estimate;
+the estimate's search, its CLI (``--host-gib``), ``benchmarks/max_context.py`` and
 ``tests/test_shipped_tomls_fit.py`` take ``HOST_BUDGET_GIB``.
 """
 
