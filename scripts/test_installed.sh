@@ -3,7 +3,8 @@
 # into a clean venv (.venv-installed: the pinned torch and the `hf` extra, no torchtitan), and
 # run tests/installed/check_installed.py from a folder outside the checkout; then add the
 # `torchtitan` extra (0.3) to that venv and run the checks that need it. The venv is reused
-# between runs; the package in it is always the wheel just built. Other arguments go to pytest.
+# between runs; the package in it is always the wheel just built. With --prepare only the venv and
+# its torch are made. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECKOUT=$PWD
@@ -14,6 +15,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+if [ "${1:-}" = "--prepare" ]; then
+  exit 0
+fi
 # a stale install of the package, or a torchtitan from the last run's second phase, must not
 # stand in for what this run installs
 "$VENV/bin/python" -m pip uninstall -q -y upipe-compile torchtitan >/dev/null 2>&1 || true

@@ -1,7 +1,7 @@
 """A UPipeTrainer job for torchrun on CPU gloo that resumes from its last checkpoint when torchrun
 restarts it (tests/test_hf_trainer.py::test_a_rank_that_dies_is_restarted_from_the_last_checkpoint).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 2 \\
+    python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 1 \\
         tests/hf_rank_death_job.py OUT_DIR [--kill]
 
 Tiny Llama, AdamW, 6 steps of 2 micro-batches, a checkpoint every 2 steps, the process group's

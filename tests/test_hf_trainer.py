@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -207,21 +208,30 @@ def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
 
 
 def _torchrun_job(out, *flags) -> tuple[float, str]:
-    """tests/hf_rank_death_job.py under torchrun, 2 CPU ranks: (seconds, log). Two restarts are
-    allowed: the kill takes one; gloo's connect of the restarted group can time out on a loaded
-    machine (its peer not listening yet), which a user's torchrun answers with another restart."""
+    """tests/hf_rank_death_job.py under torchrun, 2 CPU ranks: (seconds, log).
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun otherwise hands every attempt the same
+    rendezvous store, and a restarted rank can read its dead peer's gloo address from the attempt
+    before (``Connection refused``, then a wait for the store's timeout). A job that outlives the
+    limit is killed with its whole process group, and the test fails with the log so far."""
     import subprocess
     import sys
     import time
 
     job = os.path.join(os.path.dirname(__file__), "hf_rank_death_job.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "2", "--monitor-interval", "1", job, str(out), *flags]
+               "--max-restarts", "1", "--monitor-interval", "1", job, str(out), *flags]
     start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RANK_DEATH_TIMEOUT_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-5000:]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    try:
+        log, _ = process.communicate(timeout=RANK_DEATH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        raise AssertionError(f"torchrun still running after {RANK_DEATH_TIMEOUT_S} s:\n{log[-5000:]}") from None
+    assert process.returncode == 0, log[-5000:]
     return time.monotonic() - start, log
 
 
@@ -229,7 +239,7 @@ RANK_DEATH_TIMEOUT_S = 300  # each torchrun job; about 40 s each on 2 shared cor
 
 
 def test_a_rank_that_dies_is_restarted_from_the_last_checkpoint(tmp_path):
-    """torchrun --max-restarts 2, 2 gloo ranks, UPipeTrainer (AdamW, 6 steps, a checkpoint every
+    """torchrun --max-restarts 1, 2 gloo ranks, UPipeTrainer (AdamW, 6 steps, a checkpoint every
     2): rank 1 SIGKILLs itself in the middle of step 4 on the first attempt. Rank 0 ends with an
     error within the collective timeout (gloo sees the dead peer's socket close; a peer that hangs
     instead would raise at ``ddp_timeout``), not a hang; torchrun restarts both, the job resumes
