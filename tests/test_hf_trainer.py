@@ -188,14 +188,15 @@ def test_a_non_finite_gradient_on_one_rank_reaches_every_rank(rank_pools):
     _assert_same_steps(ranks, ref)
 
 
-def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path):
-    """UPipeSFTTrainer on 2 ranks, padding-free packing, AdamW, 4 steps, a checkpoint every 2: a
-    fresh trainer resumed from the step-2 checkpoint equals the uninterrupted run."""
-    pool = rank_pools(WORLD)
+@pytest.mark.parametrize("world", [2, 4])
+def test_sft_trainer_resumes_as_if_never_stopped(rank_pools, tmp_path, world):
+    """UPipeSFTTrainer on 2 and 4 ranks, padding-free packing, AdamW, 4 steps, a checkpoint every 2:
+    a fresh trainer resumed from the step-2 checkpoint equals the uninterrupted run on every rank."""
+    pool = rank_pools(world)
     straight = pool.run(jobs.run_sft_resumable, str(tmp_path / "straight"))
     resumed = pool.run(jobs.run_sft_resumable, str(tmp_path / "resumed"),
                        resume_from=str(tmp_path / "straight" / "checkpoint-2"))
-    for rank in range(WORLD):
+    for rank in range(world):
         jobs.assert_resumed_as_straight(straight[rank], resumed[rank], checkpoint_step=2)
     # the last checkpoint is the model's own: transformers loads it with no upipe in the process's way
     from transformers import AutoModelForCausalLM
