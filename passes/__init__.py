@@ -13,7 +13,7 @@ from upipe_compile.passes.grouped_projections import split_grouped_projections
 from upipe_compile.passes.mixer_match import MixerMatch, find_mixers
 from upipe_compile.passes.pipeline import PASSES, run_passes
 from upipe_compile.passes.token_mixing import TokenFlow, find_token_mixing
-from upipe_compile.passes.token_tracker import TokenMixing
+from upipe_compile.passes.token_mixing_refusal import TokenMixing
 
 __all__ = ["PASSES", "AttentionMatch", "BlockMatch", "MixerMatch", "NotFusable", "PassContext", "TokenFlow",
            "TokenMixing", "UnsupportedMatch", "concatenate_filled_buffers", "find_attention", "find_block",

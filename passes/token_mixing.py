@@ -54,7 +54,9 @@ from torch.distributed.tensor.placement_types import Shard
 from torch.utils._pytree import tree_flatten
 
 from upipe_compile.passes.graph_utils import source_line
-from upipe_compile.passes.token_tracker import Seeds, SequenceTracker, TokenMixing, Walker, marked_dim
+from upipe_compile.passes.token_mixing_refusal import TokenMixing
+from upipe_compile.passes.token_placement import Seeds, SequenceTracker, marked_dim
+from upipe_compile.passes.token_walk import Walker
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from upipe_compile.passes.block_match import BlockMatch
 from upipe_compile.passes.context import Refusal, RefusedOp
 from upipe_compile.passes.find_unsupported import UnsupportedMatch
 from upipe_compile.passes.mixer_match import MixerMatch
-from upipe_compile.passes.token_tracker import TokenMixing
+from upipe_compile.passes.token_mixing_refusal import TokenMixing
 
 PASSES_DIR = pathlib.Path(passes.__file__).parent
 
