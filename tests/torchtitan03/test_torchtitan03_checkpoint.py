@@ -3,7 +3,7 @@ compiles the blocks in place, so a checkpoint holds the model's own names and mo
 jobs with and without upipe and between layouts. One seed checkpoint, written by a job without
 upipe (``--checkpoint.create_seed_checkpoint``, one rank), starts the debug job at CP = 1
 (no upipe), 2 and 4 with the same losses; the CP = 2 job's step-2 checkpoint resumes at CP = 2,
-at CP = 4, with other stages, and without upipe, each going on as the uninterrupted run.
+at CP = 4, over a 2 x 2 ring x all-to-all mesh, with other stages, and without upipe, each going on as the uninterrupted run.
 fp32 throughout (tt03_checkpoint_jobs.run_job). Runs in the torchtitan 0.3 tier."""
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ def test_one_seed_checkpoint_starts_every_layout_alike(rank_pools, seeded):
     (2, ()),
     (4, ()),
     (2, ("--upipe.heads_per_stage=8",)),  # 2 stages of 8 heads instead of 8 of 2
-], ids=["cp2", "cp4", "cp2-8-heads-per-stage"])
+    (4, ("--upipe.ring_degree=2",)),  # a 2 x 2 ring x all-to-all mesh
+], ids=["cp2", "cp4", "cp2-8-heads-per-stage", "ring2x2"])
 def test_a_resumed_job_goes_on_as_the_uninterrupted_one(rank_pools, seeded, world, overrides):
     """The CP = 2 job's step-2 checkpoint (model, optimizer, scheduler, data position, step)
     resumed in the same layout and in others: steps 3 and 4 log the uninterrupted run's losses
     and end with its parameters. A resume that started over or skipped data would not."""
-    folder = resumed_from_cp2_step_2(seeded, f"resume-{world}-{len(overrides)}")
+    folder = resumed_from_cp2_step_2(seeded, f"resume-{world}-{'-'.join(overrides)}")
     resumed = rank_pools(world).run(ckpt.run_job, world, folder, (seeded.from_seed, *overrides))
     uninterrupted = seeded.cp2[0]
     for result in resumed:

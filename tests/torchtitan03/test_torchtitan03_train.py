@@ -10,6 +10,7 @@ refused before anything is built, naming the field. Runs in the torchtitan 0.3 t
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -78,6 +79,18 @@ def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(
         for name, grad in exact.items():
             ours, bound = relative_error(rank_grads[name], grad), max(1e-5, 2 * relative_error(bf16_grads[name], grad))
             assert ours <= bound, (name, ours, bound)
+
+
+def test_a_non_finite_shard_on_one_rank_is_seen_by_every_rank_in_the_same_step(rank_pools):
+    """CP = 4, rank 3's final norm outputs NaN at step 2 (after the last attention, so no other
+    rank's forward sees it): the loss the Trainer logs, the ranks' sum over the "loss" mesh, is
+    NaN on every rank at step 2 and finite at step 1, so the Trainer's own check (a non-finite
+    global loss stops training) stops every rank at that step; the gradient norm, all-reduced
+    in clip_grad_norm_, is NaN on every rank too."""
+    results = rank_pools(4).run(jobs.train, 4, 2, (), None, True, jobs.CPU_CONFIG, (3, 2))
+    for rank, (losses, grad_norms) in enumerate(results):
+        assert math.isfinite(losses[0]) and math.isfinite(grad_norms[0]), (rank, losses, grad_norms)
+        assert math.isnan(losses[1]) and math.isnan(grad_norms[1]), (rank, losses, grad_norms)
 
 
 @pytest.mark.parametrize("overrides", [(), ("--upipe.offload_block_inputs", "--upipe.host_memory_reserve_gib=0")],

@@ -177,12 +177,16 @@ def training_batch(seq: int, step: int):
 
 
 
-def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss: torch.Tensor) -> float:
+def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss: torch.Tensor,
+                   grad_norms: list | None = None) -> float:
     """The end of 0.3's Trainer step after backward: clip, step the optimizers and the LR
-    schedule; the loss as the Trainer logs it (the ranks' sums over the "loss" mesh)."""
+    schedule; the loss as the Trainer logs it (the ranks' sums over the "loss" mesh, which the
+    Trainer then requires to be finite). ``grad_norms``: the clipped total norm is appended."""
     from torchtitan.distributed import utils as dist_utils
 
-    dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
+    norm = dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
+    if grad_norms is not None:
+        grad_norms.append(float(full_tensor(norm)))
     optimizers.step()
     lr_schedulers.step()
     loss = loss.detach()
@@ -192,7 +196,7 @@ def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss
 
 
 def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
-          config_name: str = CPU_CONFIG):
+          config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None):
     """Train the CPU debug config for ``steps`` steps at CP = ``cp`` on every rank of the gloo
     world, following 0.3's Trainer: ConfigManager, UPipeTrainer's take-over of the job,
     ParallelDims and its meshes, meta build, the ModelSpec's parallelize_fn, init_weights,
@@ -202,7 +206,8 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     kernel (CUDA only) by its meaning (varlen_on_cpu). Two layers; every rank starts from one
     seeded full model. ``fp32_attention``: without 0.3's cast of q, k, v to bf16 (the
     model is fp32: every difference is then upipe's, not bf16 rounding's). Returns (losses, first-step gradients by name, upipe op counts of the
-    last step)."""
+    last step). ``nan_at`` = (rank, step): that rank's final norm outputs NaN at that step
+    (after the last attention: in the forward only its own loss term sees the NaN), and the result gains each step's gradient norm."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -251,13 +256,22 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     trainer = SimpleNamespace(config=config, parallel_dims=parallel_dims, model_parts=[model], ntokens_seen=0,
                               upipe_on=upipe_on)
 
-    losses, first_grads, counts = [], None, None
+    losses, first_grads, counts, grad_norms = [], None, None, []
+    current = {"step": 0}
+    if nan_at is not None and dist.get_rank() == nan_at[0]:
+        def poison(module, args, output):
+            if current["step"] != nan_at[1]:
+                return output
+            return output + float("nan")  # (still a function of the norm's weight: FSDP reduces its gradient)
+
+        model.norm.register_forward_hook(poison)
     with contextlib.ExitStack() as patches:
         if cp == 1:
             patches.enter_context(mock.patch("torchtitan.models.common.attention.varlen_attn", varlen_on_cpu))
         if fp32_attention:
             patches.enter_context(mock.patch("torchtitan.models.common.attention.torch", torch_with_fp32_attention()))
         for step in range(1, steps + 1):
+            current["step"] = step
             optimizers.zero_grad()
             input_dict, labels = training_batch(config.training.seq_len, step)
             global_valid_tokens = (labels != IGNORE_INDEX).sum()
@@ -270,5 +284,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
             counts = dict(attention_events(prof))
             if step == 1:
                 first_grads = {wrapped_name(n): full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
-            losses.append(optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss))
+            losses.append(optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss, grad_norms))
+    if nan_at is not None:
+        return losses, grad_norms
     return losses, first_grads, counts
