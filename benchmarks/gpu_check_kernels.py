@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from benchmarks import kernel_check
 from upipe_compile.attention import kernels
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 
 TOLERANCE = kernel_check.TOLERANCE
 

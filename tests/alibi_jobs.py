@@ -168,7 +168,7 @@ def alibi_ring_case(case: AttentionCase, slopes, window=(-1, -1), softcap: float
     ``(out, lse, dq, dk, dv)`` (through a flash-attn stand-in with ``family``)."""
     from upipe_compile.attention.ring import ring_backward, ring_forward
     from upipe_compile.attention.zigzag import zigzag_shard
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     def run():
         rank, ring = dist.get_rank(), dist.get_world_size()

@@ -197,7 +197,7 @@ def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask:
     position_ids, as flash_attention_2 users feed packed rows: (local logits, param grads,
     attention op counts of the second step, how often the second step (the same tensors) and
     a third (new tensors of the same values) derived documents from positions)."""
-    import upipe_compile.attention.documents as documents_module
+    import upipe_compile.attention.document_boundaries as documents_module
     from upipe_compile.integrations.transformers import packed_batch
 
     torch._dynamo.reset()
@@ -244,7 +244,7 @@ def packed_llama_case(case: LlamaCase, lengths: tuple[int, ...], attention_mask:
 
 def bad_positions_case():
     """Rank 1 passes float positions to the documents lookup: the error message each rank raises."""
-    from upipe_compile.attention.documents import documents_from_positions
+    from upipe_compile.attention.document_boundaries import documents_from_positions
 
     rank = dist.get_rank()
     positions = torch.arange(8).unsqueeze(0) + 8 * rank

@@ -14,7 +14,7 @@ from upipe_compile.attention.zigzag import zigzag_shard
 def ring_case(case: AttentionCase, window=(-1, -1), softcap: float = 0.0, bounds=None):
     """Ring attention of this rank's zigzag share over the whole world as the ring:
     (out, lse, dq, dk, dv) shares. ``bounds``: packed documents over the whole sequence."""
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     rank, ring = dist.get_rank(), dist.get_world_size()
     documents = None if bounds is None else Documents.from_bounds(bounds, torch.device("cpu"))

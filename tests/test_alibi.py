@@ -384,7 +384,7 @@ def test_flash_attn_adapter_alibi(family, seq, extra_keys, is_causal, left, righ
     """Every release's dense and varlen paths take ``alibi_slopes`` (float32 [Hq]) and return the
     blocked kernel's out, true LSE and gradients; no call reaches flash's causal form (whose
     bias is ``slope * j``: its LSE off by ``slope * (i + Sk - Sq)``)."""
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     k_len = max(1, seq + extra_keys)
     documents = None

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tests_support import TOLERANCE, relative_error
 from upipe_compile import UnsupportedAttention
 from upipe_compile.attention import blocked_kernel, kernels
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 
 SETTINGS = dict(deadline=None, max_examples=60)
 

@@ -172,7 +172,7 @@ def test_restarting_position_ids_alone_never_attend_across_documents(rank_pools,
 
 
 def test_packed_batch_boundaries_come_from_the_full_sequence():
-    from upipe_compile.packed.documents import cu_seqlens_from_position_ids
+    from upipe_compile.packed.cu_seqlens import cu_seqlens_from_position_ids
 
     positions = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])
     assert cu_seqlens_from_position_ids(positions).tolist() == [0, 3, 4, 8]
@@ -182,7 +182,7 @@ def test_packed_batch_boundaries_come_from_the_full_sequence():
 def test_documents_from_positions_rule():
     """A document starts at 0 and wherever a position is not the previous one + 1; rows of a
     batch must agree."""
-    from upipe_compile.attention.documents import bounds_from_positions
+    from upipe_compile.attention.document_boundaries import bounds_from_positions
 
     assert bounds_from_positions(torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3]])) == [0, 3, 4, 8]
     assert bounds_from_positions(torch.tensor([[16, 17, 18, 19]])) == [0, 4]  # a shard of one document

@@ -274,7 +274,7 @@ def test_cuda_inputs_the_kernels_cannot_take_are_refused_at_compile_time(dtype, 
 def test_flash_attn_varlen_adapter_equals_per_document_kernel(family, batch, kv_heads, group, seq, is_causal, data):
     """FlashAttnKernels' packed path (varlen functions; padded LSE in 2.5, packed after)
     equals the CPU kernel run per document: out, the packed LSE, dq, dk, dv."""
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     cuts = sorted(data.draw(st.sets(st.integers(1, seq - 1), max_size=seq - 1))) if seq > 1 else []
     documents = Documents.from_bounds((0, *cuts, seq), "cpu")
@@ -311,7 +311,7 @@ def test_aten_cuda_varlen_calls_match_the_op_schemas(batch):
     """No GPU here: on meta tensors aten's varlen flash forward/backward check the arguments
     AtenCudaKernels passes (order, int32 cumulative lengths, [S, H, D] views) and return the
     packed [H, S] log-sum-exp its backward is handed back."""
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     documents = Documents.from_bounds((0, 5, 6, 32), "meta")
     q = torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16)
@@ -369,7 +369,7 @@ def test_flash_attn_adapter_passes_window_and_softcap(family, batch, kv_heads, g
                                                        right, softcap, packed, data):
     """Every family's dense and varlen paths get the window in their own form (a tuple in
     2.5/2.6, left/right from 2.7) and softcap (2.6+), and equal the exact CPU kernels."""
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     if family == "2.5":
         softcap = 0.0  # refused there (test_flash_attn_2_5_refuses_softcap)
@@ -413,7 +413,7 @@ def test_flash_attn_2_5_refuses_softcap():
         flash.forward(q, q, q, True, None, (-1, -1), 30.0)
     with pytest.raises(UnsupportedAttention, match="no softcap parameter in _flash_attn_backward "):
         flash.backward(q, q, q, q, q, torch.zeros(1, 2, 8), True, None, (-1, -1), 30.0)
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     documents = Documents.from_bounds((0, 3, 8), "cpu")
     with pytest.raises(UnsupportedAttention, match="no softcap parameter in _flash_attn_varlen_forward "):
@@ -467,7 +467,7 @@ def test_aten_cuda_window_calls_match_the_op_schemas(batch):
     """No GPU here: on meta tensors aten's flash forward/backward check the arguments
     AtenCudaKernels passes with a window, dense ([B, S, H, D] views, no cumulative
     lengths, as torch's SDPA calls them) and varlen; softcap is refused."""
-    from upipe_compile.attention.documents import Documents
+    from upipe_compile.attention.document_boundaries import Documents
 
     q = _stage_layout(torch.empty(batch, 4, 32, 64, device="meta", dtype=torch.bfloat16))
     k = _stage_layout(torch.empty(batch, 2, 32, 64, device="meta", dtype=torch.bfloat16))

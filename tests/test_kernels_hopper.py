@@ -19,7 +19,7 @@ from upipe_compile.attention import kernels
 from upipe_compile.attention.kernels import cudnn, hopper_family
 from upipe_compile.attention.kernels.contract import NO_WINDOW, effective
 from upipe_compile.attention.varlen_groups import H100_SMS
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 
 KERNELS = ["flash-attn-3", "flash-attn-4", "cudnn"]
 

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import upipe_compile
 from upipe_compile.attention import kernels
 from upipe_compile.measure import workspace
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 
 _aten = torch.ops.aten
 LENGTHS = (8, 16, 8, 24, 8, 16, 8, 40)  # short documents: the backward runs several varlen groups

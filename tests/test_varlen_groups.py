@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from upipe_compile.attention import kernels
 from upipe_compile.attention.kernels import varlen
 from upipe_compile.measure import workspace
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 
 
 class StandInVarlen(kernels.VarlenKernels):

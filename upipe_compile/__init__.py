@@ -9,7 +9,7 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 from upipe_compile.api import upipe_attention
 from upipe_compile.block.ops import upipe_attention_block
 from upipe_compile.packed.document_sdpa import document_sdpa
-from upipe_compile.packed.documents import cu_seqlens_from_position_ids
+from upipe_compile.packed.cu_seqlens import cu_seqlens_from_position_ids
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import UPipeOptions
 from upipe_compile.sharding import gather_sequence, global_positions, shard_sequence

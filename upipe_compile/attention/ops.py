@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from upipe_compile.attention import collectives, op_outputs
-from upipe_compile.attention.documents import documents_of
+from upipe_compile.attention.document_boundaries import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.stage_loop import (
     DEFAULT_PREFETCH, StageLoopSettings, schedule_for, stage_loop_backward, stage_loop_forward,
@@ -60,8 +60,9 @@ def check_world(world_size: int, group_name: str) -> None:
 # P (world_size) is an explicit argument (not read from the group) so that it is part of
 # the graph, and so of every compile cache key: a graph compiled for P = 2 is never reused
 # for P = 4. ``cu_seqlens`` carries packed documents' boundaries (1-D) or 2-D position ids,
-# read at run time (documents where they restart): see attention/documents.py. ``sinks`` and
-# ``alibi_slopes`` are per-query-head tensors ``[Hq]`` (attention/sinks.py, attention/alibi.py).
+# read at run time (documents where they restart): see attention/document_boundaries.py.
+# ``sinks`` and ``alibi_slopes`` are per-query-head tensors ``[Hq]`` (attention/sinks.py,
+# attention/alibi.py).
 @torch.library.custom_op("upipe::attention", mutates_args=(), tags=OP_TAGS)
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from upipe_compile.attention import kernels
 from upipe_compile.attention.zigzag import zigzag_chunks
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from upipe_compile.attention import collectives, kernels, ring
 from upipe_compile.attention.alibi import kernel_slopes
 from upipe_compile.attention.device_constants import made_once
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 from upipe_compile.attention.schedule import Stage, StageSchedule, plan_stages
 from upipe_compile.attention.sinks import apply_sinks, sink_gradient
 

@@ -43,7 +43,7 @@ from upipe_compile.attention.stage_loop import (
     DEFAULT_PREFETCH, Incoming, InputPipeline, StageAttention, head_index, my_heads, prefetches, stage_kv,
 )
 from upipe_compile.block.region import BlockRegion
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 from upipe_compile.attention.schedule import StageSchedule, plan_stages
 
 

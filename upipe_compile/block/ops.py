@@ -27,7 +27,7 @@ from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH
 from upipe_compile.attention.checks import AttentionCall, attention_problems
 from upipe_compile.block.loop import BlockWeights, block_backward, block_forward, block_schedule, extras_needing_grad
 from upipe_compile.block.region import BlockRegion, region_by_id, register_region
-from upipe_compile.attention.documents import documents_of
+from upipe_compile.attention.document_boundaries import documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import DEFAULT_RECOMPUTE_ATTENTION_OUTPUT, option_problems, resolved_heads_per_stage
 
@@ -95,7 +95,7 @@ def attention_block_op(
     recompute_attention_output: bool, ring_group_name: str = "",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, o, lse)``. ``cu_seqlens`` is either the documents' boundaries ``[n + 1]`` or, 2-D,
-    this rank's position ids (:func:`~upipe_compile.attention.documents.documents_for`); the
+    this rank's position ids (:func:`~upipe_compile.attention.document_boundaries.documents_for`); the
     schema keeps the public name."""
     settings = BlockSettings.from_op_args(region_id, heads_per_stage, world_size, group_name, prefetch,
                                           recompute_attention_output, ring_group_name)

@@ -41,7 +41,7 @@ def upipe_batch(inputs: dict, cp_mesh=None, *, world: Optional[int] = None) -> d
     boundaries of a packed row from its position ids, and returns every per-token tensor's
     contiguous shard, the boundaries unsharded. Pure function of the batch and the rank."""
     from upipe_compile.attention.collectives import resolve_groups
-    from upipe_compile.packed.documents import cu_seqlens_from_position_ids
+    from upipe_compile.packed.cu_seqlens import cu_seqlens_from_position_ids
     from upipe_compile.sharding import Layout, sequence_multiple
 
     ring = cp_mesh is not None and getattr(cp_mesh, "ndim", 1) == 2  # ring x all-to-all: two zigzag chunks a ring rank

@@ -245,7 +245,7 @@ def packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, cp_mesh=No
     (e.g. ``labels=``). Returns this rank's shards of each and the documents' boundaries
     ``cu_seq_lens_q``/``cu_seq_lens_k`` over the full sequence, derived once here.
     Call the model with ``model(**packed_batch(...))``."""
-    from upipe_compile.packed.documents import cu_seqlens_from_position_ids
+    from upipe_compile.packed.cu_seqlens import cu_seqlens_from_position_ids
     from upipe_compile.sharding import shard_sequence
 
     if input_ids.shape[0] != 1 or position_ids.shape != input_ids.shape:

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from upipe_compile.measure import workspace
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
-from upipe_compile.attention.documents import Documents
+from upipe_compile.attention.document_boundaries import Documents
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_backward
 from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, StageLoopSettings

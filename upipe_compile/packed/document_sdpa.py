@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from upipe_compile.attention import kernels
 from upipe_compile.attention.alibi import kernel_slopes
-from upipe_compile.attention.documents import Documents, boundary_problems, bounds_from_positions
+from upipe_compile.attention.document_boundaries import Documents, boundary_problems, bounds_from_positions
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.options import normalised_variant
 from upipe_compile.attention.checks import AttentionCall, attention_problems

@@ -21,7 +21,7 @@ kernel cannot run, and ``forward``/``backward`` raise ``UnsupportedAttention`` f
 sequence is no window, and ``(-1, 0)`` is plain causal attention, so those run the dense
 kernels.
 
-Packed sequences: both take ``documents`` (:class:`upipe_compile.attention.documents.Documents`,
+Packed sequences: both take ``documents`` (:class:`upipe_compile.attention.document_boundaries.Documents`,
 the checked boundaries of the full sequence); attention then stays inside each document
 (a window is relative, so it applies within each document unchanged).
 One document over the whole sequence runs the dense kernel, exactly as without boundaries.

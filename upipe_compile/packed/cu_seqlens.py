@@ -1,7 +1,8 @@
-"""Packed-sequence boundaries as a user makes them, from a packed row's position ids.
+"""Packed-sequence boundaries (``cu_seqlens``) as a user makes them, from a packed row's
+position ids.
 
-The op reads and checks boundaries in :mod:`upipe_compile.attention.documents`; this is the
-user's side (``upipe_compile.cu_seqlens_from_position_ids``).
+The op reads and checks boundaries in :mod:`upipe_compile.attention.document_boundaries`; this
+is the user's side (``upipe_compile.cu_seqlens_from_position_ids``).
 """
 
 from __future__ import annotations
