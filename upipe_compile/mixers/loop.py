@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from upipe_compile.attention.collectives import all_to_all, group_from_name
-from upipe_compile.mixers.registry import Layout
+from upipe_compile.mixers.registry import TensorDims
 
 
 @contextlib.contextmanager
@@ -162,7 +162,7 @@ def _reduce_scatter_sequence(grad: torch.Tensor, seq: int, world: int, group_nam
     return recv.sum(0)
 
 
-def _to_heads(x: torch.Tensor, layout: Layout, start: int, per_rank: int, world: int, group_name: str):
+def _to_heads(x: torch.Tensor, layout: TensorDims, start: int, per_rank: int, world: int, group_name: str):
     """Local ``x`` (this rank's sequence shard, all heads) -> heads ``[start + r*n, start + (r+1)*n)``
     over the whole sequence on rank ``r``."""
     heads, seq = layout.head, layout.seq
@@ -175,7 +175,7 @@ def _to_heads(x: torch.Tensor, layout: Layout, start: int, per_rank: int, world:
     return y.movedim(0, heads)
 
 
-def _to_sequence_into(y: torch.Tensor, layout: Layout, dest: torch.Tensor, start: int, per_rank: int, world: int,
+def _to_sequence_into(y: torch.Tensor, layout: TensorDims, dest: torch.Tensor, start: int, per_rank: int, world: int,
                       group_name: str) -> None:
     """Inverse of :func:`_to_heads`, written into ``dest``'s heads ``[start, start + world*n)``."""
     heads, seq = layout.head, layout.seq

@@ -23,7 +23,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class Layout:
+class TensorDims:
     """Where a tensor's sequence and head dimensions are; ``seq=None`` for a per-head parameter.
 
     ``grouped``: the head dimension holds groups, each shared by ``heads / groups`` consecutive
@@ -40,8 +40,8 @@ class MixerSpec:
     """One kind of head-separable mixer."""
 
     kind: str
-    inputs: tuple[Layout, ...]
-    output: Layout
+    inputs: tuple[TensorDims, ...]
+    output: TensorDims
     call: Callable[[Callable, list, dict], torch.Tensor]
     """``call(implementation, tensors, options)``: the mixer on (a head chunk of) its tensors."""
     output_like: Callable[[list], torch.Tensor]
@@ -104,29 +104,30 @@ def _like_values(tensors):
 
 KINDS = {
     # x [B, C, S], weight [C, K], bias [C]: one causal filter per channel
-    "causal_conv1d": MixerSpec("causal_conv1d", (Layout(head=1, seq=2), Layout(head=0), Layout(head=0)),
-                               Layout(head=1, seq=2), _conv_call, _like_input),
+    "causal_conv1d": MixerSpec("causal_conv1d", (TensorDims(head=1, seq=2), TensorDims(head=0), TensorDims(head=0)),
+                               TensorDims(head=1, seq=2), _conv_call, _like_input),
     # q, k [B, S, Hk, Dk] (Hk groups of value heads, as the kernels take them), v [B, S, H, Dv],
     # g, beta [B, S, H]
-    "gated_delta_rule": MixerSpec("gated_delta_rule", (Layout(head=2, seq=1, grouped=True),) * 2
-                                  + (Layout(head=2, seq=1),) * 3, Layout(head=2, seq=1), _delta_call, _like_values),
+    "gated_delta_rule": MixerSpec("gated_delta_rule", (TensorDims(head=2, seq=1, grouped=True),) * 2
+                                  + (TensorDims(head=2, seq=1),) * 3, TensorDims(head=2, seq=1), _delta_call,
+                                  _like_values),
     # Mamba2's SSD scan: x [B, S, H, P], dt [B, S, H], A [H], B, C [B, S, G, N] (G groups of heads),
     # D [H], dt_bias [H]
     "mamba2_chunk_scan": MixerSpec("mamba2_chunk_scan",
-                                   (Layout(head=2, seq=1), Layout(head=2, seq=1), Layout(head=0),
-                                    Layout(head=2, seq=1, grouped=True), Layout(head=2, seq=1, grouped=True),
-                                    Layout(head=0), Layout(head=0)),
-                                   Layout(head=2, seq=1), _mamba2_call, _like_float_input),
+                                   (TensorDims(head=2, seq=1), TensorDims(head=2, seq=1), TensorDims(head=0),
+                                    TensorDims(head=2, seq=1, grouped=True), TensorDims(head=2, seq=1, grouped=True),
+                                    TensorDims(head=0), TensorDims(head=0)),
+                                   TensorDims(head=2, seq=1), _mamba2_call, _like_float_input),
     # Mamba's selective scan, one recurrence per channel: x, dt, z [B, C, S], A [C, N], B, C [B, N, S]
     # (shared by every channel), D, delta_bias [C]
     "selective_scan": MixerSpec("selective_scan",
-                                (Layout(head=1, seq=2), Layout(head=1, seq=2), Layout(head=0),
-                                 Layout(head=None, seq=2), Layout(head=None, seq=2), Layout(head=0),
-                                 Layout(head=1, seq=2), Layout(head=0)),
-                                Layout(head=1, seq=2), _selective_call, _like_float_input),
+                                (TensorDims(head=1, seq=2), TensorDims(head=1, seq=2), TensorDims(head=0),
+                                 TensorDims(head=None, seq=2), TensorDims(head=None, seq=2), TensorDims(head=0),
+                                 TensorDims(head=1, seq=2), TensorDims(head=0)),
+                                TensorDims(head=1, seq=2), _selective_call, _like_float_input),
     # lightning attention (MiniMax): q, k, v [B, H, S, D], one decay rate per head [H, 1, 1]
-    "lightning_attention": MixerSpec("lightning_attention", (Layout(head=1, seq=2),) * 3 + (Layout(head=0),),
-                                     Layout(head=1, seq=2), _lightning_call, _like_values),
+    "lightning_attention": MixerSpec("lightning_attention", (TensorDims(head=1, seq=2),) * 3 + (TensorDims(head=0),),
+                                     TensorDims(head=1, seq=2), _lightning_call, _like_values),
 }
 
 _IMPLEMENTATIONS: dict[str, tuple[str, Callable]] = {}
