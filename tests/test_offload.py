@@ -13,10 +13,11 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from upipe_compile.stack.offload import (
-    BlockInputOffloader, cgroup_memory_limit_bytes, host_bytes_per_rank, host_memory_problem, host_reserve,
-    ranks_per_node, total_host_memory_bytes, usable_host_memory,
+from upipe_compile.stack.host_memory import (
+    cgroup_memory_limit_bytes, host_memory_problem, host_reserve, ranks_per_node, total_host_memory_bytes,
+    usable_host_memory,
 )
+from upipe_compile.stack.offload import BlockInputOffloader, host_bytes_per_rank
 
 DIM = 8
 

@@ -25,9 +25,8 @@ from upipe_compile.stack.chunked_loss import LazyOutputProjection, lazy_logits_c
 from upipe_compile.integrations.torchtitan.config import DEFAULT_HOST_RESERVE, upipe_config
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.integrations.torchtitan.measurement import host_device
-from upipe_compile.stack.offload import (
-    BlockInputOffloader, host_bytes_per_rank, host_memory_problem, host_reserve, ranks_per_node, usable_host_memory,
-)
+from upipe_compile.stack.host_memory import host_memory_problem, host_reserve, ranks_per_node, usable_host_memory
+from upipe_compile.stack.offload import BlockInputOffloader, host_bytes_per_rank
 from upipe_compile.stack.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
 
 log = logging.getLogger(__name__)

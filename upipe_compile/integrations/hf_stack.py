@@ -286,9 +286,8 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> None:
 def check_host_memory(model: nn.Module, settings: StackSettings, tokens_per_rank: int, ranks: int) -> None:
     """Refuse a batch whose offloaded layer inputs (exactly what the offloader allocates on host)
     do not fit this node's memory next to the reserve."""
-    from upipe_compile.stack.offload import (
-        host_bytes_per_rank, host_memory_problem, host_reserve, ranks_per_node, usable_host_memory,
-    )
+    from upipe_compile.stack.host_memory import host_memory_problem, host_reserve, ranks_per_node, usable_host_memory
+    from upipe_compile.stack.offload import host_bytes_per_rank
 
     if not settings.offload_block_inputs:
         return

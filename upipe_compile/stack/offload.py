@@ -22,8 +22,8 @@ one). On CUDA it is plain CPU memory page-locked in place with ``cudaHostRegiste
 (:func:`cuda_host_register`), not torch's pinned allocator, which rounds every request up to a
 power of two (a 5 GiB input would take 8 GiB); when pinning is refused the buffers stay pageable
 (slower, synchronous copies; logged once). :func:`host_bytes_per_rank` is exactly what the
-buffers take, and :func:`usable_host_memory` what the node's ranks may use together (MemTotal,
-or the cgroup's limit where smaller).
+buffers take; what the node's ranks may use together, and whether the buffers fit it, is
+:mod:`upipe_compile.stack.host_memory`'s.
 
 On CUDA the device-to-host copy runs on a side stream into the host buffer, overlapped with the
 block's own compute. The copy back starts when the gradient of the block's output arrives
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 from typing import Callable, Sequence
 
@@ -47,95 +46,17 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from upipe_compile.attention import op_outputs
+from upipe_compile.stack.host_memory import size_text
 
 log = logging.getLogger(__name__)
 
 
-# --- how much host memory ------------------------------------------------------------------
+# --- the host bytes the buffers take --------------------------------------------------------
 def host_bytes_per_rank(n_blocks: int, tokens_per_rank: int, dim: int, dtype: torch.dtype) -> int:
     """Host memory the offloaded block inputs take on one rank: one [tokens, dim] input per block,
     each in a buffer of exactly its size (all the offloader allocates on host).
     ``tokens_per_rank`` = local batch x seq_len / CP degree."""
     return n_blocks * tokens_per_rank * dim * torch.empty((), dtype=dtype).element_size()
-
-
-def total_host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """The node's RAM: MemTotal from /proc/meminfo, else physical pages x page size."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-CGROUP_V2_LIMIT = "/sys/fs/cgroup/memory.max"
-CGROUP_V1_LIMIT = "/sys/fs/cgroup/memory/memory.limit_in_bytes"
-
-
-def cgroup_memory_limit_bytes(v2: str = CGROUP_V2_LIMIT, v1: str = CGROUP_V1_LIMIT) -> int | None:
-    """The memory limit of this process's cgroup: v2 ``memory.max`` ("max" = none) or v1
-    ``memory.limit_in_bytes``, the smaller where both are there; None when neither sets one."""
-    limits = []
-    for path in (v2, v1):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append(int(text))
-    return min(limits, default=None)
-
-
-def usable_host_memory(meminfo: str = "/proc/meminfo", cgroup_v2: str = CGROUP_V2_LIMIT,
-                       cgroup_v1: str = CGROUP_V1_LIMIT) -> tuple[int, str]:
-    """What this node's ranks may use together, and what that is (for messages): the cgroup's
-    limit where it is below MemTotal (it covers every process in the cgroup, usually all of the
-    job's ranks on the node; cgroup v1 says "no limit" with a huge number), else MemTotal."""
-    total = total_host_memory_bytes(meminfo)
-    limit = cgroup_memory_limit_bytes(cgroup_v2, cgroup_v1)
-    if limit is not None and limit < total:
-        return limit, "the job's cgroup allows"
-    return total, "the node has"
-
-
-def ranks_per_node(default: int) -> int:
-    """Processes sharing this node's RAM: torchrun's LOCAL_WORLD_SIZE, else ``default``."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
-
-
-def host_reserve(total_bytes: int, reserve_gib: float | None = None) -> tuple[int, str]:
-    """The host memory kept for everything but the offloaded inputs, and how it was chosen (for
-    messages): ``reserve_gib`` where the job sets one, else
-    :func:`upipe_compile.stack.host_memory.default_host_reserve_gib` of ``total_bytes``."""
-    from upipe_compile.stack.host_memory import HOST_RESERVE_FRACTION, HOST_RESERVE_GIB, default_host_reserve_gib
-
-    if reserve_gib is not None:
-        return int(reserve_gib * (1 << 30)), f"host_memory_reserve_gib={reserve_gib:g}, as set"
-    gib = default_host_reserve_gib(total_bytes / (1 << 30))
-    return int(gib * (1 << 30)), (f"the default: {HOST_RESERVE_FRACTION:.0%} of {_size(total_bytes)}, at most "
-                                  f"{HOST_RESERVE_GIB} GiB; host_memory_reserve_gib sets another")
-
-
-def host_memory_problem(bytes_per_rank: int, ranks: int, total_bytes: int, reserve_bytes: int,
-                        what: str = "the node has", reserve_why: str = "") -> str | None:
-    """Why ``total_bytes`` (``what`` names it: see :func:`usable_host_memory`) cannot hold
-    ``ranks`` x ``bytes_per_rank`` of offloaded inputs next to ``reserve_bytes`` for everything
-    else (chosen as ``reserve_why`` says: see :func:`host_reserve`), or None."""
-    need = bytes_per_rank * ranks
-    if need + reserve_bytes <= total_bytes:
-        return None
-    why = f" ({reserve_why})" if reserve_why else ""
-    return (f"offloading block inputs needs {_size(bytes_per_rank)} of host memory per rank x {ranks} "
-            f"ranks per node = {_size(need)}, plus a reserve of {_size(reserve_bytes)}{why}, but {what} "
-            f"{_size(total_bytes)}")
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 # --- pinning -----------------------------------------------------------------------------------
@@ -152,7 +73,7 @@ def cuda_host_register(tensor: torch.Tensor) -> Callable[[], None]:
     error = int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))
     if error:
         _clear_cuda_error()
-        raise RuntimeError(f"cudaHostRegister of {_size(storage.nbytes())} failed with cudaError {error}")
+        raise RuntimeError(f"cudaHostRegister of {size_text(storage.nbytes())} failed with cudaError {error}")
 
     def unpin():
         if int(cudart.cudaHostUnregister(storage.data_ptr())):
@@ -326,7 +247,7 @@ class BlockInputOffloader:
             self._pin_refused = True  # not again: the next block would be refused as well
             log.warning("upipe offload: pinning %s of host memory failed (%s): offloaded block inputs "
                         "stay in pageable memory, their copies are slower and do not overlap compute",
-                        _size(host.numel() * host.element_size()), error)
+                        size_text(host.numel() * host.element_size()), error)
             return None
 
     def remove(self) -> None:
