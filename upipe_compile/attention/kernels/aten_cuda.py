@@ -72,12 +72,9 @@ class AtenCudaKernels(VarlenKernels):
             )
         return problems
 
-    def _check(self, window, softcap: float, alibi_slopes=None) -> None:
-        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
-
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         if window == NO_WINDOW:
             out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
             return out, lse
@@ -90,7 +87,7 @@ class AtenCudaKernels(VarlenKernels):
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
                  softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         cum_q, cum_k, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
         q_len, k_len = q.shape[2], k.shape[2]
         if window == NO_WINDOW:
@@ -105,7 +102,7 @@ class AtenCudaKernels(VarlenKernels):
 
     def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
                             softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         cu, longest = documents.cu_seqlens, documents.max_length
         out, lse, *_ = _aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, is_causal, False,
                                                       scale=scale, **_aten_window(window))
@@ -113,7 +110,7 @@ class AtenCudaKernels(VarlenKernels):
 
     def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
                              window=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         _, _, seed, offset = _aten_cuda_dense_markers(q.device, q.dtype)
         cu, longest = documents.cu_seqlens, documents.max_length
         return _aten._flash_attention_backward(

@@ -119,12 +119,9 @@ class CudnnKernels(PerDocumentKernels):
             workspace["dv_accum"] = ((batch, kv_heads, seq, head_dim), fp32)
         return workspace
 
-    def _check(self, window, softcap: float, alibi_slopes=None) -> None:
-        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
-
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         if k.shape[2] == 1:
             return _one_key_forward(q, k, v, scale)
         out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
@@ -133,7 +130,7 @@ class CudnnKernels(PerDocumentKernels):
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
                  softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         if k.shape[2] == 1:
             return _one_key_backward(dout, q, k, v)
         seed, offset = _philox_markers(q.device, q.dtype)

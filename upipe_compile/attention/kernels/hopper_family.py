@@ -88,20 +88,17 @@ class HopperFlashKernels(VarlenKernels):
                             f"pad the model's head_dim (e.g. to {min(max(round_up(head_dim, 8), 8), 256)})")
         return problems
 
-    def _check(self, window, softcap: float, alibi_slopes=None) -> None:
-        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
-
     # --- calls ------------------------------------------------------------------------------
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
                 alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         out, lse = self._run_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, scale,
                                      window, softcap, None)
         return out.transpose(1, 2), lse
 
     def backward(self, dout, q, k, v, out, lse, is_causal: bool, scale: float | None, window=NO_WINDOW,
                  softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         # written in place, allocated [B, S, H, D] as the kernels write them
         grads = [torch.empty_like(t.transpose(1, 2), memory_format=torch.contiguous_format) for t in (q, k, v)]
         self._run_backward([t.transpose(1, 2) for t in (dout, q, k, v, out)], lse, grads, is_causal, scale, window,
@@ -110,12 +107,12 @@ class HopperFlashKernels(VarlenKernels):
 
     def _varlen_forward_row(self, q, k, v, documents, is_causal: bool, scale: float | None, window=NO_WINDOW,
                             softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         return self._run_forward(q, k, v, is_causal, scale, window, softcap, documents)
 
     def _varlen_backward_row(self, dout, q, k, v, out, lse, documents, is_causal: bool, scale: float | None,
                              window=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None):
-        self._check(window, softcap, alibi_slopes)
+        refuse_unrunnable_variant(self, window, softcap, alibi_slopes)
         grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
         self._run_backward([dout, q, k, v, out], lse, grads, is_causal, scale, window, softcap, documents)
         return tuple(grads)
