@@ -24,15 +24,14 @@ import functools
 from upipe_compile.attention.collectives import RING_MESH_DIMS
 from upipe_compile.integrations.torchtitan.config import upipe_config
 
-_LAYOUTS: dict[int, tuple] = {}
-"""Per "cp" mesh object (torchtitan's ParallelDims hands out the same one for the job):
-``(that mesh, the mesh upipe's layout follows)`` -- the "cp" mesh itself, or its (cp_ring,
-cp_a2a) unflattening. The mesh is kept so its id is not reused while the entry lives."""
+LAYOUT_ATTRIBUTE = "_upipe_layout"
+"""Set on the job's "cp" mesh object (torchtitan's ParallelDims hands out the same one for the
+job): the mesh upipe's layout follows -- the "cp" mesh itself, or its (cp_ring, cp_a2a)
+unflattening. It lives and dies with the job's mesh: no process-wide table."""
 
 
 def _recorded(cp_mesh):
-    entry = _LAYOUTS.get(id(cp_mesh))
-    return entry[1] if entry is not None and entry[0] is cp_mesh else None
+    return getattr(cp_mesh, LAYOUT_ATTRIBUTE, None)
 
 
 def upipe_cp_mesh(job_config, parallel_dims):
@@ -48,14 +47,16 @@ def upipe_cp_mesh(job_config, parallel_dims):
             mesh = known
         else:
             mesh = cp_mesh._unflatten(0, (ring, cp_mesh.size() // ring), RING_MESH_DIMS)
-    _LAYOUTS[id(cp_mesh)] = (cp_mesh, mesh)
+    setattr(cp_mesh, LAYOUT_ATTRIBUTE, mesh)
     return mesh
 
 
 def forget_layout(parallel_dims) -> None:
     """A job that does not run upipe's context parallelism: torchtitan shards its inputs."""
     if parallel_dims.cp_enabled:
-        _LAYOUTS.pop(id(parallel_dims.get_mesh("cp")), None)
+        cp_mesh = parallel_dims.get_mesh("cp")
+        if hasattr(cp_mesh, LAYOUT_ATTRIBUTE):
+            delattr(cp_mesh, LAYOUT_ATTRIBUTE)
 
 
 def layout_of(cp_mesh):

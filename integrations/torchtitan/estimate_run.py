@@ -30,7 +30,7 @@ from upipe_compile.integrations.torchtitan.estimate_release import installed_rel
 from upipe_compile.integrations.torchtitan.estimate_step import MODEL_KERNELS
 from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
 from upipe_compile.measure import workspace
-from upipe_compile.measure.memory import eager_calls
+from upipe_compile.measure.memory import counting_eager_calls
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
@@ -58,13 +58,13 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     facts = release.job_facts(job_config)  # the job's settings, read once
     start = time.time()
     world = world_size(job_config)
-    eager_calls.clear()
     if torch.cuda.is_available():
         # On a GPU node the step's first CUDA call would initialise CUDA inside a checkpointed
         # block's forward, which torch.utils.checkpoint refuses: initialise it before.
         torch.cuda.init()
     kernel_workspace = workspace.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
-    with fake_process_group(world), private_sharding_fake_mode(), kernel_workspace, plain_stack_loops():
+    with fake_process_group(world), private_sharding_fake_mode(), kernel_workspace, plain_stack_loops(), \
+            counting_eager_calls() as eager_calls:
         # Non-fake inputs are the meta-device model and the meshes' rank tensors.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         job = release.build_job(job_config, fake_mode)

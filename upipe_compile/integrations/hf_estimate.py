@@ -55,7 +55,7 @@ from upipe_compile.estimate.step import DEVICE, HOST, PhaseTracker, SavedOnDevic
 from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, decoder_layers
 from upipe_compile.measure import workspace
-from upipe_compile.measure.memory import eager_calls
+from upipe_compile.measure.memory import counting_eager_calls
 from upipe_compile.sharding import sequence_multiple
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
@@ -299,13 +299,12 @@ def estimate_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         device_ratio = DEVICE_RATIO if cuda_kernel else 1.0
     config = load_config(job.config)
     start = time.time()
-    eager_calls.clear()
     # A new job compiles its attention afresh: earlier jobs' graphs (other lengths, other
     # models: a search's probes) would only count towards Dynamo's recompile limit.
     torch._dynamo.reset()
     kernel_workspace = workspace.modelled_cuda_kernel(cuda_kernel) if cuda_kernel else contextlib.nullcontext()
     with _quiet_transformers(), _fake_job(job.world), private_sharding_fake_mode(), kernel_workspace, \
-            plain_stack_loops():
+            plain_stack_loops(), counting_eager_calls() as eager_calls:
         memory, model, kept_on_host = _measure(job, config, cuda_kernel)
     shape = shape_of(config, model)
     heads_per_stage = job.heads_per_stage or job.a2a

@@ -21,14 +21,14 @@ import torch.fx as fx
 from upipe_compile.backend import apply_upipe_passes
 from upipe_compile.block.ops import BlockFunction
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.measure.memory import StageLoopFunction, eager_calls
+from upipe_compile.measure.memory import StageLoopFunction, count_eager_call
 from upipe_compile.attention.ops import parse_op_arguments
 from upipe_compile.block.ops import BlockSettings
 from upipe_compile.options import UPipeOptions
 
 
 def block_twin(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings):
-    eager_calls["fused block"] += 1
+    count_eager_call("fused block")
     y = BlockFunction.apply(x, wq, bq, wk, bk, wv, bv, wo, bo, BlockSettings.from_op_args(*settings), cu_seqlens,
                             *extras)
     return y, None, None  # the rewrite reads y only; o and lse stay inside the Function

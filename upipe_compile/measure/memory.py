@@ -112,9 +112,27 @@ def measure_op_memory(
     return OpMemory(forward_bytes, backward_bytes)
 
 
-eager_calls: Counter = Counter()
-"""Forward calls of the ops' eager twins in measurements ("stage-loop op", "fused block"),
-recompute included: what a whole-model measurement actually ran."""
+_eager_call_counters: list = []
+"""The counters of the :func:`counting_eager_calls` blocks now open (innermost last). Not a
+context variable: a recompute runs in autograd's device threads, which do not see one."""
+
+
+@contextlib.contextmanager
+def counting_eager_calls():
+    """A Counter of the ops' eager twins' forward calls made inside the block ("stage-loop op",
+    "fused block"), recompute included: what a whole-model measurement actually ran. Nothing
+    is counted outside such a block, so no measurement inherits an earlier one's calls."""
+    calls = Counter()
+    _eager_call_counters.append(calls)
+    try:
+        yield calls
+    finally:
+        _eager_call_counters.remove(calls)
+
+
+def count_eager_call(kind: str) -> None:
+    if _eager_call_counters:
+        _eager_call_counters[-1][kind] += 1
 
 
 class StageLoopFunction(torch.autograd.Function):
@@ -125,7 +143,7 @@ class StageLoopFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None, alibi_slopes=None):
-        eager_calls["stage-loop op"] += 1
+        count_eager_call("stage-loop op")
         out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks, alibi_slopes=alibi_slopes)
         save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks, alibi_slopes=alibi_slopes), (out, lse))
         return out
