@@ -25,7 +25,7 @@ from upipe_compile.stack.chunked_loss import LazyOutputProjection, lazy_logits_c
 from upipe_compile.integrations.torchtitan.config import DEFAULT_HOST_RESERVE, upipe_config
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.integrations.torchtitan.measurement import host_device
-from upipe_compile.stack.host_memory import host_memory_problem, host_reserve, ranks_per_node, usable_host_memory
+from upipe_compile.stack.host_memory import node_host_memory_problem, ranks_per_node
 from upipe_compile.stack.offload import BlockInputOffloader, host_bytes_per_rank
 from upipe_compile.stack.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
 
@@ -159,10 +159,8 @@ def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_byte
     if not per_rank:
         return
     ranks = ranks if ranks is not None else ranks_per_node(default=parallel_dims.world_size)
-    total, what = (total_bytes, "the node has") if total_bytes is not None else usable_host_memory()
     set_reserve = None if cfg.host_memory_reserve_gib == DEFAULT_HOST_RESERVE else cfg.host_memory_reserve_gib
-    reserve, reserve_why = host_reserve(total, set_reserve)
-    problem = host_memory_problem(per_rank, ranks, total, reserve, what, reserve_why)
+    problem = node_host_memory_problem(per_rank, ranks, set_reserve, total_bytes)
     if problem:
         keep = " (with keep_attention's attention outputs)" if cfg.keep_attention else ""
         raise UnsupportedAttention(

@@ -286,7 +286,7 @@ def compile_layers(model: nn.Module, **compile_kwargs) -> None:
 def check_host_memory(model: nn.Module, settings: StackSettings, tokens_per_rank: int, ranks: int) -> None:
     """Refuse a batch whose offloaded layer inputs (exactly what the offloader allocates on host)
     do not fit this node's memory next to the reserve."""
-    from upipe_compile.stack.host_memory import host_memory_problem, host_reserve, ranks_per_node, usable_host_memory
+    from upipe_compile.stack.host_memory import node_host_memory_problem, ranks_per_node
     from upipe_compile.stack.offload import host_bytes_per_rank
 
     if not settings.offload_block_inputs:
@@ -294,9 +294,7 @@ def check_host_memory(model: nn.Module, settings: StackSettings, tokens_per_rank
     layers = decoder_layers(model)
     dtype = model.get_input_embeddings().weight.dtype  # the residual stream's dtype
     per_rank = host_bytes_per_rank(len(layers), tokens_per_rank, model.config.get_text_config().hidden_size, dtype)
-    total, what = usable_host_memory()
-    reserve, why = host_reserve(total, settings.host_memory_reserve_gib)
-    problem = host_memory_problem(per_rank, ranks_per_node(default=ranks), total, reserve, what, why)
+    problem = node_host_memory_problem(per_rank, ranks_per_node(default=ranks), settings.host_memory_reserve_gib)
     if problem:
         raise UnsupportedAttention(f"offload_block_inputs=True: {problem}. Use shorter sequences or a smaller batch, "
                                    "more context-parallel ranks (more nodes), or a lower host_memory_reserve_gib")

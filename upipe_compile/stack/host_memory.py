@@ -120,6 +120,17 @@ def host_memory_problem(bytes_per_rank: int, ranks: int, total_bytes: int, reser
             f"{size_text(total_bytes)}")
 
 
+def node_host_memory_problem(bytes_per_rank: int, ranks: int, reserve_gib: float | None = None,
+                             total_bytes: int | None = None) -> str | None:
+    """The start-up check of every integration: why this node cannot hold ``ranks`` x
+    ``bytes_per_rank`` of offloaded inputs next to the reserve (``reserve_gib`` where the job
+    sets one, else the default: :func:`host_reserve`), or None. What the ranks may use is read
+    (:func:`usable_host_memory`) unless ``total_bytes`` gives it."""
+    total, what = (total_bytes, "the node has") if total_bytes is not None else usable_host_memory()
+    reserve, reserve_why = host_reserve(total, reserve_gib)
+    return host_memory_problem(bytes_per_rank, ranks, total, reserve, what, reserve_why)
+
+
 def size_text(n: int) -> str:
     """``n`` bytes for messages, in GiB (MiB below one GiB)."""
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
