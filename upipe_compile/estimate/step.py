@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from contextlib import ExitStack
+from copy import deepcopy
 from typing import Callable, ContextManager, Sequence
 from dataclasses import dataclass
 
@@ -127,8 +128,14 @@ class PhaseTracker(FSDPMemTracker):
         return (self.outside_model + (" backward" if self._mod_tracker.is_bw else ""),)
 
     def _update_peak_stats(self, peak_state) -> None:
+        # torch's MemTracker also keeps each running module's own peak, walking every module it
+        # tracks on every op (a third of a long estimate's time); nothing here reads those, so
+        # only its per-device peak and the snapshot at it are kept, as it keeps them.
         previous_peak = self._peak_mem.get(DEVICE, 0)
-        super()._update_peak_stats(peak_state)
+        for device, device_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < device_snap["Total"]:
+                self._peak_mem[device] = device_snap["Total"]
+                self._peak_mem_snap[device] = deepcopy(device_snap)
         snap = self._curr_mem_snap.get(DEVICE)
         if snap is None:
             return
