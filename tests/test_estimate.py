@@ -279,7 +279,7 @@ def test_selective_op_ac_adds_the_attention_outputs_the_compiled_path_saves(debu
     recomputes: the estimate adds them."""
     import torch
 
-    from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
+    from upipe_compile.integrations.torchtitan.long_context_stack import attention_outputs_bytes_per_rank
 
     config, args, _ = debug_model
     world, heads_per_stage = 2, 2
@@ -314,7 +314,7 @@ def test_saved_attention_output_uses_the_value_head_dim():
     own head_dim (Qwen3-32B: 128, not 5120 / 64 = 80), else dim / n_heads (Llama3)."""
     from types import SimpleNamespace
 
-    from upipe_compile.integrations.torchtitan.stack import value_head_dim as _value_head_dim
+    from upipe_compile.integrations.torchtitan.long_context_stack import value_head_dim as _value_head_dim
 
     assert _value_head_dim(SimpleNamespace(dim=7168, n_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                            v_head_dim=128)) == 128

@@ -111,7 +111,7 @@ def test_stack_defaults_change_nothing():
     assert (config.upipe.offload_block_inputs, config.upipe.mlp_tile_tokens, config.upipe.loss_chunk_tokens) == \
         (False, 0, 0)
     check_job(config, dims, args, model)
-    from upipe_compile.integrations.torchtitan.stack import offload_host_bytes_per_rank
+    from upipe_compile.integrations.torchtitan.long_context_stack import offload_host_bytes_per_rank
 
     assert offload_host_bytes_per_rank(config, dims, args) == 0
 
@@ -120,7 +120,7 @@ def test_offload_host_memory_for_8b_at_5m_tokens_and_the_node_check():
     """Llama3-8B, 5M tokens, CP=8, bf16: 655360 x 4096 x 2 B = 5 GiB per block, 32 blocks."""
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.stack import check_offload_fits_host, offload_host_bytes_per_rank
+    from upipe_compile.integrations.torchtitan.long_context_stack import check_offload_fits_host, offload_host_bytes_per_rank
 
     h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
     config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs")
@@ -142,7 +142,7 @@ def test_default_host_reserve_scales_with_the_node():
     every machine under 64 GiB. A reserve the job sets wins."""
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.stack import check_offload_fits_host
+    from upipe_compile.integrations.torchtitan.long_context_stack import check_offload_fits_host
 
     h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
     config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs")
@@ -171,7 +171,7 @@ def test_keep_attention_offloaded_counts_its_outputs_against_the_node():
     2 TiB node cannot hold for 8 ranks, refused naming keep_attention."""
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.stack import check_offload_fits_host, offload_host_bytes_per_rank
+    from upipe_compile.integrations.torchtitan.long_context_stack import check_offload_fits_host, offload_host_bytes_per_rank
 
     h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
     config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs",
@@ -315,7 +315,7 @@ def test_keep_attention_with_offload_moves_the_kept_outputs_to_host(rank_pools):
     op's y, o and stage LSEs) go to host beside its input, are fetched back for backward, and the
     numbers equal full AC without either (fp32, every rank); the bytes moved are what
     attention_outputs_bytes_per_rank says beside the block inputs."""
-    from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
+    from upipe_compile.integrations.torchtitan.long_context_stack import attention_outputs_bytes_per_rank
 
     full = ("--activation_checkpoint.mode=full",)
     offload = (*full, "--upipe.offload_block_inputs", "--upipe.host_memory_reserve_gib=1")

@@ -49,7 +49,7 @@ def get_train_spec(name: str = "llama3"):
     import dataclasses
     import importlib
 
-    from upipe_compile.integrations.torchtitan.documents import varlen_model_args
+    from upipe_compile.integrations.torchtitan.document_attention import varlen_model_args
 
     stock = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     return dataclasses.replace(

@@ -13,7 +13,7 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     fuse_projections = true     # projections, RoPE/QK-norm, attention, output projection: one stage loop
     recompute_attention_output = false  # fused blocks: no attention output kept for backward
     keep_attention = false      # full AC: keep each block's attention output, never run its forward twice
-    # the long-context stack (each off by default; see stack.py and README.md)
+    # the long-context stack (each off by default; see long_context_stack.py and README.md)
     offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
     host_memory_reserve_gib = -1    # node RAM kept free for everything else; -1: a quarter of it, <= 64 GiB
     mlp_tile_tokens = 0             # SwiGLU over tiles of this many tokens; 0 = untiled

@@ -13,7 +13,7 @@ The job's parallelize records its layout mesh here (:func:`upipe_cp_mesh`), and
 :func:`install_input_sharding` makes the Trainer's (and its validator's)
 ``prepare_context_parallel_input`` shard inputs and labels in it, with no ``positions``: each
 rank's RoPE table holds its own rows (rope_rows.py). Packed documents (torchtitan's varlen
-flavors) keep their full-sequence boundaries (documents.py). Jobs without upipe go to
+flavors) keep their full-sequence boundaries (document_attention.py). Jobs without upipe go to
 torchtitan's function unchanged.
 """
 

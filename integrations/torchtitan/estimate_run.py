@@ -28,7 +28,7 @@ from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.torchtitan.estimate_job import world_size
 from upipe_compile.integrations.torchtitan.estimate_release import installed_release
 from upipe_compile.integrations.torchtitan.estimate_step import MODEL_KERNELS
-from upipe_compile.integrations.torchtitan.stack import attention_outputs_bytes_per_rank
+from upipe_compile.integrations.torchtitan.long_context_stack import attention_outputs_bytes_per_rank
 from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import counting_eager_calls
 from upipe_compile.options import resolved_heads_per_stage

@@ -18,7 +18,7 @@ Differences from stock ``parallelize_llama`` when ``[compile] backend = "upipe"`
   gradients are reduced over data-parallel x CP ranks; HSDP/DDP over dp_replicate likewise.
 
 The long-context stack ([upipe] mlp_tile_tokens, loss_chunk_tokens, offload_block_inputs;
-stack.py) is applied here too: module swaps before AC, offload hooks after FSDP.
+long_context_stack.py) is applied here too: module swaps before AC, offload hooks after FSDP.
 
 With any other [compile] backend the stock ``parallelize_llama`` runs unchanged (and stack
 keys are refused: they would do nothing).
@@ -35,13 +35,13 @@ import torch
 import torch.nn as nn
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.integrations.torchtitan import stack
+from upipe_compile.integrations.torchtitan import long_context_stack
 from upipe_compile.integrations.torchtitan.compile_blocks import (
     BACKEND, compile_blocks, compile_options, inner_backend, upipe_enabled,
 )
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.cp_layout import forget_layout, upipe_cp_mesh
-from upipe_compile.integrations.torchtitan.documents import use_document_attention
+from upipe_compile.integrations.torchtitan.document_attention import use_document_attention
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import STACK_RULES, job_problems, refuse
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 def refuse_stack_without_upipe(job_config) -> None:
     """Stack keys only act on the upipe path; set without it they would be silently ignored."""
-    keys = stack.stack_enabled(upipe_config(job_config))
+    keys = long_context_stack.stack_enabled(upipe_config(job_config))
     if keys and not upipe_enabled(job_config):
         raise UnsupportedAttention(
             f"[upipe] {', '.join(keys)} only apply with [compile] enable = true and backend = \"upipe\" "
@@ -69,7 +69,7 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     ``model``, what the stack keys cannot apply to on it."""
     problems = job_problems(job_facts(job_config, parallel_dims, model_args))
     if model is not None:
-        problems += stack.model_problems(model, job_config)
+        problems += long_context_stack.model_problems(model, job_config)
     refuse(problems, SPELLING)
 
 
@@ -112,8 +112,8 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
 
     check_job(job_config, parallel_dims, getattr(model, "model_args", None), model)
     disable_torchtitan_cp_sharding_balance(job_config)
-    use_document_attention(model)  # varlen flavors: document masking through UPipe (documents.py)
-    stack.apply_module_swaps(model, job_config)
+    use_document_attention(model)  # varlen flavors: document masking through UPipe (document_attention.py)
+    long_context_stack.apply_module_swaps(model, job_config)
 
     if job_config.activation_checkpoint.mode != "none":
         ac_config, save_list = _ac_with_upipe_ops(job_config, sac_save_list)
@@ -134,7 +134,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
         )
         sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))
         _root_buffers_in_param_dtype(model, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
-        stack.keep_output_weight_for_loss(model, job_config)
+        long_context_stack.keep_output_weight_for_loss(model, job_config)
     elif parallel_dims.dp_replicate_enabled:
         mesh = parallel_dims.get_mesh("dp_replicate")
         if parallel_dims.world_size != mesh.size():
@@ -142,7 +142,7 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
         apply_ddp(model, mesh, enable_compile=True)
     if parallel_dims.cp_enabled:  # after the root-buffer cast's hook: the table it cuts is the one kept
         keep_local_rope_rows(model, upipe_cp_mesh(job_config, parallel_dims))
-    stack.install_offload(model, job_config, parallel_dims)
+    long_context_stack.install_offload(model, job_config, parallel_dims)
     return model
 
 
@@ -181,7 +181,7 @@ def _root_buffers_in_param_dtype(model: nn.Module, param_dtype: torch.dtype) -> 
 
 def build_loss_fn_upipe(job_config, **kwargs):
     """torchtitan's cross-entropy loss, or with [upipe] loss_chunk_tokens the chunked one (the
-    model then returns LazyLogits, see stack.py); with backend "upipe" the loss (no attention in
+    model then returns LazyLogits, see long_context_stack.py); with backend "upipe" the loss (no attention in
     it) is compiled with the [upipe] inner backend."""
     from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
 
@@ -189,7 +189,7 @@ def build_loss_fn_upipe(job_config, **kwargs):
     if not upipe_enabled(job_config):
         return build_cross_entropy_loss(job_config, **kwargs)
     refuse(job_problems(job_facts(job_config), STACK_RULES), SPELLING)
-    loss_fn = stack.stack_loss_fn(job_config) or cross_entropy_loss
+    loss_fn = long_context_stack.stack_loss_fn(job_config) or cross_entropy_loss
     if "loss" in job_config.compile.components and not is_measuring():
         return torch.compile(loss_fn, backend=inner_backend(upipe_config(job_config).inner_backend))
     return loss_fn

@@ -28,7 +28,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from upipe_compile.errors import UnsupportedAttention
-from upipe_compile.integrations.torchtitan import stack
+from upipe_compile.integrations.torchtitan import long_context_stack
 from upipe_compile.integrations.torchtitan.compile_blocks import compile_blocks, upipe_enabled
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import job_problems, refuse
@@ -80,10 +80,10 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     if not upipe_enabled(job):
         return stock(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                      compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
-    problems = stack.mlp_tile_problems(model, job.upipe)  # (the loss chunks are 0.3's own ChunkedLossWrapper's)
+    problems = long_context_stack.mlp_tile_problems(model, job.upipe)  # (the loss chunks are 0.3's own ChunkedLossWrapper's)
     if problems:
         raise UnsupportedAttention("\n".join(problems))
-    stack.tile_mlps(model, job.upipe)
+    long_context_stack.tile_mlps(model, job.upipe)
     compute_rope_rows(model)  # each rank computes its own tokens' RoPE rows: no table
     _apply_ac(model, ac_config, job.upipe, dump_folder)
     compile_blocks(model, job, parallel_dims)
@@ -99,7 +99,7 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     )
     sum_reductions_on_gloo(model, dp_mesh)
     model_dims = model_dims_03(job.model_spec.model)
-    stack.install_offload(model, job, parallel_dims, model_dims)
+    long_context_stack.install_offload(model, job, parallel_dims, model_dims)
     return model
 
 
