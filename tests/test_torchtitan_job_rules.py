@@ -28,7 +28,7 @@ def refusal_of(case) -> str:
     for key, value in case.upipe.items():
         setattr(config.upipe, key, value)
     p = config.parallelism
-    dims = parallel_dims_of(config, p.context_parallel_degree * p.tensor_parallel_degree)
+    dims = parallel_dims_of(config, p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
     spec = get_train_spec("llama3")
     args = spec.model_args["debugmodel_varlen_attn" if case.varlen else "debugmodel"]
     with torch.device("meta"):

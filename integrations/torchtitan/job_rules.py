@@ -184,10 +184,40 @@ def _compiles_the_model(f: JobFacts) -> list[str]:
     return []
 
 
+_WHY_NOT = {
+    "tensor_parallel_degree": "upipe's context parallelism does not run beside tensor parallelism yet (its "
+                              "blocks would hold DTensor shards of the heads)",
+    "pipeline_parallel_degree": "upipe's context parallelism does not run beside pipeline parallelism (each "
+                                "stage would compile part of the blocks with its own CP group)",
+    "expert_parallel_degree": "upipe's context parallelism does not run beside expert parallelism yet (the "
+                              "experts' token all-to-all would sit inside the compiled blocks)",
+}
+
+
 def _other_parallelisms(f: JobFacts) -> list[str]:
-    s = f.spelling
-    return [f"{s.key('parallelism.' + name)} = {degree}: not supported with {s.key('compile.backend')} = \"upipe\" "
-            "(not implemented)" for name, degree in f.other_degrees.items() if degree > 1]
+    """Refused with the numbers of a layout that runs on the same GPUs: the other degree folded
+    into the CP degree (FSDP then shards the weights, experts included, over all of them)."""
+    s, others = f.spelling, {name: degree for name, degree in f.other_degrees.items() if degree > 1}
+    if not others:
+        return []
+    folded = f.cp
+    for degree in others.values():
+        folded *= degree
+    ones = ", ".join(f"{s.key('parallelism.' + name)} = 1" for name in others)
+    layout = f"{ones} and {s.key('parallelism.context_parallel_degree')} = {folded}"
+    ring = _ring_for(folded, f.n_heads)
+    if ring is not None and ring > 1:
+        layout += f" with {s.key('upipe.ring_degree')} = {ring} ({folded // ring} all-to-all ranks per ring step)"
+    return [f"{s.key('parallelism.' + name)} = {degree}: {_WHY_NOT.get(name, 'not supported with upipe')}; "
+            f"the same {folded} GPUs run under upipe as {layout}" for name, degree in others.items()]
+
+
+def _ring_for(cp: int, n_heads) -> int | None:
+    """The smallest ring degree R dividing ``cp`` whose all-to-all degree cp / R divides every
+    head count (None: the head counts are not known)."""
+    if not n_heads:
+        return None
+    return next(r for r in range(1, cp + 1) if cp % r == 0 and all(h % (cp // r) == 0 for h in n_heads))
 
 
 def _seq_len(f: JobFacts) -> list[str]:
