@@ -1,5 +1,8 @@
 """A proven attention block (found by :mod:`upipe_compile.passes.find_block`) as a match: the
-nodes it owns, and its replacement by one ``upipe::attention_block`` call.
+nodes it owns, and its replacement by one ``upipe::attention_block`` call. Blocks are found by
+the ``replace`` pass, after the refusal: a block's attention has passed
+:meth:`~upipe_compile.passes.attention_match.AttentionMatch.problems`, so a block has no problems
+of its own, and one that cannot be fused is a :class:`NotFusable` whose attention keeps the plain op.
 
 Before:
 
@@ -34,7 +37,7 @@ import torch.fx as fx
 from upipe_compile.block.ops import BlockSettings
 from upipe_compile.block.region import BlockRegion, register_region
 from upipe_compile.passes.attention_match import AttentionMatch
-from upipe_compile.passes.context import ATTENTION_CALLS, PassContext
+from upipe_compile.passes.context import PassContext
 from upipe_compile.passes.graph_utils import example
 from upipe_compile.passes.head_separable import extract_head_fn
 
@@ -61,7 +64,8 @@ class Projection:
 
 @dataclass
 class BlockMatch:
-    """One fusable attention block, owning its nodes."""
+    """One fusable attention block, owning its nodes (found after the refusal, for attention
+    that passed it: it is replaced, never refused)."""
 
     attention: AttentionMatch
     x: fx.Node
@@ -80,14 +84,9 @@ class BlockMatch:
     projection_inputs: tuple
     """Per role, what it projects: -1 the block input x, i ``extras[i]``."""
 
-    refusal_kind = ATTENTION_CALLS
-
     @property
     def graph_module(self) -> fx.GraphModule:
         return self.attention.graph_module
-
-    def problems(self, ctx: PassContext) -> list[str]:
-        return self.attention.problems(ctx)
 
     def replace(self, ctx: PassContext) -> None:
         rewrite_block(self, heads_per_stage=ctx.heads_per_stage, world_size=ctx.world, group_name=ctx.group_name,
@@ -145,11 +144,11 @@ def _attention_dtype(block: BlockMatch):
     return None if dtype == example(block.x).dtype else dtype
 
 
-def rewrite_block(block: BlockMatch, **settings) -> int:
+def rewrite_block(block: BlockMatch, **settings) -> None:
     """Insert ``upipe::attention_block`` before the output projection, hand the projection's
     users item 0, erase the block's nodes. ``settings``: the fields of
     :class:`~upipe_compile.block.ops.BlockSettings` but the region id (the block's region is
-    registered here). Returns the region id. The caller lints and recompiles each touched
+    registered here, owned by its graph module). The caller lints and recompiles each touched
     graph module once."""
     region_id = register_region(block_region(block), owner=block.graph_module)
     settings = BlockSettings(region_id, **settings)
@@ -179,7 +178,6 @@ def rewrite_block(block: BlockMatch, **settings) -> int:
     y.meta.update(anchor.meta)
     anchor.replace_all_uses_with(y)
     _erase_dead(graph, block.nodes())
-    return region_id
 
 
 def _erase_dead(graph: fx.Graph, nodes: set) -> None:

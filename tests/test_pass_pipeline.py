@@ -24,19 +24,23 @@ PASSES_DIR = pathlib.Path(passes.__file__).parent
 
 
 def test_every_match_type_has_problems_and_replace():
-    for match_type in (AttentionMatch, BlockMatch, MixerMatch, UnsupportedMatch, TokenMixing, Refusal):
+    for match_type in (AttentionMatch, MixerMatch, UnsupportedMatch, TokenMixing, Refusal):
         for method in ("problems", "replace"):
             assert callable(getattr(match_type, method, None)), (match_type, method)
             assert list(inspect.signature(getattr(match_type, method)).parameters) == ["self", "ctx"], match_type
         assert getattr(match_type, "refusal_kind", None) in passes.context.REFUSAL_KINDS, match_type
     for refused in (UnsupportedMatch, TokenMixing, Refusal):
         assert issubclass(refused, RefusedOp)
+    # a block is found by the replace pass, after the refusal its attention passed: it only replaces itself
+    assert list(inspect.signature(BlockMatch.replace).parameters) == ["self", "ctx"]
+    assert not hasattr(BlockMatch, "problems") and not hasattr(BlockMatch, "refusal_kind")
+    assert "find_block" in inspect.getsource(pipeline._replace)
 
 
 def test_the_passes_run_in_one_ordered_list_with_one_signature():
     names = [name for name, _ in pipeline.PASSES]
     assert len(set(names)) == len(names)
-    assert names.index("refuse") == len(names) - 2 and names[-1] == "replace"  # nothing found after the refusal
+    assert names.index("refuse") == len(names) - 2 and names[-1] == "replace"  # nothing refusable found after it
     for name, run in pipeline.PASSES:
         assert list(inspect.signature(run).parameters) == ["gm", "ctx"], name
 
