@@ -98,19 +98,20 @@ def test_grpo_trains_as_the_stock_trainer(rank_pools, folder, name):
         assert forward >= layers and backward >= layers, ops
 
 
-def test_grpo_resumes_as_if_never_stopped(rank_pools, folder, tmp_path):
-    """UPipeGRPOTrainer on 2 ranks with a reference model and num_iterations=2, AdamW, 4 steps, a
+@pytest.mark.parametrize("world", [2, 4])
+def test_grpo_resumes_as_if_never_stopped(rank_pools, folder, tmp_path, world):
+    """UPipeGRPOTrainer on 2 and 4 ranks with a reference model and num_iterations=2, AdamW, 4 steps, a
     checkpoint every 2 (at a generation boundary): a fresh trainer resumed from the step-2
     checkpoint starts at step 2, generates the same completions (the RNG comes back from the
     checkpoint), and logs the uninterrupted run's losses and ends with its parameters."""
     from hf_trainer_jobs import assert_resumed_as_straight
 
     path = jobs.save_model(folder, "llama")
-    pool = rank_pools(2)
+    pool = rank_pools(world)
     straight = pool.run(jobs.run_resumable, path, str(tmp_path / "straight"))
     resumed = pool.run(jobs.run_resumable, path, str(tmp_path / "resumed"),
                        resume_from=str(tmp_path / "straight" / "checkpoint-2"))
-    for rank in range(2):
+    for rank in range(world):
         assert_resumed_as_straight(straight[rank], resumed[rank], checkpoint_step=2)
 
 
