@@ -25,8 +25,8 @@ STEPS = 4
 
 def test_every_shipped_toml_loads_through_config_manager():
     tomls = sorted(f for f in os.listdir(TOML_DIR) if f.endswith(".toml"))
-    assert tomls == ["debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml", "llama3_8b_upipe_4_nodes.toml",
-                     "llama3_8b_upipe_5m.toml", "qwen3_32b_upipe.toml"]
+    assert tomls == ["debug_model_upipe_cpu.toml", "llama3_70b_upipe_8_nodes.toml", "llama3_8b_upipe.toml",
+                     "llama3_8b_upipe_4_nodes.toml", "llama3_8b_upipe_5m.toml", "qwen3_32b_upipe.toml"]
     for name in tomls:
         config = load_config(os.path.join(TOML_DIR, name))
         assert config.compile.enable and config.compile.backend == "upipe", name

@@ -1,0 +1,113 @@
+"""Llama-3.1-70B on 4 and 8 nodes of 8 H100s by the whole-step estimate: does a job fit, at a
+given length, with UPipe and with Ulysses on the same GPUs and the same ring.
+
+    python benchmarks/fits_70b.py [--report-only]
+    (the torchtitan 0.3 rows need torchtitan 0.3 on the path: PYTHONPATH=.torchtitan03)
+
+Each row is one ``python -m upipe_compile.estimate ... --json`` (one step on fake tensors,
+the device ratio a GPU measured applied, the node's host budget checked), run in its own
+process and kept as JSON under ``benchmarks/results/fits_70b/`` (an existing one is reused:
+delete it to rerun; a 70B step takes minutes on a CPU). Writes
+``benchmarks/results/fits_70b.md``. No tensor parallelism: upipe refuses TP beside its CP, and
+FSDP shards the weights over all the GPUs instead, so there are no TP x ring rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+from tabulate import tabulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RUNS = os.path.join(RESULTS, "fits_70b")
+TOML_8B_4_NODES = "integrations/torchtitan/llama3_8b_upipe_4_nodes.toml"
+TOML_70B_8_NODES = "integrations/torchtitan/llama3_70b_upipe_8_nodes.toml"
+MODULE = "upipe_compile.integrations.torchtitan"
+EIGHT_NODES = ("--parallelism.context_parallel_degree", "64", "--upipe.ring_degree", "8")
+
+# (nodes, method, torchtitan release, the estimate's arguments)
+ROWS = (
+    (4, "UPipe 8 x ring 4, MLP tiles of 16K", "0.2.2",
+     ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", "--training.seq_len", "5242880")),
+    (4, "UPipe 8 x ring 4, MLP tiles of 8K", "0.2.2",
+     ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", "--training.seq_len", "4718592",
+      "--upipe.mlp_tile_tokens", "8192")),
+    (4, "UPipe 8 x ring 4 (shipped config)", "0.3", ("--module", MODULE, "--config", "llama3_70b_upipe_4_nodes")),
+    (8, "UPipe 8 x ring 8", "0.2.2",
+     ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", *EIGHT_NODES, "--training.seq_len", "10485760")),
+    (8, "UPipe 8 x ring 8 (shipped TOML)", "0.2.2", ("--config", TOML_70B_8_NODES)),
+    (8, "Ulysses (U = 64) x ring 8", "0.2.2",
+     ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", *EIGHT_NODES, "--training.seq_len", "11010048",
+      "--upipe.heads_per_stage", "64")),
+    (8, "UPipe 8 x ring 8 (shipped config)", "0.3", ("--module", MODULE, "--config", "llama3_70b_upipe_8_nodes")),
+)
+
+
+def command(arguments: tuple[str, ...]) -> list[str]:
+    return ["python", "-m", "upipe_compile.estimate", *arguments, "--json"]
+
+
+def run_path(arguments: tuple[str, ...]) -> str:
+    slug = re.sub("[^A-Za-z0-9]+", "_", " ".join(a.rsplit("/", 1)[-1] for a in arguments)).strip("_")
+    return os.path.join(RUNS, f"{slug}.json")
+
+
+def run(arguments: tuple[str, ...], report_only: bool) -> dict | None:
+    path = run_path(arguments)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    if report_only:
+        return None
+    cmd = [sys.executable, *command(arguments)[1:]]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout)
+    os.makedirs(RUNS, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def row(nodes: int, method: str, release: str, arguments: tuple[str, ...], r: dict) -> dict:
+    return {
+        "GPUs": f"{8 * nodes} ({nodes} nodes)", "method": method, "torchtitan": release,
+        "seq_len": f"{r['seq_len']:,}", "fits": "yes" if r["fits"] else "no",
+        "estimate GiB": f"{r['peak_device_gib']:.2f}", "on the device GiB": f"{r['expected_device_peak_gib']:.2f}",
+        "budget GiB": f"{r['budget_gib']:.2f}",
+        "host GiB per node": f"{r['host_gib_per_node']:.0f} of {r['host_budget_gib_per_node']:.0f}",
+        "peak in": r["peak_phase"], "command": f"`{' '.join(command(arguments))}`",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report-only", action="store_true", help="write the table from the kept JSON only")
+    args = parser.parse_args()
+    rows = []
+    for nodes, method, release, arguments in ROWS:
+        result = run(arguments, args.report_only)
+        if result is not None:
+            rows.append(row(nodes, method, release, arguments, result))
+    text = ("# Llama-3.1-70B on 4 and 8 nodes of 8 H100s: fits at a length, by the whole-step estimate\n\n"
+            "Made by `python benchmarks/fits_70b.py` (each row's command beside it; the 0.3 rows with "
+            "`PYTHONPATH=.torchtitan03`). \"on the device\": the estimate with the device ratio a GPU "
+            "measured (1.35) applied above the parameters, gradients and optimizer state; a job fits when "
+            "that is within the budget (79.1 GiB of an 80 GB H100 less the CUDA context, NCCL and "
+            "fragmentation) and its offloaded block inputs fit the node's host budget (2 TB less the "
+            "reserve). FSDP shards the weights over all the GPUs (no tensor parallelism).\n\n"
+            + tabulate(rows, headers="keys", tablefmt="github") + "\n")
+    with open(os.path.join(RESULTS, "fits_70b.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
