@@ -29,7 +29,6 @@ most 12 nodes around each softmax.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,8 @@ import torch
 import torch.fx as fx
 
 from upipe_compile.passes.context import RefusedOp
-from upipe_compile.passes.graph_utils import example, graph_modules, is_weight_placeholder, source_line
+from upipe_compile.passes.graph_utils import (example, graph_modules, in_package, is_weight_placeholder, source_line,
+                                              trace_modules)
 
 FLEX_ATTENTION = "flex_attention"
 HAND_WRITTEN = "hand-written attention"
@@ -207,19 +207,13 @@ def _product_of_activations(node: fx.Node, static: set[fx.Node]) -> bool:
 
 def _match(gm: fx.GraphModule, node: fx.Node, static: set[fx.Node]) -> UnsupportedMatch | None:
     if node.target is torch.ops.higher_order.flex_attention:
-        line, transformers = _user_source_line(node)
-        torchtitan = f"{os.sep}torchtitan{os.sep}" in (node.meta.get("stack_trace") or "")
-        fix = TRANSFORMERS_FIX if transformers else TORCHTITAN_FLEX_FIX if torchtitan else FLEX_FIX
-        return UnsupportedMatch(gm, node, FLEX_ATTENTION, line, fix)
+        return UnsupportedMatch(gm, node, FLEX_ATTENTION, source_line(node), flex_fix(node))
     scores = _scores_product(node, static)
     output = _output_product(node, static) if scores is not None else None
     if output is None:
         return None
-    line, transformers = _user_source_line(node)
-    fix = HAND_WRITTEN_FIX
-    if transformers:  # its "eager" attention function (register() replaces it), or the layer's own code
-        fix = TRANSFORMERS_FIX if " in eager_attention_forward" in line else OWN_ATTENTION_FIX
-    return UnsupportedMatch(gm, node, HAND_WRITTEN, line, fix, scores=scores, output=output)
+    line = source_line(node)
+    return UnsupportedMatch(gm, node, HAND_WRITTEN, line, hand_written_fix(node, line), scores=scores, output=output)
 
 
 def _scores_product(softmax: fx.Node, static: set[fx.Node]) -> fx.Node | None:
@@ -263,9 +257,26 @@ def _output_product(softmax: fx.Node, static: set[fx.Node]) -> fx.Node | None:
     return None
 
 
-# --- where -------------------------------------------------------------------------------
-def _user_source_line(node: fx.Node) -> tuple[str, bool]:
-    """The node's source line (:func:`~upipe_compile.passes.find.source_line`: outside torch,
-    where flex_attention's node is recorded) and whether the call comes from a transformers model."""
-    trace = node.meta.get("stack_trace") or ""
-    return source_line(node), f"{os.sep}transformers{os.sep}" in trace
+# --- the fix, by where the call comes from ----------------------------------------------------
+def _called_from(node: fx.Node, package: str) -> bool:
+    """Whether a frame of the node's stack trace is code of ``package``, by the module each frame
+    is (:func:`~upipe_compile.passes.graph_utils.module_of`), the same in a checkout and in
+    site-packages: a folder of that name elsewhere (upipe's own ``integrations/torchtitan/``)
+    is not the package."""
+    return any(in_package(module, package) for module in trace_modules(node))
+
+
+def flex_fix(node: fx.Node) -> str:
+    """A flex_attention call's fix: transformers' (register()), torchtitan's (its varlen or sdpa
+    backend), or plain SDPA."""
+    if _called_from(node, "transformers"):
+        return TRANSFORMERS_FIX
+    return TORCHTITAN_FLEX_FIX if _called_from(node, "torchtitan") else FLEX_FIX
+
+
+def hand_written_fix(node: fx.Node, line: str) -> str:
+    """Hand-written attention's fix: in a transformers model, its "eager" attention function
+    (register() replaces it) or the layer's own code (nothing can); else SDPA."""
+    if not _called_from(node, "transformers"):
+        return HAND_WRITTEN_FIX
+    return TRANSFORMERS_FIX if " in eager_attention_forward" in line else OWN_ATTENTION_FIX

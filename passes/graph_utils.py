@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.fx as fx
 
-from upipe_compile.errors import display_path
+from upipe_compile.errors import display_path, import_path
 
 
 def graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
@@ -107,13 +107,69 @@ def source_line(node: fx.Node) -> str:
     """``file:line in function: code`` of the user's call (the innermost frame outside torch
     and upipe_compile: flex_attention records its node inside torch, document_sdpa and the
     transformers attention function inside upipe), from the node's stack trace."""
+    last = _source_frame(node)
+    if last is None:
+        return f"<graph node {node.name}, no source line recorded>"
+    return f'{display_path(last["file"])}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'
+
+
+def _source_frame(node: fx.Node):
+    """The frame :func:`source_line` names, or None where the node has no stack trace."""
     frames = list(_FRAME.finditer(node.meta.get("stack_trace") or ""))
     if not frames:
-        return f"<graph node {node.name}, no source line recorded>"
+        return None
     library = library_files()
     outside = [frame for frame in frames if os.path.realpath(frame["file"]) not in library]
-    last = (outside or frames)[-1]
-    return f'{display_path(last["file"])}:{last["line"]} in {last["fn"]}: {last["code"].strip()}'
+    return (outside or frames)[-1]
+
+
+def source_module(node: fx.Node) -> str:
+    """The module of the frame :func:`source_line` names (:func:`module_of`; "" where unknown)."""
+    frame = _source_frame(node)
+    return "" if frame is None else module_of(frame["file"])
+
+
+def trace_modules(node: fx.Node) -> list[str]:
+    """The module of every frame of the node's stack trace, outermost first (:func:`module_of`)."""
+    return [module_of(frame["file"]) for frame in _FRAME.finditer(node.meta.get("stack_trace") or "")]
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+_module_files: tuple[int, dict] = (0, {})
+
+
+def module_of(path: str) -> str:
+    """The dotted name of the module a source file is, decided by module and never by the names
+    of the folders above it: the loaded module whose ``__file__`` it is (a checkout's
+    ``integrations/torchtitan/`` is ``upipe_compile.integrations.torchtitan``, not torchtitan),
+    else its path from the ``sys.path`` entry holding it (``.../site-packages/transformers/models/
+    llama/modeling_llama.py`` and a checkout's ``.../src/transformers/cache_utils.py`` alike); ""
+    for neither (``<eval_with_key>.3``, a file outside every import root)."""
+    global _module_files
+    loaded = len(sys.modules)
+    if _module_files[0] != loaded:
+        files = {}
+        for name, module in list(sys.modules.items()):
+            try:
+                file = getattr(module, "__file__", None)
+            except Exception:  # a lazy module may fail on any attribute; it names no frame's file
+                continue
+            if isinstance(file, str) and not name.startswith("__"):  # __main__, __mp_main__: a script
+                files.setdefault(os.path.realpath(file), name)
+        _module_files = (loaded, files)
+    if not os.path.isabs(path):
+        return ""
+    name = _module_files[1].get(os.path.realpath(path))
+    if name is not None:
+        return name
+    imported = import_path(path)
+    if imported is None or not imported.endswith(".py"):
+        return ""
+    parts = imported[:-len(".py")].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def function_of(source_line: str) -> str:

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from upipe_compile.passes.context import TOKEN_MIXING_OPS, RefusedOp
+from upipe_compile.passes.graph_utils import source_module
 
 SEQUENCE_FIX = ("upipe runs every op but attention on this rank's shard of the sequence; run this layer "
                 "without context parallelism, or express it as scaled_dot_product_attention")
 
-_CACHE_SOURCE = "transformers/cache_utils.py"
+_CACHE_MODULE = "transformers.cache_utils"
 CACHE_FIX = ("this is the cache transformers fills when use_cache is on, which would hold this rank's shard: "
              "build the model after calling upipe_compile.integrations.transformers.register(), or switch a model "
              "built before it with model.set_attn_implementation(register()) (either way it runs without a cache "
@@ -37,5 +38,5 @@ class TokenMixing(RefusedOp):
     @property
     def reason(self) -> str:
         where = f" (the reduction over tokens at {self.reduction_line})" if self.reduction_line else ""
-        fix = CACHE_FIX if _CACHE_SOURCE in self.source_line else SEQUENCE_FIX
+        fix = CACHE_FIX if source_module(self.node) == _CACHE_MODULE else SEQUENCE_FIX
         return f"{self.op} {self.why}{where}; {fix}"

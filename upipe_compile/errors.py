@@ -19,15 +19,30 @@ def display_path(path: str) -> str:
 
     if not os.path.isabs(path):  # already relative, or "<string>", "<eval_with_key>.3"
         return path
+    imported = import_path(path)
+    if imported is not None:
+        return imported
     absolute = os.path.realpath(path)
-    roots = [(root, prefix) for root, prefix in _import_roots() if absolute.startswith(root + os.sep)]
-    if roots:
-        root, prefix = max(roots, key=lambda entry: len(entry[0]))
-        return os.path.join(prefix, os.path.relpath(absolute, root))
     cwd = os.path.realpath(os.getcwd())
     if absolute.startswith(cwd + os.sep):
         return os.path.relpath(absolute, cwd)
     return path
+
+
+def import_path(path: str):
+    """An absolute ``path`` from the longest ``sys.path`` entry or upipe folder holding it (the
+    path its module is imported by: ``transformers/models/llama/modeling_llama.py`` from
+    site-packages or from a checkout's ``src/``); None where none holds it, or for a relative path."""
+    import os
+
+    if not os.path.isabs(path):
+        return None
+    absolute = os.path.realpath(path)
+    roots = [(root, prefix) for root, prefix in _import_roots() if absolute.startswith(root + os.sep)]
+    if not roots:
+        return None
+    root, prefix = max(roots, key=lambda entry: len(entry[0]))
+    return os.path.join(prefix, os.path.relpath(absolute, root))
 
 
 _roots_cache: tuple = (None, [])
