@@ -19,13 +19,19 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-import upipe_compile
-from benchmarks.memory import HEAD_DIM, PRESETS, measure_layer, upipe
-from benchmarks.tiny_llama import LlamaConfig, build
-from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
-from upipe_compile.launch import report, run_on_ranks
-from upipe_compile.measure.memory import fake_process_group, measure_op_memory
-from upipe_compile.options import DEFAULT_FUSE_PROJECTIONS
+# `benchmarks/` sits beside this file. Python puts a script's folder on sys.path, except in
+# safe-path mode (-P, -I, PYTHONSAFEPATH): put it there so the demo runs from any folder either way.
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import upipe_compile  # noqa: E402
+from benchmarks.memory import HEAD_DIM, PRESETS, measure_layer, upipe  # noqa: E402
+from benchmarks.tiny_llama import LlamaConfig, build  # noqa: E402
+from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL  # noqa: E402
+from upipe_compile.launch import report, run_on_ranks  # noqa: E402
+from upipe_compile.measure.memory import fake_process_group, measure_op_memory  # noqa: E402
+from upipe_compile.options import DEFAULT_FUSE_PROJECTIONS  # noqa: E402
 
 CONFIG = LlamaConfig(vocab=512, hidden=256, layers=2, q_heads=8, kv_heads=2, ffn=512)
 # Real attention shapes for the memory table, where UPipe's saving shows: Llama3-8B
