@@ -30,7 +30,8 @@ from upipe_compile.integrations.torchtitan.job_rules import SPMD_BACKEND
 from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer
 
 __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
-           "llama3_debugmodel_upipe_cpu", "qwen3_debugmodel_upipe_cpu", "upipe_job"]
+           "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes", "llama3_debugmodel_upipe_cpu",
+           "qwen3_debugmodel_upipe_cpu", "upipe_job"]
 
 LOSS_CHUNK_TOKENS = 4096
 """Local tokens per chunk (at most) of 0.3's ChunkedLossWrapper (lm_head + loss): 4096 x 128256
@@ -51,6 +52,9 @@ def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, u
     p = config.parallelism
     p.context_parallel_degree = context_parallel_degree
     p.data_parallel_shard_degree = 1  # the job's GPUs are its CP ranks (FSDP shards over them too)
+    # torchtitan's 70B and 405B configs shard over TP 8 and pipeline stages; upipe runs neither
+    # beside its CP: FSDP over all the CP ranks shards the weights instead
+    p.tensor_parallel_degree = p.pipeline_parallel_degree = 1
     p.context_parallel_load_balancer = None
     p.spmd_backend = SPMD_BACKEND
     config.compile = CompileConfig(enable=True, components=list(inner_components), backend="upipe")
@@ -112,6 +116,31 @@ def qwen3_32b_upipe() -> UPipeTrainer.Config:
     return upipe_job(qwen3_32b(), model_spec=model_registry("32B", attn_backend="varlen"),
                      context_parallel_degree=16, seq_len=2883584,
                      upipe=UPipe(offload_block_inputs=True, host_memory_reserve_gib=64, mlp_tile_tokens=16384))
+
+
+def llama3_70b_upipe_4_nodes() -> UPipeTrainer.Config:
+    """Llama-3.1-70B, 4,718,592 tokens (4.5 x 2^20) on four 8-GPU nodes (P = 32): the all-to-all
+    within each node, ring attention across the four, the long-context stack with SwiGLU over
+    8K-token tiles and fused blocks that keep no attention output. No tensor parallelism: FSDP shards the
+    weights over all 32 GPUs. Expected on the device with the estimate's device ratio: 69.03 GiB
+    of the 72.95 budget; host memory 1,440 GiB per node."""
+    from torchtitan.models.llama3.config_registry import llama3_70b
+
+    return upipe_job(llama3_70b(), model_spec=_llama3("70B"), context_parallel_degree=32, seq_len=4718592,
+                     upipe=UPipe(ring_degree=4, offload_block_inputs=True, host_memory_reserve_gib=64,
+                                 mlp_tile_tokens=8192, recompute_attention_output=True))
+
+
+def llama3_70b_upipe_8_nodes() -> UPipeTrainer.Config:
+    """Llama-3.1-70B, 11,010,048 tokens (10.5 x 2^20) on eight 8-GPU nodes (P = 64): UPipe 8 x
+    ring 8 with the long-context stack; FSDP shards the weights over all 64 GPUs. Expected on the device with
+    the estimate's device ratio: 63.71 GiB of the 72.95 budget; host memory 1,680 GiB per node
+    (the bound: 80 layers of offloaded block inputs)."""
+    from torchtitan.models.llama3.config_registry import llama3_70b
+
+    return upipe_job(llama3_70b(), model_spec=_llama3("70B"), context_parallel_degree=64, seq_len=11010048,
+                     upipe=UPipe(ring_degree=8, offload_block_inputs=True, host_memory_reserve_gib=64,
+                                 mlp_tile_tokens=16384))
 
 
 def llama3_debugmodel_upipe_cpu() -> UPipeTrainer.Config:

@@ -17,7 +17,8 @@ from upipe_compile.stack.host_memory import HOST_BUDGET_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULE = "upipe_compile.integrations.torchtitan"
-SHIPPED = ("llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe")
+SHIPPED = ("llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
+           "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes")
 DEBUG = "llama3_debugmodel_upipe_cpu"
 RUNS = EstimateRuns({config: ["--module", MODULE, "--config", config, "--json"] for config in (*SHIPPED, DEBUG)},
                     cwd=ROOT)
