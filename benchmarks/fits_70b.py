@@ -96,14 +96,15 @@ def main() -> None:
         result = run(arguments, args.report_only)
         if result is not None:
             rows.append(row(nodes, method, release, arguments, result))
-    text = ("# Llama-3.1-70B on 4 and 8 nodes of 8 H100s: fits at a length, by the whole-step estimate\n\n"
-            "Made by `python benchmarks/fits_70b.py` (each row's command beside it; the 0.3 rows with "
+    text = ("# python benchmarks/fits_70b.py\n"
+            "# Llama-3.1-70B on 4 and 8 nodes of 8 H100s: fits at a length, by the whole-step estimate\n\n"
+            "Each row's command is beside it (the 0.3 rows with "
             "`PYTHONPATH=.torchtitan03`). \"on the device\": the estimate with the device ratio a GPU "
             "measured (1.35) applied above the parameters, gradients and optimizer state; a job fits when "
             "that is within the budget (79.1 GiB of an 80 GB H100 less the CUDA context, NCCL and "
             "fragmentation) and its offloaded block inputs fit the node's host budget (2 TB less the "
             "reserve). FSDP shards the weights over all the GPUs (no tensor parallelism).\n\n"
-            + tabulate(rows, headers="keys", tablefmt="github") + "\n")
+            + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True) + "\n")
     with open(os.path.join(RESULTS, "fits_70b.md"), "w") as f:
         f.write(text)
     print(text)
