@@ -15,15 +15,18 @@ FSDP shards the weights over all the GPUs instead, so there are no TP x ring row
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 
 from tabulate import tabulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, ROOT)
+
+from benchmarks.estimate_runs import kept_estimate  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RUNS = os.path.join(RESULTS, "fits_70b")
 TOML_8B_4_NODES = "integrations/torchtitan/llama3_8b_upipe_4_nodes.toml"
@@ -59,21 +62,7 @@ def run_path(arguments: tuple[str, ...]) -> str:
 
 
 def run(arguments: tuple[str, ...], report_only: bool) -> dict | None:
-    path = run_path(arguments)
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    if report_only:
-        return None
-    cmd = [sys.executable, *command(arguments)[1:]]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout)
-    os.makedirs(RUNS, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return kept_estimate(command(arguments)[3:], run_path(arguments), ROOT, report_only)
 
 
 def row(nodes: int, method: str, release: str, arguments: tuple[str, ...], r: dict) -> dict:

@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from tabulate import tabulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, ROOT)
+
+from benchmarks.estimate_runs import kept_estimate  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RUNS = os.path.join(RESULTS, "max_context_03")
 MODULE = "upipe_compile.integrations.torchtitan"
@@ -49,21 +53,7 @@ def run_path(config: str, overrides: tuple[str, ...]) -> str:
 
 
 def run(config: str, overrides: tuple[str, ...], report_only: bool) -> dict | None:
-    path = run_path(config, overrides)
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    if report_only:
-        return None
-    cmd = [sys.executable, *command(config, overrides)[1:]]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout)
-    os.makedirs(RUNS, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return kept_estimate(command(config, overrides)[3:], run_path(config, overrides), ROOT, report_only)
 
 
 def _gib(result: dict | None, key: str) -> str:
