@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 from benchmarks.estimate_runs import kept_estimate  # noqa: E402
 

@@ -41,7 +41,7 @@ from collections import defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
@@ -243,10 +243,13 @@ def _origin(frames: list[dict]) -> str:
 
 
 def _frame(frame: dict) -> str:
-    name = frame["filename"]
-    for marker in ("site-packages/", ROOT + os.sep):
-        if marker in name:
-            name = name.split(marker, 1)[1]
+    """A frame as the tables name it: the file by its import path, never the machine's folders
+    (inductor's generated code, outside every import root, by its file name)."""
+    from upipe_compile.errors import display_path
+
+    name = display_path(frame["filename"])
+    if os.path.isabs(name) and "torchinductor_" in name:
+        name = "inductor/" + os.path.basename(name)
     return f"{name}:{frame['line']} ({frame['name']})"
 
 
@@ -436,7 +439,9 @@ def main(argv=None) -> int:
         return 0
     rows, failures = run(args.tiny, args.layers, args.seqs, args.timeout, args.cuda_kernel, not args.estimates_only,
                          args.upipe_alone_seqs)
-    command = " ".join(["python benchmarks/gpu_rank.py", *(argv if argv is not None else sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    shown = [os.path.basename(arg) if i and given[i - 1] == "--out" else arg for i, arg in enumerate(given)]
+    command = " ".join(["python benchmarks/gpu_rank.py", *shown])  # no machine folders in a committed table
     device = rows[0]["device"] if rows else "the device"
     text = (f"# {command}\n# one rank of the job on {device}, fake process group for the others, "
             f"{' and '.join(map(str, args.layers))} layers, torch {torch.__version__}\n\n{table(rows)}\n")

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 from benchmarks.report import emit  # noqa: E402
 from upipe_compile.launch import RankError, RankPool  # noqa: E402

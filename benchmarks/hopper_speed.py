@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402

@@ -46,7 +46,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: make `benchmarks` and `upipe_compile` importable
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 import torch  # noqa: E402
 
