@@ -5,6 +5,7 @@ registry picks; their backward workspace."""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -317,8 +318,18 @@ def test_cudnn_backward_workspace_model():
     ws = kernels.CudnnKernels.backward_workspace(1, 4, 2, 1000, 128, torch.bfloat16, False, H100_SMS)
     assert ws == {
         "softmax_sum": ((1, 4, 1000), torch.float32), "dq_accum": ((1, 4, 1000, 128), torch.float32),
-        "dk_accum": ((1, 2, 1000, 128), torch.float32), "dv_accum": ((1, 2, 1000, 128), torch.float32),
+        "dk_expanded": ((1, 4, 1000, 128), torch.bfloat16), "dv_expanded": ((1, 4, 1000, 128), torch.bfloat16),
     }
+    assert set(kernels.CudnnKernels.backward_workspace(1, 4, 4, 1000, 128, torch.bfloat16, False, H100_SMS)) == {
+        "softmax_sum", "dq_accum"}
+
+
+def test_cudnn_workspace_equals_the_h200_measurement():
+    """The one allocation an H200 made in cuDNN's backward (benchmarks/results/gpu/
+    gpu_rank_flagship_h200.md, Ulysses at 2M: 8.031 GiB for 4 query heads over 1 KV head)."""
+    ws = kernels.CudnnKernels.backward_workspace(1, 4, 1, 2097152, 128, torch.bfloat16, False, H100_SMS)
+    total = sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in ws.values())
+    assert total == 8.03125 * 2**30
 
 
 def test_a_call_the_preferred_kernel_cannot_run_goes_to_the_next_installed():

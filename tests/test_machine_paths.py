@@ -16,14 +16,7 @@ MACHINE_PATH = re.compile(r"site-packages|/\.?venv/|(?<![\w.~-])/(?:root|home|wo
 
 # Files that still hold such paths, with why they are not regenerated yet (a glob from the repo
 # root -> why). Remove an entry once its files are clean; never add one to make a new file pass.
-KNOWN = {
-    "benchmarks/results/gpu/*": "raw logs of GPU runs: torch's and pytest's warnings as printed (regenerated "
-                                "only on a GPU machine)",
-    "benchmarks/results/throughput.csv": "the command that wrote it had --out-dir /tmp/tp (a timing run)",
-    "benchmarks/results/throughput_profile.csv": "the command that wrote it had --out-dir /tmp/tp (a timing run)",
-    "benchmarks/results/fused_speed/throughput.csv": "the command that wrote it had --out-dir /tmp/speed "
-                                                     "(a timing run)",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _scanned_files() -> list[Path]:

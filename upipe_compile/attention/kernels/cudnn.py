@@ -104,19 +104,20 @@ class CudnnKernels(PerDocumentKernels):
     @staticmethod
     def backward_workspace(batch, q_heads, kv_heads, seq, head_dim, dtype, deterministic, sms, documents=None):
         """cuDNN sizes its backward workspace itself (``get_workspace_size()``, allocated
-        through torch's caching allocator) and does not document it; modelled as its
-        FlashAttention-2-style algorithm needs: an fp32 dQ accumulator and the fp32 row sums
-        dO·O per query head, and with GQA fp32 dK/dV accumulators per KV head. Not yet
-        measured (benchmarks/gpu_check.py, section 2, with this kernel installed). Packed
-        documents run per document, so the model's largest call is one document's."""
+        through torch's caching allocator) and does not document it. Measured on an H200
+        (torch 2.11, cuDNN 9, benchmarks/results/gpu/gpu_rank_flagship_h200.md): 8.031 GiB in one
+        allocation for 4 query heads over 1 KV head, 2M tokens, head_dim 128, bf16, which is
+        exactly an fp32 dQ accumulator and fp32 row sums dO·O per query head plus, with GQA,
+        dK and dV expanded to every query head in the input dtype (reduced to the KV heads
+        after). Packed documents run per document, so the model's largest call is one document's."""
         fp32 = torch.float32
         workspace = {
             "softmax_sum": ((batch, q_heads, seq), fp32),
             "dq_accum": ((batch, q_heads, seq, head_dim), fp32),
         }
         if kv_heads != q_heads:
-            workspace["dk_accum"] = ((batch, kv_heads, seq, head_dim), fp32)
-            workspace["dv_accum"] = ((batch, kv_heads, seq, head_dim), fp32)
+            workspace["dk_expanded"] = ((batch, q_heads, seq, head_dim), dtype)
+            workspace["dv_expanded"] = ((batch, q_heads, seq, head_dim), dtype)
         return workspace
 
     def forward(self, q, k, v, is_causal: bool, scale: float | None, window=NO_WINDOW, softcap: float = 0.0,
