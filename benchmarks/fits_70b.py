@@ -26,6 +26,7 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
     sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 from benchmarks.estimate_runs import kept_estimate  # noqa: E402
+from upipe_compile.estimate.gpu import DEVICE_RATIO  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RUNS = os.path.join(RESULTS, "fits_70b")
@@ -89,7 +90,7 @@ def main() -> None:
             "# Llama-3.1-70B on 4 and 8 nodes of 8 H100s: fits at a length, by the whole-step estimate\n\n"
             "Each row's command is beside it (the 0.3 rows with "
             "`PYTHONPATH=.torchtitan03`). \"on the device\": the estimate with the device ratio a GPU "
-            "measured (1.35) applied above the parameters, gradients and optimizer state; a job fits when "
+            f"measured ({DEVICE_RATIO}) applied above the parameters, gradients and optimizer state; a job fits when "
             "that is within the budget (79.1 GiB of an 80 GB H100 less the CUDA context, NCCL and "
             "fragmentation) and its offloaded block inputs fit the node's host budget (2 TB less the "
             "reserve). FSDP shards the weights over all the GPUs (no tensor parallelism).\n\n"

@@ -27,10 +27,14 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from upipe_compile.estimate.step_time import ModelShape, Setup, step_time
-from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
+
+from benchmarks.estimate_runs import stale_ratio  # noqa: E402
+from upipe_compile.estimate.gpu import DEVICE_RATIO  # noqa: E402
+from upipe_compile.estimate.step_time import ModelShape, Setup, step_time  # noqa: E402
+from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 RUNS = os.path.join(RESULTS, "max_context")
 TOMLS = os.path.join(ROOT, "integrations", "torchtitan")
@@ -155,11 +159,13 @@ def run(model: Model, u: int, variant: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
-        if "bound" in result:
+        if stale_ratio(result, command(model, u, variant)):
+            pass  # searched under an older device ratio: search again
+        elif "bound" in result:
             return result
         # Searched before the host bound: the device bound stopped it (the next grid step was
         # probed and broke the device budget), valid as long as its host memory fits.
-        if result["host_gib_per_node"] <= HOST_BUDGET_GIB:
+        elif result["host_gib_per_node"] <= HOST_BUDGET_GIB:
             return {**result, "bound": "device"}
     cmd = [sys.executable, *command(model, u, variant)[1:]]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -303,7 +309,7 @@ def write_report(results) -> str:
         "as `[upipe] host_memory_reserve_gib`'s default, which the job checks at start). \"bound\"",
         "says which budget the next grid step breaks: device or host.", "",
         "\"device ratio\": what the search applied to the peak above the persistent state before",
-        "it met the budget (docs/estimate.md, \"On the device\"): 1.35, the largest ratio measured",
+        f"it met the budget (docs/estimate.md, \"On the device\"): {DEVICE_RATIO}, the largest ratio measured",
         "on a GPU against the estimate, for the rows searched since it is applied; 1 for the rows",
         "searched before, whose lengths hold only if a device agrees with the estimate (\"peak GiB",
         "there\" is the estimate's own peak in both).", "",

@@ -99,7 +99,7 @@ class Row:
     seq_len: int | None = None
     """None: a max-context search; else a plain estimate at this length."""
     device_ratio: float | None = None
-    """None: the estimate's default (1.35); 1: the estimate's own peak against the budget."""
+    """None: the estimate's default (gpu.DEVICE_RATIO); 1: the estimate's own peak against the budget."""
 
     @property
     def heads_per_stage(self) -> int | None:
@@ -278,7 +278,9 @@ def write_report(results) -> str:
         "\"bound\" says which budget the next grid step (1024 x P tokens) breaks.", "",
         "\"device ratio\": what the search applied to the peak above the persistent state before it met",
         "the budget (docs/estimate.md, \"On the device\"): 1.35, the largest ratio measured on a GPU",
-        "against the estimate (measured on torchtitan jobs; this path has not been measured on a GPU).",
+        "against the estimate when these rows were searched (measured on torchtitan jobs; this path has",
+        "not been measured on a GPU). The estimate applies 1.39 since a cuDNN run on an H200; rows",
+        "searched at 1.35 are about 3 % longer than a search today would give.",
         "\"peak GiB there\" is the estimate's own peak at the row's length; \"expected on device GiB\" is",
         "that peak with the ratio applied, the number the budget is checked against. The lengths are",
         "the estimate's, not runs on GPUs. One four-node row is searched with ratio 1 (the estimate's",

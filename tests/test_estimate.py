@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import glob
 import json
 import math
 import os
@@ -403,3 +404,23 @@ def test_plan_overrides_turn_off_what_the_job_turned_on():
     assert Plan(settings, None, 1.0, [], given).overrides() == [
         "--upipe.heads_per_stage", "8", "--upipe.ring_degree", "1", "--upipe.no-keep_attention",
         "--upipe.offload_block_inputs"]
+
+
+@pytest.mark.parametrize("kept", sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "fits_70b", "*.json"))),
+                         ids=os.path.basename)
+def test_a_kept_report_reads_the_same_under_its_own_ratio_and_moves_with_another(kept):
+    """with_device_ratio: a committed 70B report re-rated under the ratio it was made with gives
+    its own expected peak and fits (the formula is the estimate's), and under a larger ratio only
+    the part above the persistent state grows."""
+    from upipe_compile.estimate.report import PERSISTENT, with_device_ratio
+
+    with open(kept) as f:
+        report = json.load(f)
+    same = with_device_ratio(report, report["device_ratio"])
+    assert same["expected_device_peak_gib"] == pytest.approx(report["expected_device_peak_gib"], abs=1e-5)
+    assert (same["fits"], same["fits_device"]) == (report["fits"], report["fits_device"])
+    persistent = sum(report["breakdown"][k] for k in PERSISTENT)
+    larger = with_device_ratio(report, report["device_ratio"] + 0.5)
+    grown = larger["expected_device_peak_gib"] - report["expected_device_peak_gib"]
+    assert grown == pytest.approx(0.5 * (report["peak_device_gib"] - persistent), abs=1e-5)
+    assert larger["device_ratio"] == report["device_ratio"] + 0.5

@@ -34,6 +34,7 @@ from upipe_compile.passes.block_match import block_region
 WORLD = 2
 BLOCK = torch.ops.upipe.attention_block.default
 PLAIN = torch.ops.upipe.attention.default
+REGION_ARG = 11  # upipe::attention_block(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, region_id, ...)
 
 
 # fake_world / world: tests/conftest.py, over this module's WORLD ranks
@@ -617,3 +618,34 @@ def test_a_fused_region_lives_as_long_as_its_compiled_graph(world):
     assert region() is None
     with pytest.raises(RuntimeError, match="not registered"):
         region_by_id(region_id)
+
+
+# --- no state a compile inherits from what ran before ----------------------------------------
+def graph_shape(gm: fx.GraphModule) -> list:
+    """What a rewrite decided, module by module: each node's op, target and the shapes it carries.
+    A block's region id (a counter, one per registered region) is left out: it names the
+    region, it decides nothing."""
+    def args(n):
+        values = ["region" if n.target is BLOCK and i == REGION_ARG else a for i, a in enumerate(n.args)]
+        return [fx.node.map_arg(a, lambda node: node.name) for a in values] + \
+            [(k, fx.node.map_arg(v, lambda node: node.name)) for k, v in n.kwargs.items()]
+    return [[(n.op, str(n.target), args(n), tuple(getattr(n.meta.get("val"), "shape", ())))
+             for n in m.graph.nodes] for m in modules(gm)]
+
+
+def test_a_model_compiles_the_same_after_another_model(world):
+    """The same model compiled twice in one process after a different one (another family, a
+    refused block, another shape) gives the same rewritten graph as when it is compiled first."""
+    def rewritten(kind, length):
+        torch._dynamo.reset()
+        capture = Capture()
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(1))
+        torch.compile(hf_model(kind, False).model, backend=capture, fullgraph=True)(input_ids=ids)
+        return graph_shape(capture.one()[1])
+
+    first = rewritten("llama", 16)
+    rewritten("olmo2", 24)  # its block is refused: the plain op instead
+    rewritten("qwen3", 8)
+    assert rewritten("llama", 16) == first
+    assert rewritten("llama", 16) == first
+    assert rewritten("llama", 8) != first  # the comparison sees what differs

@@ -86,7 +86,7 @@ def llama3_8b_upipe_5m() -> UPipeTrainer.Config:
     offloaded to host memory, SwiGLU over 16K-token tiles, 0.3's chunked loss), and fused blocks
     that keep no attention output for backward (``recompute_attention_output``: one more
     attention forward per block). Expected on the device with the estimate's device ratio:
-    71.15 GiB of the 72.95 budget; without recompute_attention_output 77.9 (0.3's chunked loss
+    72.82 GiB of the 72.95 budget; without recompute_attention_output 79.8 (0.3's chunked loss
     keeps an fp32 gradient of the hidden states that 0.2.2's path does not)."""
     from torchtitan.models.llama3.config_registry import llama3_8b
 
@@ -96,13 +96,13 @@ def llama3_8b_upipe_5m() -> UPipeTrainer.Config:
 
 
 def llama3_8b_upipe_4_nodes() -> UPipeTrainer.Config:
-    """Llama3-8B, 16.5M tokens on four 8-GPU nodes (P = 32): the all-to-all within each node,
+    """Llama3-8B, 16M tokens (2^24) on four 8-GPU nodes (P = 32): the all-to-all within each node,
     ring attention across the four (upipe.ring_degree = 4), with the long-context stack.
-    Expected on the device with the estimate's device ratio: 72.32 GiB of the 72.95 budget
-    (the 0.2.2 TOML fits 17.5M: 0.3's chunked loss keeps an fp32 gradient of the hidden states)."""
+    Expected on the device with the estimate's device ratio: 72.29 GiB of the 72.95 budget
+    (the 0.2.2 TOML fits 17.25M: 0.3's chunked loss keeps an fp32 gradient of the hidden states)."""
     from torchtitan.models.llama3.config_registry import llama3_8b
 
-    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=32, seq_len=17301504,
+    return upipe_job(llama3_8b(), model_spec=_llama3("8B"), context_parallel_degree=32, seq_len=16777216,
                      upipe=UPipe(ring_degree=4, offload_block_inputs=True, host_memory_reserve_gib=64,
                                  mlp_tile_tokens=16384))
 
@@ -122,7 +122,7 @@ def llama3_70b_upipe_4_nodes() -> UPipeTrainer.Config:
     """Llama-3.1-70B, 4,718,592 tokens (4.5 x 2^20) on four 8-GPU nodes (P = 32): the all-to-all
     within each node, ring attention across the four, the long-context stack with SwiGLU over
     8K-token tiles and fused blocks that keep no attention output. No tensor parallelism: FSDP shards the
-    weights over all 32 GPUs. Expected on the device with the estimate's device ratio: 69.03 GiB
+    weights over all 32 GPUs. Expected on the device with the estimate's device ratio: 70.11 GiB
     of the 72.95 budget; host memory 1,440 GiB per node."""
     from torchtitan.models.llama3.config_registry import llama3_70b
 
@@ -134,7 +134,7 @@ def llama3_70b_upipe_4_nodes() -> UPipeTrainer.Config:
 def llama3_70b_upipe_8_nodes() -> UPipeTrainer.Config:
     """Llama-3.1-70B, 11,010,048 tokens (10.5 x 2^20) on eight 8-GPU nodes (P = 64): UPipe 8 x
     ring 8 with the long-context stack; FSDP shards the weights over all 64 GPUs. Expected on the device with
-    the estimate's device ratio: 63.71 GiB of the 72.95 budget; host memory 1,680 GiB per node
+    the estimate's device ratio: 65.11 GiB of the 72.95 budget; host memory 1,680 GiB per node
     (the bound: 80 layers of offloaded block inputs)."""
     from torchtitan.models.llama3.config_registry import llama3_70b
 

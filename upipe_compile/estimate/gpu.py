@@ -31,14 +31,14 @@ CUBLAS_WORKSPACES_GIB = 4 * 32 / 1024
 ``CUBLAS_WORKSPACE_CONFIG`` there), for the forward's thread and autograd's device thread (one
 handle each): taken from the caching allocator, so counted by ``max_memory_allocated``."""
 
-DEVICE_RATIO = 1.35
+DEVICE_RATIO = 1.39
 """A CUDA step's peak over the estimate's, for what the step holds beyond its persistent state
 (sharded parameters and gradients, optimizer state, model buffers: counted exactly). Measured
-on one H200 (torch 2.11, aten's flash kernel, one rank of the 8-GPU Llama3-8B job with 1 of its
-32 layers, benchmarks/results/gpu/gpu_rank_h200.md): 1.16-1.34 against the current estimate
-(cuBLAS's workspaces modelled) for UPipe, UPipe + keep_attention and Ulysses at 256K-1M
-tokens; the largest, rounded up. Until a device run of the current estimate
-(benchmarks/gpu_rank.py) says otherwise. docs/estimate.md, "On the device"."""
+on one H200 (torch 2.11, one rank of the 8-GPU Llama3-8B job with 1 of its 32 layers): with
+aten's flash kernel 1.16-1.34 at 256K-1M tokens (benchmarks/results/gpu/gpu_rank_h200.md); with
+cuDNN, the kernel a Hopper GPU runs first, 1.20 and 1.38 for UPipe at 1M and 2M and 1.30-1.31
+for Ulysses (benchmarks/results/gpu/gpu_rank_flagship_h200.md, cuDNN's workspace modelled as
+measured). The largest, rounded up. docs/estimate.md, "On the device"."""
 
 
 def device_peak_gib(peak_gib: float, persistent_gib: float, ratio: float = DEVICE_RATIO) -> float:

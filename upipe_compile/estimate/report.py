@@ -87,7 +87,7 @@ def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, worl
     host = memory.host_peak / GIB + sum(modelled_host.values())
     host_per_node = host * min(world, gpus_per_node)
     breakdown = _breakdown(memory)
-    persistent = sum(breakdown[k] for k in ("sharded_params", "sharded_grads", "optimizer_state", "model_buffers"))
+    persistent = sum(breakdown[k] for k in PERSISTENT)
     expected = device_peak_gib(peak, persistent, device_ratio)
     fits_device, fits_host = expected <= budget, host_per_node <= host_gib
     return Estimate(
@@ -137,6 +137,21 @@ _CATEGORIES = {
 
 def _gib(x: int) -> float:
     return round(x / GIB, 6)
+
+
+PERSISTENT = ("sharded_params", "sharded_grads", "optimizer_state", "model_buffers")
+"""The breakdown's kinds the device ratio does not scale (counted exactly)."""
+
+
+def with_device_ratio(report: dict, ratio: float) -> dict:
+    """A JSON report (:meth:`Estimate.as_json`) as the same step reads under another device
+    ratio: the expected peak and the fits follow from the measured peak and persistent state,
+    which the ratio leaves as they are (a max-context search's length does not: search again)."""
+    persistent = sum(report["breakdown"][k] for k in PERSISTENT)
+    expected = device_peak_gib(report["peak_device_gib"], persistent, ratio)
+    fits_device = expected <= report["budget_gib"]
+    return {**report, "device_ratio": ratio, "expected_device_peak_gib": round(expected, 6),
+            "fits_device": fits_device, "fits": fits_device and report["fits_host"]}
 
 
 def _breakdown(memory: StepMemory) -> dict[str, float]:
