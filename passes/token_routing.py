@@ -12,12 +12,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 _aten = torch.ops.aten
-ROW_ROUTING = {
+ROW_ROUTING = frozenset({
     _aten.index, _aten.index_select, _aten.gather, _aten.index_add, _aten.index_add_, _aten.index_put,
     _aten.index_put_, _aten.index_copy, _aten.index_copy_, _aten.scatter, _aten.scatter_, _aten.scatter_add,
     _aten.scatter_add_, _aten.scatter_reduce, _aten.scatter_reduce_, _aten._grouped_mm,
     _aten.masked_select, _aten.masked_scatter, _aten.masked_scatter_,
-}
+})
 """Ops that move rows by an index: with a routing table as the index (an MoE layer's
 dispatch and combine on this shard's tokens) they keep each token's values its own."""
 _ROW_GATHERS = {_aten.index, _aten.index_select, _aten.gather, _aten.masked_select}
@@ -26,7 +26,7 @@ _ROW_GROUPING = {_aten.split, _aten.split_with_sizes, _aten.cat}
 """Ops that cut rows in routing order into their experts' groups or join the groups."""
 _ROW_PRODUCTS = {_aten.mm, _aten.addmm}
 """An expert's projection of its group of rows."""
-ROUTING_SOURCES = {_aten.sort, _aten.argsort}
+ROUTING_SOURCES = frozenset({_aten.sort, _aten.argsort})
 """Integer token data (expert ids) sorted on this shard: an MoE dispatch's routing table. Any
 other op that mixes integer token data (positions from a cumsum over the shard's mask) is
 refused like any value."""

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 _aten = torch.ops.aten
-VIEW_ALIASES = {
+VIEW_ALIASES = frozenset({
     _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.alias.default,
     _aten.view.dtype, _aten.lift_fresh.default, _aten.detach.default,
-}
+})
 """Shape-only ops: a placement moves with the view."""
 
 
