@@ -77,6 +77,10 @@ MODELS = {
 FOUR_NODES = Model("llama-3.1-8b", "Llama-3.1-8B", 32, cp=32, ring=4)
 """Four 8-GPU nodes as one 32-rank context-parallel group (ParallelismConfig(cp_size=32), FSDP2 over
 all 32) in a ring of 4 all-to-all groups of 8, one a node (``ring_degree=4``)."""
+MOE_FOUR_NODES = Model("qwen3-30b-a3b", "Qwen3-30B-A3B (MoE)", 32, cp=32, ring=4)
+"""The same four nodes for a mixture-of-experts model (30.5B parameters, 128 experts, 8 a token):
+its experts are not tiled (the stack without the tiled MLP). On one node its fp32 parameters,
+gradients and AdamW state alone take 56 GiB a rank."""
 
 START = {  # the first probe of each search, by (method, variant[, P]): near the answer saves probes
     ("UPipe", "whole stack"): 4_194_304,
@@ -87,6 +91,8 @@ START = {  # the first probe of each search, by (method, variant[, P]): near the
     ("UPipe", "whole stack", 32): 16_777_216,
     ("Ulysses", "whole stack", 32): 12_582_912,
     ("accelerate CP", "no tiled MLP"): 1_048_576,
+    ("UPipe", "no tiled MLP", 32): 8_388_608,
+    ("Ulysses", "no tiled MLP", 32): 4_194_304,
 }
 
 
@@ -160,6 +166,8 @@ def rows(only: list[str] | None) -> list[Row]:
     for method in ("UPipe", "Ulysses"):
         out.append(Row(FOUR_NODES, method, "whole stack"))
     out.append(Row(FOUR_NODES, "UPipe", "whole stack", device_ratio=1.0))
+    for method in ("UPipe", "Ulysses"):
+        out.append(Row(MOE_FOUR_NODES, method, "no tiled MLP"))
     return [row for row in out if not only or row.model.key in only]
 
 
@@ -316,7 +324,7 @@ def write_report(results) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2, help="estimates run at once (each uses about one core)")
-    parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="only these models")
+    parser.add_argument("--only", nargs="*", choices=sorted({*MODELS, MOE_FOUR_NODES.key}), help="only these models")
     parser.add_argument("--report-only", action="store_true", help="only rows whose JSON exists; run nothing")
     parser.add_argument("--rows", help="only rows whose 'model / method / stack' contains this text")
     args = parser.parse_args(argv)

@@ -122,6 +122,10 @@ def test_shipped_configs_load():
     assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.num_key_value_heads,
             big.intermediate_size) == (8192, 80, 64, 8, 28672)
     assert (qwen.model_type, qwen.num_hidden_layers, qwen.vocab_size) == ("qwen3", 36, 151936)
+    moe = load_config("qwen3-30b-a3b")
+    assert (moe.model_type, moe.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok,
+            moe.moe_intermediate_size, moe.num_attention_heads, moe.num_key_value_heads) == \
+        ("qwen3_moe", 48, 128, 8, 768, 32, 4)
 
 
 @pytest.mark.parametrize("job, error, words", [
