@@ -181,14 +181,16 @@ def test_route_refuses_what_the_backend_refuses(group):
 
 def test_activations_offloaded_to_host_device_count_as_host_memory(group):
     """The contract for offload code (integrations/torchtitan/measurement.py): host copies made
-    on ``host_device()`` while measuring land on "meta", which the step's tracker reports as
+    on ``host_device(job_config)`` of a measured job land on "meta", which the step's tracker reports as
     host memory, apart from the device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from upipe_compile.estimate.step import DEVICE, PhaseTracker
-    from upipe_compile.integrations.torchtitan.measurement import host_device, measuring
+    from types import SimpleNamespace
+
+    from upipe_compile.integrations.torchtitan.measurement import host_device, measured
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -198,19 +200,20 @@ def test_activations_offloaded_to_host_device_count_as_host_memory(group):
     activation_bytes = 32 * 64 * 4
 
     def offload(t):  # what an offload hook does with a block's saved input
-        return t.to(host_device()) if t.shape == (32, 64) else t
+        return t.to(host_device(job)) if t.shape == (32, 64) else t
 
     def bring_back(t):
-        return torch.empty_like(t, device=DEVICE) if t.device == host_device() else t
+        return torch.empty_like(t, device=DEVICE) if t.device == host_device(job) else t
 
-    with measuring(), FakeTensorMode(allow_non_fake_inputs=True):
+    job = measured(SimpleNamespace(upipe=SimpleNamespace()))  # the estimate's job config
+    with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(32, 64, requires_grad=True)
         tracker = PhaseTracker(model, None)
         with tracker:
             with torch.autograd.graph.saved_tensors_hooks(offload, bring_back):
                 out = model(x)
             out.sum().backward()
-    assert host_device() == torch.device("cpu")  # outside measuring(): real host memory
+    assert host_device(SimpleNamespace(upipe=SimpleNamespace())) == torch.device("cpu")  # another job's: real host
     assert tracker.host_peak() == 2 * activation_bytes  # both layers' inputs, until backward
     assert tracker.device_peak_snapshot()["Total"] > 0
 

@@ -263,7 +263,7 @@ def _rope_table_seen_by_the_blocks():
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan import parallelize_qwen3_upipe
-    from upipe_compile.integrations.torchtitan.measurement import measuring
+    from upipe_compile.integrations.torchtitan.measurement import measured
 
     torchtitan_on_cpu()
     config = load_config(DEBUG_TOML, "--model.name=qwen3", "--model.flavor=debugmodel",
@@ -275,8 +275,7 @@ def _rope_table_seen_by_the_blocks():
     args.update_from_config(config)
     with torch.device("meta"):
         model = get_train_spec("qwen3").model_cls(args)
-    with measuring():  # nothing compiled
-        model = parallelize_qwen3_upipe(model, dims, config)
+    model = parallelize_qwen3_upipe(model, dims, measured(config))  # nothing compiled
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)

@@ -5,7 +5,7 @@ A job runs upipe's context parallelism when it compiles with ``compile.backend =
 compiled with upipe's backend over the job's CP mesh, with the options of its upipe section,
 read once per job (:func:`compile_options`).
 
-Under ``measurement.measuring()`` (the whole-step memory estimate) nothing is compiled: each
+For a job config marked by ``measurement.measured`` (the whole-step memory estimate's) nothing is compiled: each
 block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
 """
 
@@ -51,7 +51,7 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
     the CP mesh, each block's forward compiled in place. With CP = 1 there is nothing to
     rewrite: the inner backend compiles the blocks."""
-    if is_measuring():
+    if is_measuring(job_config):
         route_blocks_through_stage_loops(model, job_config, parallel_dims)
         return
     options = None

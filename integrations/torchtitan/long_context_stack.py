@@ -188,7 +188,7 @@ def install_offload(model: nn.Module, job_config, parallel_dims, model_args=None
     if not _on_fake_process_group():
         check_offload_fits_host(job_config, parallel_dims, model_args or model.model_args)
     # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
-    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device(),
+    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device(job_config),
                                     kept_outputs=cfg.keep_attention)
     model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule
     return offloader

@@ -1,7 +1,7 @@
 """The hook the whole-step memory estimate (``python -m upipe_compile.estimate``) uses to build
 a job through the real ``parallelize_llama_upipe`` on fake tensors.
 
-Under :func:`measuring`, parallelize does everything it does for training (the job checks,
+For a job config marked by :func:`measured`, parallelize does everything it does for training (the job checks,
 activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except compiling the blocks:
 
 - each TransformerBlock's attention runs the real stage loops: with ``fuse_projections``
@@ -15,35 +15,36 @@ activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except comp
   "loss").
 
 Code that moves activations to host memory (offload) must put its host copies on
-:func:`host_device`: "cpu" normally, "meta" while measuring. The estimate runs everything
+:func:`host_device` of their job config: "cpu" normally, "meta" while measuring. The estimate runs everything
 as fake CPU tensors, so a host copy on "cpu" would be indistinguishable from device memory;
 on "meta" the memory tracker reports it as a separate device (the host).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-_measuring = False
+_MEASURED = "_upipe_measured_by_the_estimate"
 
 
-@contextmanager
-def measuring():
-    """parallelize_llama_upipe / build_loss_fn_upipe build the job for memory measurement."""
-    global _measuring
-    previous, _measuring = _measuring, True
-    try:
-        yield
-    finally:
-        _measuring = previous
+def measured(job_config):
+    """``job_config`` marked as the memory estimate's: the parallelize and loss builders that
+    take it build the job for measurement (nothing compiled, offloaded inputs on "meta"). The
+    mark travels on the job's own ``upipe`` section (torchtitan 0.3's config classes take no
+    new attributes), so no other job in the process sees it. Returns the config."""
+    section = getattr(job_config, "upipe", None)
+    if section is None:
+        raise ValueError("the memory estimate measures upipe jobs: this job config has no upipe section")
+    object.__setattr__(section, _MEASURED, True)
+    return job_config
 
 
-def is_measuring() -> bool:
-    return _measuring
+def is_measuring(job_config) -> bool:
+    """Whether ``job_config`` was marked by :func:`measured`."""
+    return getattr(getattr(job_config, "upipe", None), _MEASURED, False)
 
 
-def host_device() -> torch.device:
-    """Where offloaded activations live: the host ("cpu"), or "meta" under :func:`measuring`."""
-    return torch.device("meta" if _measuring else "cpu")
+def host_device(job_config) -> torch.device:
+    """Where the job's offloaded activations live: the host ("cpu"), or "meta" for a job
+    marked by :func:`measured`."""
+    return torch.device("meta" if is_measuring(job_config) else "cpu")

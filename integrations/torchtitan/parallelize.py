@@ -23,7 +23,7 @@ long_context_stack.py) is applied here too: module swaps before AC, offload hook
 With any other [compile] backend the stock ``parallelize_llama`` runs unchanged (and stack
 keys are refused: they would do nothing).
 
-Under ``measurement.measuring()`` (the whole-step memory estimate) nothing is compiled: each
+For a job config marked by ``measurement.measured`` (the whole-step memory estimate's) nothing is compiled: each
 block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
 """
 
@@ -190,6 +190,6 @@ def build_loss_fn_upipe(job_config, **kwargs):
         return build_cross_entropy_loss(job_config, **kwargs)
     refuse(job_problems(job_facts(job_config), STACK_RULES), SPELLING)
     loss_fn = long_context_stack.stack_loss_fn(job_config) or cross_entropy_loss
-    if "loss" in job_config.compile.components and not is_measuring():
+    if "loss" in job_config.compile.components and not is_measuring(job_config):
         return torch.compile(loss_fn, backend=inner_backend(upipe_config(job_config).inner_backend))
     return loss_fn
