@@ -11,6 +11,7 @@ set -u
 out=${1:?usage: bash scripts/gpu_checks.sh OUT_DIR}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+source "$(dirname "$0")/device_env.sh" || { echo "device_env.sh failed" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 failed=0
 device=$($py -c "import torch; p = torch.cuda.get_device_properties(0); print(f'{p.name} ({p.total_memory >> 20} MiB), torch {torch.__version__}')")

@@ -15,6 +15,7 @@ out=${1:?usage: bash scripts/gpu_flagship.sh OUT_DIR [DEADLINE_S]}
 deadline=${2:-450}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+source "$(dirname "$0")/device_env.sh" || { echo "device_env.sh failed" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 start=$SECONDS
 device=$($py -c "import torch; p = torch.cuda.get_device_properties(0); print(f'{p.name} ({p.total_memory >> 20} MiB), torch {torch.__version__}')")
