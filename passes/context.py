@@ -6,10 +6,15 @@ says what keeps it from running under context parallelism (``problems``) and rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch.fx as fx
 
 from upipe_compile.sequence_marks import cut_lengths
+
+if TYPE_CHECKING:
+    from upipe_compile.passes.attention_match import AttentionMatch
+    from upipe_compile.passes.mixer_match import MixerMatch
 
 ATTENTION_CALLS = "attention call(s)"
 MIXER_CALLS = "mixer call(s)"
@@ -34,11 +39,11 @@ class PassContext:
     fuse_projections: bool
     cut_lengths: frozenset
     """Shard lengths cut over the group (:func:`upipe_compile.sequence_marks.cut_lengths`)."""
-    attention: list = field(default_factory=list)
+    attention: list[AttentionMatch] = field(default_factory=list)
     """:class:`~upipe_compile.passes.attention_match.AttentionMatch` of every SDPA call."""
-    mixers: list = field(default_factory=list)
+    mixers: list[MixerMatch] = field(default_factory=list)
     """:class:`~upipe_compile.passes.mixer_match.MixerMatch` of every head mixer call."""
-    refused: list = field(default_factory=list)
+    refused: list[RefusedOp] = field(default_factory=list)
     """Refused ops (:class:`RefusedOp`): varlen calls, flex and hand-written attention, token mixing."""
     output_dims: list = field(default_factory=list)
     """Each graph output's sequence dimension (None: no tokens), marked on it at run time."""
@@ -64,6 +69,20 @@ class PassContext:
         if not self.ring_group_name:
             return f"P={self.world} ranks"
         return f"a ring of {self.ring_size} x {self.world} all-to-all ranks (P={self.ring_size * self.world})"
+
+
+class Match(Protocol):
+    """What every kind of match is (attention, fused block, mixer, refused op): found by its
+    pass in one module beside its finder, it owns its nodes, names the model's source line,
+    says what keeps it from running under context parallelism (``problems``: [] when nothing)
+    and rewrites the graph (``replace``, never called on a match with problems)."""
+
+    @property
+    def source_line(self) -> str: ...
+
+    def problems(self, ctx: PassContext) -> list[str]: ...
+
+    def replace(self, ctx: PassContext) -> None: ...
 
 
 class RefusedOp:
