@@ -190,7 +190,7 @@ def test_activations_offloaded_to_host_device_count_as_host_memory(group):
     from upipe_compile.estimate.step import DEVICE, PhaseTracker
     from types import SimpleNamespace
 
-    from upipe_compile.integrations.torchtitan.measurement import host_device, measured
+    from upipe_compile.integrations.torchtitan.measurement import host_device, mark_for_measurement
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -205,7 +205,7 @@ def test_activations_offloaded_to_host_device_count_as_host_memory(group):
     def bring_back(t):
         return torch.empty_like(t, device=DEVICE) if t.device == host_device(job) else t
 
-    job = measured(SimpleNamespace(upipe=SimpleNamespace()))  # the estimate's job config
+    job = mark_for_measurement(SimpleNamespace(upipe=SimpleNamespace()))  # the estimate's job config
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.randn(32, 64, requires_grad=True)
         tracker = PhaseTracker(model, None)

@@ -44,7 +44,8 @@ def module_mutables(source: str) -> set[str]:
     tree = ast.parse(source)
     names = set()
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         value = getattr(node, "value", None)
         if value is not None and _is_mutable_value(value):
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
@@ -65,7 +66,8 @@ def foreign_mutable_reads(source: str, module: str, modules: dict, mutables: dic
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in modules:
-                    aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                    top = alias.name.split(".")[0]  # ``import a.b`` binds ``a``; ``import a.b as c`` binds ``c``
+                    aliases[alias.asname or top] = alias.name if alias.asname else top
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:

@@ -263,7 +263,7 @@ def _rope_table_seen_by_the_blocks():
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan import parallelize_qwen3_upipe
-    from upipe_compile.integrations.torchtitan.measurement import measured
+    from upipe_compile.integrations.torchtitan.measurement import mark_for_measurement
 
     torchtitan_on_cpu()
     config = load_config(DEBUG_TOML, "--model.name=qwen3", "--model.flavor=debugmodel",
@@ -275,7 +275,7 @@ def _rope_table_seen_by_the_blocks():
     args.update_from_config(config)
     with torch.device("meta"):
         model = get_train_spec("qwen3").model_cls(args)
-    model = parallelize_qwen3_upipe(model, dims, measured(config))  # nothing compiled
+    model = parallelize_qwen3_upipe(model, dims, mark_for_measurement(config))  # nothing compiled
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)

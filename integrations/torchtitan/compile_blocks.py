@@ -5,8 +5,9 @@ A job runs upipe's context parallelism when it compiles with ``compile.backend =
 compiled with upipe's backend over the job's CP mesh, with the options of its upipe section,
 read once per job (:func:`compile_options`).
 
-For a job config marked by ``measurement.measured`` (the whole-step memory estimate's) nothing is compiled: each
-block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
+For a job config marked by ``measurement.mark_for_measurement`` (the whole-step memory
+estimate's) nothing is compiled: each block's SDPA runs eagerly through the real stage loops
+instead (see measurement.py).
 """
 
 from __future__ import annotations

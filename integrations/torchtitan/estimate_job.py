@@ -5,7 +5,7 @@ measuring is upipe_compile.estimate's, the run estimate_run.py).
 Same steps and functions as torchtitan 0.2.2's ``Trainer.__init__``: ConfigManager (TOML +
 overrides + the custom config module), ``experimental.custom_import``, ParallelDims and its
 meshes, the registered TrainSpec, a meta-device model, model converters, ``parallelize_fn``
-(its config marked by :func:`measured`, see integrations/torchtitan/measurement.py), ``to_empty`` +
+(its config marked by :func:`mark_for_measurement`, see integrations/torchtitan/measurement.py), ``to_empty`` +
 ``init_weights``, the optimizers and the loss. What differs: the device is fake CPU
 (no data, no memory) and the process group is torch's "fake" backend of the job's world size.
 """
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from upipe_compile.estimate.errors import JobError
-from upipe_compile.integrations.torchtitan.measurement import measured
+from upipe_compile.integrations.torchtitan.measurement import mark_for_measurement
 
 
 def load_job_config(config_file: str, overrides: list[str]):
@@ -160,7 +160,7 @@ def build_job(job_config, fake_mode) -> Job:
     with torch.device("meta"):
         model = train_spec.model_cls(model_args)
     build_model_converters(job_config, parallel_dims).convert(model)
-    measured(job_config)  # built for measurement: nothing compiled, offloaded inputs on "meta"
+    mark_for_measurement(job_config)  # built for measurement: nothing compiled, offloaded inputs on "meta"
     model = train_spec.parallelize_fn(model, parallel_dims, job_config)
     loss_fn = train_spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
     with fake_mode:
@@ -206,7 +206,7 @@ def build_job_03(config, fake_mode) -> Job:
     model_config.update_from_config(config=config)
     with torch.device("meta"):
         model = model_config.build()
-    measured(config)  # built for measurement: nothing compiled, offloaded inputs on "meta"
+    mark_for_measurement(config)  # built for measurement: nothing compiled, offloaded inputs on "meta"
     model = config.model_spec.parallelize_fn(
         model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
         compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder)

@@ -1,8 +1,9 @@
 """The hook the whole-step memory estimate (``python -m upipe_compile.estimate``) uses to build
 a job through the real ``parallelize_llama_upipe`` on fake tensors.
 
-For a job config marked by :func:`measured`, parallelize does everything it does for training (the job checks,
-activation checkpointing, the opt-in ``[upipe]`` stack pieces, FSDP) except compiling the blocks:
+For a job config marked by :func:`mark_for_measurement`, parallelize does everything it does
+for training (the job checks, activation checkpointing, the opt-in ``[upipe]`` stack pieces,
+FSDP) except compiling the blocks:
 
 - each TransformerBlock's attention runs the real stage loops: with ``fuse_projections``
   (the default) its attention module is compiled with
@@ -27,7 +28,7 @@ import torch
 _MEASURED = "_upipe_measured_by_the_estimate"
 
 
-def measured(job_config):
+def mark_for_measurement(job_config):
     """``job_config`` marked as the memory estimate's: the parallelize and loss builders that
     take it build the job for measurement (nothing compiled, offloaded inputs on "meta"). The
     mark travels on the job's own ``upipe`` section (torchtitan 0.3's config classes take no
@@ -40,11 +41,11 @@ def measured(job_config):
 
 
 def is_measuring(job_config) -> bool:
-    """Whether ``job_config`` was marked by :func:`measured`."""
+    """Whether ``job_config`` was marked by :func:`mark_for_measurement`."""
     return getattr(getattr(job_config, "upipe", None), _MEASURED, False)
 
 
 def host_device(job_config) -> torch.device:
     """Where the job's offloaded activations live: the host ("cpu"), or "meta" for a job
-    marked by :func:`measured`."""
+    marked by :func:`mark_for_measurement`."""
     return torch.device("meta" if is_measuring(job_config) else "cpu")

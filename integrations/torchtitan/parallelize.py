@@ -23,8 +23,9 @@ long_context_stack.py) is applied here too: module swaps before AC, offload hook
 With any other [compile] backend the stock ``parallelize_llama`` runs unchanged (and stack
 keys are refused: they would do nothing).
 
-For a job config marked by ``measurement.measured`` (the whole-step memory estimate's) nothing is compiled: each
-block's SDPA runs eagerly through the real stage loops instead (see measurement.py).
+For a job config marked by ``measurement.mark_for_measurement`` (the whole-step memory
+estimate's) nothing is compiled: each block's SDPA runs eagerly through the real stage loops
+instead (see measurement.py).
 """
 
 from __future__ import annotations
