@@ -80,10 +80,18 @@ def foreign_mutable_reads(source: str, module: str, modules: dict, mutables: dic
                 elif base in modules and base != module and alias.name in mutables.get(base, ()):
                     reads.append(f"{node.lineno}: {base}.{alias.name}")
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            owner = aliases[node.value.id]
-            if owner != module and node.attr in mutables.get(owner, ()):
-                reads.append(f"{node.lineno}: {owner}.{node.attr}")
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, value = [node.attr], node.value  # ``pkg.mod.name`` -> ["pkg", "mod", "name"]
+        while isinstance(value, ast.Attribute):
+            chain.insert(0, value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in aliases:
+            continue
+        dotted = [aliases[value.id], *chain]
+        owner = ".".join(dotted[:-1])
+        if owner in modules and owner != module and dotted[-1] in mutables.get(owner, ()):
+            reads.append(f"{node.lineno}: {owner}.{dotted[-1]}")
     return sorted(set(reads))
 
 
@@ -130,11 +138,14 @@ def remember(x):
 from upipe_compile.owner import _TABLE, LIMIT
 from upipe_compile import owner
 import upipe_compile.owner as own
+import upipe_compile.owner
 def f():
-    return owner._SEEN, own._last, owner.LIMIT
+    return owner._SEEN, own._last, owner.LIMIT, upipe_compile.owner._TABLE
 """
+    modules = dict.fromkeys([f"{PASSES}.reader", "upipe_compile.owner", "upipe_compile"])
     assert foreign_mutable_reads(reader, f"{PASSES}.reader", modules, mutables) == [
-        "2: upipe_compile.owner._TABLE", "6: upipe_compile.owner._SEEN", "6: upipe_compile.owner._last"]
+        "2: upipe_compile.owner._TABLE", "7: upipe_compile.owner._SEEN", "7: upipe_compile.owner._TABLE",
+        "7: upipe_compile.owner._last"]
 
 
 def test_every_match_kind_keeps_the_match_protocol():
