@@ -250,6 +250,9 @@ def _frame(frame: dict) -> str:
     name = display_path(frame["filename"])
     if os.path.isabs(name) and "torchinductor_" in name:
         name = "inductor/" + os.path.basename(name)
+    for marker in ("site-packages/", ROOT + os.sep):  # a file no import root here holds (another machine's)
+        if os.path.isabs(name) and marker in name:
+            name = name.split(marker, 1)[1]
     return f"{name}:{frame['line']} ({frame['name']})"
 
 
