@@ -88,11 +88,6 @@ class BlockMatch:
     def graph_module(self) -> fx.GraphModule:
         return self.attention.graph_module
 
-    def problems(self, ctx: PassContext) -> list[str]:
-        """None: a block is found only for attention that passed the refusal; what keeps a block
-        from fusing (:class:`NotFusable`) leaves its attention to the plain op, not refused."""
-        return []
-
     def replace(self, ctx: PassContext) -> None:
         rewrite_block(self, heads_per_stage=ctx.heads_per_stage, world_size=ctx.world, group_name=ctx.group_name,
                       prefetch=ctx.prefetch, recompute_attention_output=ctx.recompute_attention_output,

@@ -72,10 +72,11 @@ class PassContext:
 
 
 class Match(Protocol):
-    """What every kind of match is (attention, fused block, mixer, refused op): found by its
-    pass in one module beside its finder, it owns its nodes, names the model's source line,
-    says what keeps it from running under context parallelism (``problems``: [] when nothing)
-    and rewrites the graph (``replace``, never called on a match with problems)."""
+    """What every kind of match the refusal pass sees is (attention, mixer, refused op): found
+    by its pass in one module beside its finder, it owns its nodes, names the model's source
+    line, says what keeps it from running under context parallelism (``problems``: [] when
+    nothing) and rewrites the graph (``replace``, never called on a match with problems). A
+    fused block is found after the refusal, for attention that passed it: it only replaces."""
 
     @property
     def source_line(self) -> str: ...

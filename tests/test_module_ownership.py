@@ -147,24 +147,3 @@ def f():
         "2: upipe_compile.owner._TABLE", "7: upipe_compile.owner._SEEN", "7: upipe_compile.owner._TABLE",
         "7: upipe_compile.owner._last"]
 
-
-def test_every_match_kind_keeps_the_match_protocol():
-    """Each kind answers ``source_line``, ``problems(ctx)`` and ``replace(ctx)`` (passes.context.Match)."""
-    import dataclasses
-    import inspect
-
-    from upipe_compile.passes.attention_match import AttentionMatch
-    from upipe_compile.passes.block_match import BlockMatch
-    from upipe_compile.passes.context import Match, Refusal
-    from upipe_compile.passes.find_unsupported import UnsupportedMatch
-    from upipe_compile.passes.mixer_match import MixerMatch
-    from upipe_compile.passes.token_mixing_refusal import TokenMixing
-
-    wanted = [name for name, member in vars(Match).items() if callable(member) or isinstance(member, property)
-              if not name.startswith("_")]
-    assert sorted(wanted) == ["problems", "replace", "source_line"]
-    for kind in (AttentionMatch, BlockMatch, MixerMatch, UnsupportedMatch, Refusal, TokenMixing):
-        fields = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else set()
-        assert "source_line" in fields or hasattr(kind, "source_line"), kind
-        for method in ("problems", "replace"):
-            assert list(inspect.signature(getattr(kind, method)).parameters) == ["self", "ctx"], (kind, method)

@@ -24,6 +24,8 @@ PASSES_DIR = pathlib.Path(passes.__file__).parent
 
 
 def test_every_match_type_has_problems_and_replace():
+    protocol = sorted(name for name in vars(passes.context.Match) if not name.startswith("_"))
+    assert protocol == ["problems", "replace", "source_line"]  # passes.context.Match, what the refusal reads
     for match_type in (AttentionMatch, MixerMatch, UnsupportedMatch, TokenMixing, Refusal):
         for method in ("problems", "replace"):
             assert callable(getattr(match_type, method, None)), (match_type, method)
