@@ -159,14 +159,13 @@ def run(model: Model, u: int, variant: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
-        if stale_ratio(result, command(model, u, variant)):
-            pass  # searched under an older device ratio: search again
-        elif "bound" in result:
-            return result
-        # Searched before the host bound: the device bound stopped it (the next grid step was
-        # probed and broke the device budget), valid as long as its host memory fits.
-        elif result["host_gib_per_node"] <= HOST_BUDGET_GIB:
-            return {**result, "bound": "device"}
+        if not stale_ratio(result, command(model, u, variant)):  # else searched under an older ratio: again
+            if "bound" in result:
+                return result
+            # Searched before the host bound: the device bound stopped it (the next grid step was
+            # probed and broke the device budget), valid as long as its host memory fits.
+            if result["host_gib_per_node"] <= HOST_BUDGET_GIB:
+                return {**result, "bound": "device"}
     cmd = [sys.executable, *command(model, u, variant)[1:]]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:

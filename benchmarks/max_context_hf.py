@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
+from upipe_compile.estimate.gpu import DEVICE_RATIO
 from upipe_compile.stack.host_memory import HOST_BUDGET_GIB, HOST_RESERVE_GIB, NODE_2TB_MEMTOTAL_GIB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,7 +288,7 @@ def write_report(results) -> str:
         "\"device ratio\": what the search applied to the peak above the persistent state before it met",
         "the budget (docs/estimate.md, \"On the device\"): 1.35, the largest ratio measured on a GPU",
         "against the estimate when these rows were searched (measured on torchtitan jobs; this path has",
-        "not been measured on a GPU). The estimate applies 1.39 since a cuDNN run on an H200; rows",
+        f"not been measured on a GPU). The estimate applies {DEVICE_RATIO} since a cuDNN run on an H200; rows",
         "searched at 1.35 are about 3 % longer than a search today would give.",
         "\"peak GiB there\" is the estimate's own peak at the row's length; \"expected on device GiB\" is",
         "that peak with the ratio applied, the number the budget is checked against. The lengths are",

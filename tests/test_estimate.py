@@ -412,14 +412,14 @@ def test_a_kept_report_reads_the_same_under_its_own_ratio_and_moves_with_another
     """with_device_ratio: a committed 70B report re-rated under the ratio it was made with gives
     its own expected peak and fits (the formula is the estimate's), and under a larger ratio only
     the part above the persistent state grows."""
-    from upipe_compile.estimate.report import PERSISTENT, with_device_ratio
+    from upipe_compile.estimate.report import persistent_gib, with_device_ratio
 
     with open(kept) as f:
         report = json.load(f)
     same = with_device_ratio(report, report["device_ratio"])
     assert same["expected_device_peak_gib"] == pytest.approx(report["expected_device_peak_gib"], abs=1e-5)
     assert (same["fits"], same["fits_device"]) == (report["fits"], report["fits_device"])
-    persistent = sum(report["breakdown"][k] for k in PERSISTENT)
+    persistent = persistent_gib(report["breakdown"])
     larger = with_device_ratio(report, report["device_ratio"] + 0.5)
     grown = larger["expected_device_peak_gib"] - report["expected_device_peak_gib"]
     assert grown == pytest.approx(0.5 * (report["peak_device_gib"] - persistent), abs=1e-5)

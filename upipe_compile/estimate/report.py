@@ -87,8 +87,7 @@ def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, worl
     host = memory.host_peak / GIB + sum(modelled_host.values())
     host_per_node = host * min(world, gpus_per_node)
     breakdown = _breakdown(memory)
-    persistent = sum(breakdown[k] for k in PERSISTENT)
-    expected = device_peak_gib(peak, persistent, device_ratio)
+    expected = device_peak_gib(peak, persistent_gib(breakdown), device_ratio)
     fits_device, fits_host = expected <= budget, host_per_node <= host_gib
     return Estimate(
         seq_len=seq_len, cuda_kernel=cuda_kernel, world_size=world, cp=cp, heads_per_stage=heads_per_stage,
@@ -143,12 +142,16 @@ PERSISTENT = ("sharded_params", "sharded_grads", "optimizer_state", "model_buffe
 """The breakdown's kinds the device ratio does not scale (counted exactly)."""
 
 
+def persistent_gib(breakdown: dict) -> float:
+    """What of a peak's breakdown the device ratio leaves as it is (:data:`PERSISTENT`)."""
+    return sum(breakdown[k] for k in PERSISTENT)
+
+
 def with_device_ratio(report: dict, ratio: float) -> dict:
     """A JSON report (:meth:`Estimate.as_json`) as the same step reads under another device
     ratio: the expected peak and the fits follow from the measured peak and persistent state,
     which the ratio leaves as they are (a max-context search's length does not: search again)."""
-    persistent = sum(report["breakdown"][k] for k in PERSISTENT)
-    expected = device_peak_gib(report["peak_device_gib"], persistent, ratio)
+    expected = device_peak_gib(report["peak_device_gib"], persistent_gib(report["breakdown"]), ratio)
     fits_device = expected <= report["budget_gib"]
     return {**report, "device_ratio": ratio, "expected_device_peak_gib": round(expected, 6),
             "fits_device": fits_device, "fits": fits_device and report["fits_host"]}
