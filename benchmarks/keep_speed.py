@@ -216,7 +216,8 @@ def modelled_seconds(kind: str, keep: bool, calibration: list, seq: int, world: 
     device = Device(  # the all-to-alls are inside the measured attention times
         name="this CPU", matmul_flops=2 * n * shape.layer_weights / rest_forward,
         attention_forward_flops=flops / attention, attention_backward_flops=2.5 * flops / attention_backward,
-        all_to_all_bytes=math.inf, inter_node_bytes=math.inf, collective_latency_s=0.0, host_link_bytes=math.inf)
+        all_to_all_bytes=math.inf, inter_node_bytes=math.inf, collective_latency_s=0.0, host_link_bytes=math.inf,
+        host_memory_bytes=math.inf)
     return step_time(shape, replace(setup, keep_attention=keep), device).total
 
 

@@ -39,6 +39,8 @@ RUNS = EstimateRuns({
     "unfused": [*DEBUG_ARGS, *UNFUSED, "--json"],
     "keep on_device": [*DEBUG_ARGS, "--upipe.keep_attention", "--json"],
     "keep offloaded": [*DEBUG_ARGS, "--upipe.keep_attention", "--upipe.offload_block_inputs", "--json"],
+    "fsdp offload": [*DEBUG_ARGS, "--training.enable_cpu_offload", "--json"],
+    "stack kept 2": [*DEBUG_ARGS, *STACK, "--upipe.blocks_kept_on_device", "2", "--json"],
 }, cwd=ROOT)
 
 
@@ -338,6 +340,19 @@ def test_the_stack_runs_for_real(debug_estimate, stack_estimate, debug_model):
     assert stack_estimate["phase_peaks"]["loss"] > 0  # the chunked loss ran (LazyLogits, no logits tensor)
 
 
+def test_the_last_blocks_kept_on_device_leave_the_host(runs, stack_estimate, debug_model):
+    """``blocks_kept_on_device = 2``: the offloader takes the first n - 2 blocks' inputs; the
+    last two stay on the device where AC keeps them (by hand arithmetic)."""
+    kept = runs["stack kept 2"]
+    config, args, _ = debug_model
+    block_input = config.training.local_batch_size * (SEQ // 2) * args.dim * 4
+    assert kept["host_gib_per_rank"] * GIB == pytest.approx((args.n_layers - 2) * block_input, abs=ROUNDING)
+    assert stack_estimate["host_gib_per_rank"] * GIB == pytest.approx(args.n_layers * block_input, abs=ROUNDING)
+    on_device = kept["breakdown"]["checkpointed_inputs_on_device"] * GIB
+    rope_rows = (SEQ // 2) * (args.dim // args.n_heads // 2) * 8  # the blocks' shared RoPE rows
+    assert on_device == pytest.approx(2 * block_input + rope_rows, abs=ROUNDING)
+
+
 @pytest.fixture(scope="module")
 def keep_estimates(runs):
     """The debug job under full AC with keep_attention, its outputs on the device and offloaded."""
@@ -424,3 +439,36 @@ def test_a_kept_report_reads_the_same_under_its_own_ratio_and_moves_with_another
     grown = larger["expected_device_peak_gib"] - report["expected_device_peak_gib"]
     assert grown == pytest.approx(0.5 * (report["peak_device_gib"] - persistent), abs=1e-5)
     assert larger["device_ratio"] == report["device_ratio"] + 0.5
+
+
+def test_fsdp_cpu_offload_moves_the_state_to_the_host(runs, debug_estimate, debug_model):
+    """``training.enable_cpu_offload``: FSDP2 keeps the sharded parameters, their gradients and
+    the optimizer state on the host (and steps the optimizer there). The device peak loses them
+    and gains the staging copies of the largest FSDP unit; the host holds all of them (by hand
+    arithmetic); the ratio then scales all that is left on the device."""
+    offloaded = runs["fsdp offload"]
+    config, args, shapes = debug_model
+    world = 2
+    sharded = sum(math.ceil(s[0] / world) * math.prod(s[1:]) * 4 for s in shapes)  # fp32 shards
+    b, before = offloaded["breakdown"], debug_estimate["breakdown"]
+    assert b["sharded_params"] == b["sharded_grads"] == b["optimizer_state"] == 0
+    # parameters, every gradient, AdamW's two moments and its 4-byte steps
+    assert offloaded["host_state_gib_per_rank"] * GIB == pytest.approx(4 * sharded + 4 * len(shapes), abs=ROUNDING)
+    assert offloaded["host_gib_per_rank"] == offloaded["host_state_gib_per_rank"]  # no activations offloaded
+    assert offloaded["host_gib_per_node"] == pytest.approx(world * offloaded["host_gib_per_rank"], abs=1e-5)
+    # staging: the largest unit (a block: its matrices and two norm weights) in fp32, copied in
+    # (4 bytes), kept in the param dtype (fp32 here: 4) and its reduce-scatter output (4)
+    per_block = (len(shapes) - 3) // args.n_layers  # less the embedding, the final norm and the output
+    unit = sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes[1:1 + per_block])
+    assert offloaded["modelled"]["cpu_offload_staging"] * GIB == pytest.approx(12 * unit, abs=ROUNDING)
+    on_device = offloaded["peak_device_gib"] - sum(offloaded["modelled"].values())
+    kept = debug_estimate["peak_device_gib"] - sum(debug_estimate["modelled"].values())
+    # The step without its state peaks no higher than before less the state that was there
+    # all along, and no lower than before less all of the state at the old peak.
+    assert on_device <= kept - before["sharded_params"] - before["optimizer_state"] + 1e-5
+    assert on_device >= kept - before["sharded_params"] - before["sharded_grads"] - before["optimizer_state"] - 1e-5
+    persistent = b["model_buffers"]
+    assert offloaded["expected_device_peak_gib"] == pytest.approx(
+        persistent + 1.39 * (offloaded["peak_device_gib"] - persistent), abs=1e-5)
+    model = offloaded["step_time"]
+    assert model["phases"]["host_optimizer"] > 0 and debug_estimate["step_time"]["phases"]["host_optimizer"] == 0

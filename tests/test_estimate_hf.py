@@ -97,6 +97,29 @@ def test_offload_moves_the_block_inputs_to_host(tiny):
     assert offloaded.host_gib_per_node == pytest.approx(CP * inputs, abs=1e-5)  # both ranks on one node
 
 
+def test_fsdp_cpu_offload_moves_the_state_of_a_moe_model_to_the_host(tmp_path):
+    """``--fsdp-cpu-offload`` on a tiny Qwen3-MoE: the sharded parameters, gradients and AdamW
+    state leave the device and are on the host in full (hand arithmetic), the largest FSDP
+    unit's staging copies join the device peak, and the step-time model adds the host's
+    optimizer step."""
+    path = _write(tmp_path, "moe", MOE)
+    kept = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP))
+    offloaded = estimate_hf(HFJob(path, seq_len=SEQ, cp=CP, fsdp_cpu_offload=True))
+    params = list(build_model(load_config(path)).parameters())
+    shard = sum(math.ceil(p.shape[0] / CP) * p[0].numel() * 4 for p in params)
+    assert all(offloaded.breakdown[k] == 0 for k in ("sharded_params", "sharded_grads", "optimizer_state"))
+    # fp32 parameters and gradients, two fp32 moments, a 4-byte step per parameter
+    assert offloaded.host_state_gib_per_rank == pytest.approx(_gib(4 * shard + 4 * len(params)), abs=2e-6)
+    assert offloaded.host_gib_per_rank == offloaded.host_state_gib_per_rank
+    assert offloaded.modelled["cpu_offload_staging"] > 0
+    device = offloaded.peak_device_gib - sum(offloaded.modelled.values())
+    before = kept.peak_device_gib - sum(kept.modelled.values())
+    b = kept.breakdown
+    assert device <= before - b["sharded_params"] - b["optimizer_state"] + 1e-5
+    assert device >= before - b["sharded_params"] - b["sharded_grads"] - b["optimizer_state"] - 1e-5
+    assert offloaded.step_time["phases"]["host_optimizer"] > 0 == kept.step_time["phases"]["host_optimizer"]
+
+
 def test_cli_json(tiny, capsys):
     from upipe_compile.estimate.__main__ import main
 

@@ -78,3 +78,19 @@ def test_rows_of_a_batch_attend_each_to_itself():
     a, b = step_time(LLAMA3_8B, one), step_time(LLAMA3_8B, two)
     assert b.attention == pytest.approx(2 * a.attention) and b.linear == pytest.approx(2 * a.linear)
     assert b.tokens_per_s(two) == pytest.approx(2 * (1 << 20) / b.total)
+
+
+def test_fsdp_cpu_offload_adds_the_host_optimizer_step_and_hides_its_copies_at_long_context():
+    """FSDP's CPU offload: the optimizer step runs on the host, bound by its memory (28 bytes a
+    parameter: fused fp32 AdamW), after backward; the parameter shards in and gradients out hide
+    under a layer's compute at 1M tokens but not at 8K."""
+    from upipe_compile.estimate.step_time import HOST_ADAMW_BYTES_PER_PARAM
+
+    setup = Setup(seq_len=1 << 20, cp=8, heads_per_stage=8, fsdp_shards=8)
+    kept, offloaded = step_time(LLAMA3_8B, setup), step_time(LLAMA3_8B, replace(setup, offload_state=True))
+    params = (32 * LLAMA3_8B.layer_weights + 2 * LLAMA3_8B.vocab_size * LLAMA3_8B.dim) / 8
+    assert offloaded.host_optimizer == pytest.approx(params * HOST_ADAMW_BYTES_PER_PARAM / H100.host_memory_bytes)
+    assert kept.host_optimizer == 0 and offloaded.offload == kept.offload == 0
+    assert offloaded.total == pytest.approx(kept.total + offloaded.host_optimizer)
+    short = replace(setup, seq_len=8192)
+    assert step_time(LLAMA3_8B, replace(short, offload_state=True)).offload > 0

@@ -345,3 +345,27 @@ def test_keep_attention_refusals():
     assert '[upipe] keep_attention = true needs [activation_checkpoint] mode = "full"' in message
     message = refusal("--upipe.keep_attention", "--upipe.recompute_attention_output")
     assert "keep_attention = true and recompute_attention_output = true" in message
+
+
+def test_kept_blocks_and_fsdp_offload_in_the_node_check():
+    """``blocks_kept_on_device = 4`` takes 4 of Llama3-8B's 32 block inputs off the host (140 of
+    160 GiB per rank at 5M tokens); FSDP's offloaded state counts beside them, and the refusal
+    names both and the key that helps."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from upipe_compile.integrations.torchtitan.long_context_stack import (check_offload_fits_host,
+                                                                          offload_host_bytes_per_rank)
+
+    h100 = DEBUG_TOML.replace("debug_model_upipe_cpu.toml", "llama3_8b_upipe.toml")
+    config = load_config(h100, "--training.seq_len=5242880", "--upipe.offload_block_inputs",
+                         "--upipe.blocks_kept_on_device=4", "--training.enable_cpu_offload")
+    dims, args = dims_for(config, 8), get_train_spec("llama3").model_args["8B"]
+    assert offload_host_bytes_per_rank(config, dims, args) == 140 * GIB
+    state = 16 * GIB  # 8B fp32 parameters over 8 ranks x 4 (the parameter, its gradient, two moments)
+    check_offload_fits_host(config, dims, args, total_bytes=(8 * 156 + 64) * GIB, ranks=8, fsdp_state_bytes=state)
+    with pytest.raises(UnsupportedAttention) as info:
+        check_offload_fits_host(config, dims, args, total_bytes=(8 * 156 + 63) * GIB, ranks=8, fsdp_state_bytes=state)
+    message = str(info.value)
+    assert "needs 156.0 GiB of host memory per rank x 8 ranks per node = 1248.0 GiB" in message
+    assert "[training] enable_cpu_offload = true (FSDP's parameters, gradients and optimizer state: 16.0 GiB" in message
+    assert "raise [upipe] blocks_kept_on_device" in message

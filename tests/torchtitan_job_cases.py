@@ -41,6 +41,11 @@ BAD_JOBS = [
            reason=lambda s: f"{s.key('upipe.mlp_tile_tokens')} = -4 must be a whole number of tokens > 0 (or 0 = off)"),
     BadJob("offload-without-full-ac", upipe={"offload_block_inputs": True}, selective_ac=True,
            reason=lambda s: f"{s.key('upipe.offload_block_inputs')} = {s.value(True)} needs {s.full_ac} (got "),
+    BadJob("kept-blocks-without-offload", upipe={"blocks_kept_on_device": 2},
+           reason=lambda s: f"{s.key('upipe.blocks_kept_on_device')} = 2 keeps some blocks' inputs off the host, but "
+                            f"{s.key('upipe.offload_block_inputs')} is {s.value(False)}: nothing is offloaded"),
+    BadJob("kept-blocks-negative", upipe={"offload_block_inputs": True, "blocks_kept_on_device": -1},
+           reason=lambda s: f"{s.key('upipe.blocks_kept_on_device')} = -1 must be a whole number of blocks >= 0"),
     BadJob("keep-and-recompute", upipe={"keep_attention": True, "recompute_attention_output": True},
            reason=lambda s: f"{s.key('upipe.keep_attention')} = {s.value(True)} and recompute_attention_output = "
                             f"{s.value(True)} ask for opposite things"),

@@ -15,6 +15,7 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     keep_attention = false      # full AC: keep each block's attention output, never run its forward twice
     # the long-context stack (each off by default; see long_context_stack.py and README.md)
     offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
+    blocks_kept_on_device = 0       # with offload: the last blocks whose inputs stay on the GPU
     host_memory_reserve_gib = -1    # node RAM kept free for everything else; -1: a quarter of it, <= 64 GiB
     mlp_tile_tokens = 0             # SwiGLU over tiles of this many tokens; 0 = untiled
     loss_chunk_tokens = 0           # output projection + loss over chunks; 0 = whole logits
@@ -99,6 +100,12 @@ class UPipe:
     n_layers x local_batch_size x seq_len / CP x dim x activation bytes, plus keep_attention's
     outputs when it is on; the job refuses to start when the node (x ranks per node) cannot hold
     it next to host_memory_reserve_gib."""
+
+    blocks_kept_on_device: int = 0
+    """With offload_block_inputs: the last this many blocks keep their checkpointed inputs on the
+    GPU (their backward runs first, so nothing waits for a fetch). Trades GPU memory for host
+    memory where the node's RAM, not the GPU, bounds the context (e.g. with FSDP's own CPU
+    offload, ``training.enable_cpu_offload``, sharing that RAM). 0: every block offloads."""
 
     host_memory_reserve_gib: float = DEFAULT_HOST_RESERVE
     """Node RAM the offload check leaves for everything else (OS, the ranks' own CPU memory,

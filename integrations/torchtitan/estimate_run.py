@@ -23,12 +23,13 @@ from upipe_compile.estimate.fake_sharding import private_sharding_fake_mode
 from upipe_compile.estimate.gpu import CUBLAS_WORKSPACES_GIB, DEVICE_RATIO, GIB
 from upipe_compile.estimate.plain_loops import plain_stack_loops
 from upipe_compile.estimate.report import H100_80GB_GIB, Estimate, result_of, step_time_report
-from upipe_compile.estimate.step import run_step
+from upipe_compile.estimate.step import offload_staging_bytes, run_step
 from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.torchtitan.estimate_job import world_size
 from upipe_compile.integrations.torchtitan.estimate_release import installed_release
 from upipe_compile.integrations.torchtitan.estimate_step import MODEL_KERNELS
-from upipe_compile.integrations.torchtitan.long_context_stack import attention_outputs_bytes_per_rank
+from upipe_compile.integrations.torchtitan.long_context_stack import (attention_outputs_bytes_per_rank,
+                                                                    offloaded_blocks)
 from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import counting_eager_calls
 from upipe_compile.options import resolved_heads_per_stage
@@ -70,7 +71,8 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         job = release.build_job(job_config, fake_mode)
         fused = cuda_kernel is not None if fused_kernels is None else fused_kernels
         memory = run_step(job, fake_mode, train_step=release.train_step, fused_kernels=fused,
-                          cuda_ops=cuda_kernel is not None, model_kernels=MODEL_KERNELS)
+                          cuda_ops=cuda_kernel is not None, model_kernels=MODEL_KERNELS,
+                          offloaded_state=facts.fsdp_cpu_offload)
     cp, cfg = facts.cp, facts.upipe
     a2a = facts.all_to_all_degree
     heads_per_stage = resolved_heads_per_stage(cfg.heads_per_stage_option, a2a)
@@ -78,17 +80,22 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
     modelled, modelled_host = {}, {}
     if cuda_kernel:
         modelled["cublas_workspaces"] = CUBLAS_WORKSPACES_GIB
+    if facts.fsdp_cpu_offload:
+        modelled["cpu_offload_staging"] = _gib(offload_staging_bytes(job.model))
     if cp > 1 and _op_selective_ac(job_config):
         # The compiled path saves every layer's upipe::attention / attention_block outputs
         # (the ops are in the save list) where the step run here recomputes them.
-        kept = _gib(attention_outputs_bytes_per_rank(job_config, job.model_args, cp, _param_dtype(job_config),
-                                                     fused="fused block" in calls))
-        if cfg.offload_block_inputs:
-            # On host beside the block inputs; on the device each comes back with its block's
-            # input, where full AC's recompute (what the step ran) makes the same tensors.
-            modelled_host["kept_attention_outputs"] = kept
-        else:
-            modelled["sac_saved_attention_outputs"] = kept
+        kept_bytes = attention_outputs_bytes_per_rank(job_config, job.model_args, cp, _param_dtype(job_config),
+                                                      fused="fused block" in calls)
+        # The offloaded blocks' go to the host beside their inputs (on the device each comes
+        # back with its block's input, where full AC's recompute, what the step ran, makes the
+        # same tensors); the other blocks' stay on the device.
+        layers = job.model_args.n_layers
+        on_host = kept_bytes * offloaded_blocks(cfg, layers) // layers
+        if on_host:
+            modelled_host["kept_attention_outputs"] = _gib(on_host)
+        if kept_bytes > on_host:
+            modelled["sac_saved_attention_outputs"] = _gib(kept_bytes - on_host)
     return result_of(
         memory, seq_len=job_config.training.seq_len, cuda_kernel=cuda_kernel, world=world, cp=cp,
         heads_per_stage=heads_per_stage, ring_degree=cp // a2a, modelled=modelled, modelled_host=modelled_host,
@@ -113,7 +120,9 @@ def step_setup(job_config, heads_per_stage: int, ring_degree: int) -> Setup:
     return Setup(seq_len=facts.seq_len, batch=facts.local_batch_size, cp=facts.cp, heads_per_stage=heads_per_stage,
                  ring_degree=ring_degree, full_ac=facts.ac == "full", keep_attention=cfg.keep_attention,
                  recompute_attention_output=cfg.recompute_attention_output,
-                 offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize)
+                 offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize,
+                 offload_state=facts.fsdp_cpu_offload,
+                 fsdp_shards=world_size(job_config) // job_config.parallelism.data_parallel_replicate_degree)
 
 
 def shape_of(model, model_args) -> ModelShape:

@@ -63,6 +63,9 @@ class JobFacts:
     "memory_budget" or "none"."""
     ac_name: str
     """``ac`` as the job spells it (0.2.2: the mode; 0.3: the config class)."""
+    fsdp_cpu_offload: bool = False
+    """``training.enable_cpu_offload``: FSDP keeps the sharded parameters, gradients and
+    optimizer state on the host, and the optimizer steps there."""
     # 0.3's own settings: None / False in 0.2.2, which has none of them (or upipe sets them)
     spmd_backend: str | None = None
     load_balancer: str | None = None
@@ -107,6 +110,13 @@ def _offload_block_inputs(f: JobFacts) -> list[str]:
     if offload and f.ac != "full":
         return [f"{s.key('upipe.offload_block_inputs')} = {s.value(True)} needs {s.full_ac} (got {f.ac_name}): "
                 "only then is the block input all a block saves"]
+    kept = f.upipe.blocks_kept_on_device
+    if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
+        return [f"{s.key('upipe.blocks_kept_on_device')} = {kept!r} must be a whole number of blocks >= 0"]
+    if kept and not offload:
+        return [f"{s.key('upipe.blocks_kept_on_device')} = {kept} keeps some blocks' inputs off the host, but "
+                f"{s.key('upipe.offload_block_inputs')} is {s.value(False)}: nothing is offloaded (set it to "
+                f"{s.value(True)}, or this to 0)"]
     return []
 
 

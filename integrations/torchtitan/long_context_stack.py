@@ -25,7 +25,7 @@ from upipe_compile.stack.chunked_loss import LazyOutputProjection, lazy_logits_c
 from upipe_compile.integrations.torchtitan.config import DEFAULT_HOST_RESERVE, upipe_config
 from upipe_compile.options import resolved_heads_per_stage
 from upipe_compile.integrations.torchtitan.measurement import host_device
-from upipe_compile.stack.host_memory import node_host_memory_problem, ranks_per_node
+from upipe_compile.stack.host_memory import node_host_memory_problem, ranks_per_node, size_text
 from upipe_compile.stack.offload import BlockInputOffloader, host_bytes_per_rank
 from upipe_compile.stack.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
 
@@ -67,9 +67,20 @@ def model_problems(model: nn.Module, job_config) -> list[str]:
         if not isinstance(output, nn.Linear) or output.bias is not None:
             problems.append(f"[upipe] loss_chunk_tokens = {cfg.loss_chunk_tokens} needs the model's `output` to be "
                             f"a bias-free nn.Linear, got {type(output).__name__}")
-    if cfg.offload_block_inputs and not len(getattr(model, "layers", ())):
-        problems.append("[upipe] offload_block_inputs = true needs a model with `layers`")
-    return problems
+    return problems + offload_problems(model, cfg)
+
+
+def offload_problems(model: nn.Module, cfg) -> list[str]:
+    """What offloading block inputs cannot do on this model."""
+    if not cfg.offload_block_inputs:
+        return []
+    if not len(getattr(model, "layers", ())):
+        return ["upipe.offload_block_inputs needs a model with `layers`"]
+    if cfg.blocks_kept_on_device >= len(model.layers):
+        return [f"upipe.blocks_kept_on_device = {cfg.blocks_kept_on_device} keeps every one of the model's "
+                f"{len(model.layers)} blocks on the device: offload nothing (upipe.offload_block_inputs off) or "
+                "keep fewer"]
+    return []
 
 
 def apply_module_swaps(model: nn.Module, job_config) -> None:
@@ -131,41 +142,60 @@ def attention_outputs_bytes_per_rank(job_config, model_args, cp: int, dtype: tor
     return model_args.n_layers * (out + lse + block_output)
 
 
+def offloaded_blocks(cfg, n_layers: int) -> int:
+    """How many blocks offload their inputs: all but the last ``blocks_kept_on_device``."""
+    return max(0, n_layers - cfg.blocks_kept_on_device) if cfg.offload_block_inputs else 0
+
+
 def offload_host_bytes_per_rank(job_config, parallel_dims, model_args) -> int:
-    """Host memory the offloader takes per rank (0 when offload is off): the block inputs, and
-    with ``keep_attention`` the kept attention outputs (fused blocks unless
+    """Host memory the offloader takes per rank (0 when offload is off): the offloaded blocks'
+    inputs, and with ``keep_attention`` their kept attention outputs (fused blocks unless
     ``fuse_projections = false``)."""
     cfg = upipe_config(job_config)
-    if not cfg.offload_block_inputs:
+    blocks = offloaded_blocks(cfg, model_args.n_layers)
+    if not blocks:
         return 0
     tokens = job_config.training.local_batch_size * job_config.training.seq_len // parallel_dims.cp
     dtype = activation_dtype(job_config, parallel_dims)
-    inputs = host_bytes_per_rank(model_args.n_layers, tokens, model_args.dim, dtype)
+    inputs = host_bytes_per_rank(blocks, tokens, model_args.dim, dtype)
     if not cfg.keep_attention:
         return inputs
-    return inputs + attention_outputs_bytes_per_rank(job_config, model_args, parallel_dims.cp, dtype,
-                                                     fused=cfg.fuse_projections)
+    outputs = attention_outputs_bytes_per_rank(job_config, model_args, parallel_dims.cp, dtype,
+                                               fused=cfg.fuse_projections)
+    return inputs + outputs * blocks // model_args.n_layers
+
+
+def fsdp_host_state_bytes(model: nn.Module) -> int:
+    """What FSDP's CPU offload (``training.enable_cpu_offload``) keeps on this rank's host: each
+    parameter's local shard, its gradient and an Adam-family optimizer's two moments."""
+    return sum(4 * p.to_local().nbytes if hasattr(p, "to_local") else 4 * p.nbytes for p in model.parameters())
 
 
 def check_offload_fits_host(job_config, parallel_dims, model_args, *, total_bytes: int | None = None,
-                            ranks: int | None = None) -> None:
+                            ranks: int | None = None, fsdp_state_bytes: int = 0) -> None:
     """Refuse to start when the host memory this node's ranks may use (MemTotal, or the cgroup's
     limit where smaller; ``total_bytes`` overrides it) cannot hold every local rank's offloaded
-    inputs (exact-size buffers: all the stack allocates on host) next to the reserve."""
+    inputs (exact-size buffers: all the stack allocates on host), and ``fsdp_state_bytes`` of
+    FSDP's own offloaded state per rank, next to the reserve."""
     from upipe_compile.errors import UnsupportedAttention
 
     cfg = upipe_config(job_config)
-    per_rank = offload_host_bytes_per_rank(job_config, parallel_dims, model_args)
-    if not per_rank:
+    inputs = offload_host_bytes_per_rank(job_config, parallel_dims, model_args)
+    if not inputs:
         return
+    per_rank = inputs + fsdp_state_bytes
     ranks = ranks if ranks is not None else ranks_per_node(default=parallel_dims.world_size)
     set_reserve = None if cfg.host_memory_reserve_gib == DEFAULT_HOST_RESERVE else cfg.host_memory_reserve_gib
     problem = node_host_memory_problem(per_rank, ranks, set_reserve, total_bytes)
     if problem:
         keep = " (with keep_attention's attention outputs)" if cfg.keep_attention else ""
+        if fsdp_state_bytes:
+            keep += (f" and [training] enable_cpu_offload = true (FSDP's parameters, gradients and optimizer "
+                     f"state: {size_text(fsdp_state_bytes)} of that per rank)")
         raise UnsupportedAttention(
             f"[upipe] offload_block_inputs = true{keep}: {problem}. Lower [training] seq_len, raise "
-            "[parallelism] context_parallel_degree (more nodes), lower [upipe] host_memory_reserve_gib"
+            "[parallelism] context_parallel_degree (more nodes), raise [upipe] blocks_kept_on_device (their inputs "
+            "stay on the GPU), lower [upipe] host_memory_reserve_gib"
             + (", or set [upipe] keep_attention = false (its attention outputs are part of that memory)."
                if keep else "."))
     log.info("upipe: offload needs %.1f GiB host memory per rank, %.1f GiB for %d ranks on this node",
@@ -186,10 +216,12 @@ def install_offload(model: nn.Module, job_config, parallel_dims, model_args=None
     if not cfg.offload_block_inputs:
         return None
     if not _on_fake_process_group():
-        check_offload_fits_host(job_config, parallel_dims, model_args or model.model_args)
+        state = fsdp_host_state_bytes(model) if job_config.training.enable_cpu_offload else 0
+        check_offload_fits_host(job_config, parallel_dims, model_args or model.model_args, fsdp_state_bytes=state)
     # On "meta" while the memory estimate measures, so host bytes stay apart from device bytes.
-    offloader = BlockInputOffloader(list(model.layers.values()), host_device=host_device(job_config),
-                                    kept_outputs=cfg.keep_attention)
+    # The last blocks_kept_on_device blocks are left alone: their inputs stay where AC keeps them.
+    blocks = list(model.layers.values())[:offloaded_blocks(cfg, len(model.layers))]
+    offloader = BlockInputOffloader(blocks, host_device=host_device(job_config), kept_outputs=cfg.keep_attention)
     model.upipe_offloader = offloader  # for inspection (tests, the memory estimate); not a submodule
     return offloader
 

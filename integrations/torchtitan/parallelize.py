@@ -130,7 +130,8 @@ def _parallelize_upipe(model: nn.Module, parallel_dims, job_config, *, stock, sa
             param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             pp_enabled=parallel_dims.pp_enabled,
-            cpu_offload=job_config.training.enable_cpu_offload,
+            # measuring, the estimate's tracker moves the offloaded state to the host itself
+            cpu_offload=job_config.training.enable_cpu_offload and not is_measuring(job_config),
             reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
         )
         sum_reductions_on_gloo(model, parallel_dims.get_mesh(names))

@@ -32,6 +32,7 @@ from upipe_compile.integrations.torchtitan import long_context_stack
 from upipe_compile.integrations.torchtitan.compile_blocks import compile_blocks, upipe_enabled
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import job_problems, refuse
+from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.integrations.torchtitan.release_03 import SPELLING, job_facts
 from upipe_compile.integrations.torchtitan.rope_positions import compute_rope_rows
 from upipe_compile.stack.keep_attention import KEPT_OPS, keep_attention
@@ -80,7 +81,9 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     if not upipe_enabled(job):
         return stock(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                      compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
-    problems = long_context_stack.mlp_tile_problems(model, job.upipe)  # (the loss chunks are 0.3's own ChunkedLossWrapper's)
+    # (the loss chunks are 0.3's own ChunkedLossWrapper's)
+    problems = long_context_stack.mlp_tile_problems(model, job.upipe) + long_context_stack.offload_problems(
+        model, job.upipe)
     if problems:
         raise UnsupportedAttention("\n".join(problems))
     long_context_stack.tile_mlps(model, job.upipe)
@@ -93,7 +96,8 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
         model, dp_mesh,
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        pp_enabled=parallel_dims.pp_enabled, cpu_offload=training.enable_cpu_offload,
+        # measuring, the estimate's tracker moves the offloaded state to the host itself
+        pp_enabled=parallel_dims.pp_enabled, cpu_offload=training.enable_cpu_offload and not is_measuring(job),
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,
     )

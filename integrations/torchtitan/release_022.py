@@ -43,5 +43,6 @@ def job_facts(job_config, parallel_dims=None, model_args=None) -> JobFacts:
         cp=dims.cp if dims is not None else p.context_parallel_degree,
         seq_len=training.seq_len, local_batch_size=training.local_batch_size,
         compile_components=tuple(job_config.compile.components), other_degrees=degrees,
-        ac=ac_kind(job_config), ac_name=f'"{job_config.activation_checkpoint.mode}"', **model,
+        fsdp_cpu_offload=bool(training.enable_cpu_offload), ac=ac_kind(job_config),
+        ac_name=f'"{job_config.activation_checkpoint.mode}"', **model,
     )

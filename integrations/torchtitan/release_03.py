@@ -60,7 +60,8 @@ def job_facts(config) -> JobFacts:
         local_batch_size=training.local_batch_size, compile_components=tuple(config.compile.components),
         other_degrees={name: getattr(p, name) for name in
                        ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree")},
-        ac=ac_kind(config), ac_name=type(ac).__qualname__, spmd_backend=p.spmd_backend,
+        fsdp_cpu_offload=bool(training.enable_cpu_offload), ac=ac_kind(config), ac_name=type(ac).__qualname__,
+        spmd_backend=p.spmd_backend,
         load_balancer=p.context_parallel_load_balancer, validator=bool(config.validator.enable),
         loss_name=loss_name, **_model_facts(config),
     )

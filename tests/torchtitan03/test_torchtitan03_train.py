@@ -93,8 +93,10 @@ def test_a_non_finite_shard_on_one_rank_is_seen_by_every_rank_in_the_same_step(r
         assert math.isnan(losses[1]) and math.isnan(grad_norms[1]), (rank, losses, grad_norms)
 
 
-@pytest.mark.parametrize("overrides", [(), ("--upipe.offload_block_inputs", "--upipe.host_memory_reserve_gib=0")],
-                         ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("overrides", [
+    (), ("--upipe.offload_block_inputs", "--upipe.host_memory_reserve_gib=0"),
+    ("--upipe.offload_block_inputs", "--upipe.blocks_kept_on_device=1", "--upipe.host_memory_reserve_gib=0"),
+], ids=["on-device", "offloaded", "offloaded-last-kept"])
 def test_keep_attention_runs_attention_forward_once_and_equals_cp1(rank_pools, overrides):
     """Full AC reruns each block in backward; with upipe.keep_attention its fused attention
     block is not rerun: one forward per layer per step instead of two; the kept outputs stay on

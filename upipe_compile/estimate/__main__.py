@@ -51,6 +51,9 @@ def parse_args(argv):
     hf.add_argument("--mlp-tile-tokens", type=int, default=0, help="the tiled MLP (0: off)")
     hf.add_argument("--offload-block-inputs", action="store_true", help="checkpointed layer inputs to host memory")
     hf.add_argument("--keep-attention", action="store_true", help="the recompute skips attention")
+    hf.add_argument("--fsdp-cpu-offload", action="store_true",
+                    help="FSDP2 keeps parameters, gradients and optimizer state in host memory "
+                         "(TrainingArguments(fsdp=\"full_shard offload\")); torchtitan jobs: --training.enable_cpu_offload")
     hf.add_argument("--no-gradient-checkpointing", action="store_true",
                     help="TrainingArguments(gradient_checkpointing=False) (default: on, non-reentrant)")
     parser.add_argument("--module", help="torchtitan 0.3: the module holding the config function (its "

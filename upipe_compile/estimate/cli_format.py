@@ -56,8 +56,10 @@ def format_report(result: Estimate, job=None) -> str:
         lines.append(f"modelled, added to the peak: {key.replace('_', ' ')} {value:.2f} GiB")
     for key, value in result.modelled_host.items():
         lines.append(f"modelled, added to host memory: {key.replace('_', ' ')} {value:.2f} GiB per rank")
-    lines.append(f"host memory (offloaded activations): {result.host_gib_per_rank:.2f} GiB per rank, "
-                 f"{result.host_gib_per_node:.2f} GiB per node")
+    state = (f", of it FSDP's offloaded state {result.host_state_gib_per_rank:.2f} per rank"
+             if result.host_state_gib_per_rank else "")
+    lines.append(f"host memory (offloaded activations{', FSDP state' if state else ''}): "
+                 f"{result.host_gib_per_rank:.2f} GiB per rank{state}, {result.host_gib_per_node:.2f} GiB per node")
     lines.append(f"  host budget per node       {result.host_budget_gib_per_node:8.2f} GiB   -> "
                  + ("fits" if result.fits_host else
                     f"DOES NOT FIT (over by {result.host_gib_per_node - result.host_budget_gib_per_node:.2f} GiB)"))

@@ -44,10 +44,11 @@ class Estimate:
     fits_device: bool
     """The expected device peak does not exceed ``budget_gib``."""
     fits_host: bool
-    """The offloaded activations of one node do not exceed ``host_budget_gib_per_node``."""
+    """What one node's ranks offload (activations, FSDP's state) does not exceed ``host_budget_gib_per_node``."""
     host_gib_per_rank: float
     """Host memory one rank holds at its peak: the offloader's pinned buffers, one exact-size
-    buffer per offloaded block input (measured through the offloader on fake tensors)."""
+    buffer per offloaded block input (measured through the offloader on fake tensors), and the
+    state FSDP offloads (``host_state_gib_per_rank``)."""
     host_gib_per_node: float
     """``host_gib_per_rank`` x the ranks on one node (min(world size, gpus_per_node))."""
     host_budget_gib_per_node: float
@@ -70,6 +71,10 @@ class Estimate:
     recompute included): "fused block" (``upipe::attention_block``), "stage-loop op"
     (``upipe::attention``: ``fuse_projections = false`` or a block the pass did not fuse)."""
     seconds: float
+    host_state_gib_per_rank: float = 0.0
+    """What of ``host_gib_per_rank`` is FSDP's offloaded state (``training.enable_cpu_offload``:
+    sharded parameters, gradients, optimizer state and the optimizer step's temporaries); 0
+    when the job keeps it on the device."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -84,7 +89,7 @@ def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, worl
     ratio and both budgets applied."""
     peak = memory.peak_snapshot.get("Total", 0) / GIB + sum(modelled.values())
     budget = budget_gib(gpu_gib)
-    host = memory.host_peak / GIB + sum(modelled_host.values())
+    host = (memory.host_peak + memory.host_state_peak) / GIB + sum(modelled_host.values())
     host_per_node = host * min(world, gpus_per_node)
     breakdown = _breakdown(memory)
     expected = device_peak_gib(peak, persistent_gib(breakdown), device_ratio)
@@ -101,6 +106,7 @@ def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, worl
         breakdown=breakdown, block_recompute=_block_recompute(memory),
         phase_peaks=_phase_peaks(memory), modelled=modelled, modelled_host=modelled_host,
         step_time=step_time, attention_calls=attention_calls, seconds=round(time.time() - start, 1),
+        host_state_gib_per_rank=_gib(memory.host_state_peak),
     )
 
 

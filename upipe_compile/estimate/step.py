@@ -7,7 +7,9 @@ unsharded params and grads, FSDP all-gather buffers, optimizer state, activation
 :class:`PhaseTracker` adds where in the step each peak happens: per block and per part of a
 block (attention, its stage loop, MLP, the rest) in forward, in activation checkpointing's
 recompute and in backward; the loss; the optimizer step. Host memory (offloaded
-activations, packed to "meta" while measuring) shows up as its own device.
+activations, packed to "meta" while measuring) shows up as its own device. A job whose FSDP
+offloads its state to the host (``offloaded_state``) has its sharded parameters, gradients and
+optimizer state, and the optimizer step's work, counted on the host instead of the device.
 """
 
 from __future__ import annotations
@@ -28,6 +30,37 @@ from upipe_compile.estimate.plain_loops import cuda_embedding_backward, fused_rm
 DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
 HOST = torch.device("meta")  # where offloaded activations are packed while measuring
 _LAYER = re.compile(r"\.layers\.(\d+)(\.|$)")
+OFFLOADED_STATE_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
+"""FSDPMemTracker's kinds that FSDP2's CPUOffloadPolicy keeps on the host: the sharded
+parameters, their gradients (copied out after each reduce-scatter) and, because the optimizer
+steps where its parameters are, the optimizer state."""
+
+
+def _kind(key) -> str:
+    return str(getattr(key, "value", key))
+
+
+def offload_staging_bytes(model: torch.nn.Module) -> int:
+    """What FSDP2's CPU offload adds on the device and the tracker cannot see (the step runs
+    without it): before each all-gather, the unit's sharded parameters copied in from the host
+    and cast to the parameter dtype (freed once copied into the all-gather buffer); after each
+    reduce-scatter, its output until the copy out to the host ends. At most one unit of each
+    at a time: the largest unit's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    largest = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is None:
+            continue
+        staged = 0
+        for param in group.fsdp_params:
+            numel = param.sharded_size.numel()
+            reduce_dtype = param.reduce_dtype or param.orig_dtype
+            staged += numel * (param.orig_dtype.itemsize + (param.param_dtype or param.orig_dtype).itemsize
+                               + reduce_dtype.itemsize)
+        largest = max(largest, staged)
+    return largest
 
 
 def _part(parents: set[str]) -> str:
@@ -52,10 +85,15 @@ class PhaseStats:
 class PhaseTracker(FSDPMemTracker):
     """FSDPMemTracker that also keeps the device peak of each phase of the step."""
 
-    def __init__(self, model, optimizer, checkpointed=None):
+    def __init__(self, model, optimizer, checkpointed=None, offloaded_state: bool = False):
         """``checkpointed``: the modules activation checkpointing reruns in backward (default:
-        the CheckpointWrapper-wrapped ones, torchtitan's)."""
+        the CheckpointWrapper-wrapped ones, torchtitan's). ``offloaded_state``: FSDP keeps the
+        :data:`OFFLOADED_STATE_KINDS` on the host and the optimizer steps there (its
+        temporaries too): they leave the device's count for :attr:`host_state_peak`."""
         super().__init__(model, optimizer)
+        self.offloaded_state = offloaded_state
+        self.host_state_peak = 0
+        """The most host memory the offloaded state took (with the optimizer step's temporaries)."""
         self.outside_model = "setup"
         """What runs when no model module does: set by the step (loss, clip, ...)."""
         self.phases: dict[tuple, PhaseStats] = defaultdict(PhaseStats)
@@ -81,7 +119,11 @@ class PhaseTracker(FSDPMemTracker):
                 module.register_forward_pre_hook(lambda *_: self._set_recomputing(self._mod_tracker.is_bw)),
                 module.register_forward_hook(lambda *_: self._set_recomputing(False), always_call=True),
             ]
-        return super().__enter__()
+        entered = super().__enter__()
+        if self.offloaded_state and DEVICE in self._peak_mem_snap:  # the peak starts at what is there
+            self._peak_mem_snap[DEVICE] = self._without_offloaded_state(self._peak_mem_snap[DEVICE])
+            self._peak_mem[DEVICE] = self._peak_mem_snap[DEVICE]["Total"]
+        return entered
 
     def __exit__(self, *args):
         for hook in self._recompute_hooks:
@@ -132,12 +174,15 @@ class PhaseTracker(FSDPMemTracker):
         # tracks on every op (a third of a long estimate's time); nothing here reads those, so
         # only its per-device peak and the snapshot at it are kept, as it keeps them.
         previous_peak = self._peak_mem.get(DEVICE, 0)
-        for device, device_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < device_snap["Total"]:
+        snaps = dict(self._curr_mem_snap)
+        if self.offloaded_state and DEVICE in snaps:
+            snaps[DEVICE] = self._without_offloaded_state(snaps[DEVICE])
+        for device, device_snap in snaps.items():
+            if device_snap is not None and self._peak_mem.get(device, 0) < device_snap["Total"]:
                 self._peak_mem[device] = device_snap["Total"]
                 self._peak_mem_snap[device] = deepcopy(device_snap)
-        snap = self._curr_mem_snap.get(DEVICE)
-        if snap is None:
+        snap = snaps.get(DEVICE)
+        if snap is None:  # no device yet, or the optimizer step of an offloaded state (on the host)
             return
         total, phase = snap["Total"], self.phase()
         stats = self.phases[phase]
@@ -146,6 +191,19 @@ class PhaseTracker(FSDPMemTracker):
         stats.peak = max(stats.peak, total)
         if self._peak_mem.get(DEVICE, 0) > previous_peak:
             self.peak_phase = phase
+
+    def _without_offloaded_state(self, snap: dict) -> dict | None:
+        """The device's snapshot with the offloaded state moved to the host's count (None in
+        the optimizer step, which runs on the host: its temporaries are counted there)."""
+        offloaded = sum(v for k, v in snap.items() if _kind(k) in OFFLOADED_STATE_KINDS)
+        if self._in_opt:
+            temps = sum(v for k, v in snap.items() if _kind(k) == "Temp")
+            self.host_state_peak = max(self.host_state_peak, offloaded + temps)
+            return None
+        self.host_state_peak = max(self.host_state_peak, offloaded)
+        moved = {k: (0 if _kind(k) in OFFLOADED_STATE_KINDS else v) for k, v in snap.items()}
+        moved["Total"] = snap["Total"] - offloaded
+        return moved
 
     def device_peak_snapshot(self) -> dict[str, int]:
         return dict(self._peak_mem_snap.get(DEVICE, {}))
@@ -162,6 +220,8 @@ class StepMemory:
     peak_phase: tuple
     phases: dict[tuple, PhaseStats]
     host_peak: int
+    host_state_peak: int
+    """The state FSDP offloads to the host, at its most (0: none offloaded)."""
     checkpointed_on_device: int
     logits: int
     after_forward: int
@@ -196,17 +256,19 @@ class SavedOnDevice:
 
 
 def run_step(job, fake_mode, *, train_step, fused_kernels: bool = True, cuda_ops: bool = True,
-             model_kernels: Sequence[Callable[[], ContextManager]] = ()) -> StepMemory:
+             model_kernels: Sequence[Callable[[], ContextManager]] = (),
+             offloaded_state: bool = False) -> StepMemory:
     """One training step of ``job`` (anything with the built ``model`` and its ``optimizers``)
     measured with the optimizer state already there, as in every step of a real run but the
     first. ``train_step(job, tracker) -> StepMemory``: the job source's step (the torchtitan
     integration's ``train_step_022`` / ``train_step_03``). ``fused_kernels``: RMSNorm (and
     ``model_kernels``) allocate what fused kernels do (a GPU's, or inductor's anywhere;
     plain_loops.py), else what eager CPU torch allocates; ``cuda_ops``: the embedding's backward
-    allocates what CUDA's kernel does."""
+    allocates what CUDA's kernel does. ``offloaded_state``: the job's FSDP offloads its state to
+    the host (:class:`PhaseTracker`)."""
     with fake_mode:
         _create_optimizer_state(job)
-        tracker = PhaseTracker(job.model, job.optimizers)
+        tracker = PhaseTracker(job.model, job.optimizers, offloaded_state=offloaded_state)
         with kernel_models(fused_kernels, cuda_ops, model_kernels), tracker:
             return train_step(job, tracker)
 
@@ -230,8 +292,8 @@ def kernel_models(fused_kernels: bool, cuda_ops: bool,
 def measured(tracker: PhaseTracker, saved: SavedOnDevice, logits: int, after_forward: int) -> StepMemory:
     return StepMemory(
         peak_snapshot=tracker.device_peak_snapshot(), peak_phase=tracker.peak_phase, phases=dict(tracker.phases),
-        host_peak=tracker.host_peak(), checkpointed_on_device=saved.total, logits=logits,
-        after_forward=after_forward,
+        host_peak=tracker.host_peak(), host_state_peak=tracker.host_state_peak,
+        checkpointed_on_device=saved.total, logits=logits, after_forward=after_forward,
     )
 
 

@@ -19,7 +19,9 @@ always, attention and its all-to-alls unless ``keep_attention`` keeps them
 (``recompute_attention_output`` runs attention once more in backward). The output projection
 and loss add ``6 n V dim`` FLOPs per step. Offloaded block inputs and kept outputs travel over
 the host link while the blocks compute; only what a layer's transfer exceeds its compute is
-counted.
+counted. So do the parameter shards and gradients of FSDP's CPU offload (``offload_state``: each
+layer's fp32 shard in before its forward and again before its backward, its fp32 gradient out);
+its optimizer step runs on the host after backward, bound by the host's memory bandwidth.
 
 The device rates are sustained rates, not peaks: :data:`H100` states where its numbers come
 from. A CPU run is modelled with rates measured on the machine (benchmarks/keep_speed.py).
@@ -46,18 +48,25 @@ class Device:
     """Fixed cost of one collective call."""
     host_link_bytes: float
     """Device <-> host bytes per second per rank (offload)."""
+    host_memory_bytes: float
+    """A rank's share of its node's DRAM bandwidth (the optimizer step of an offloaded state)."""
 
 
 H100 = Device(
     # H100 SXM: 989 TFLOP/s dense bf16 peak, ~70% sustained in large GEMMs; FlashAttention-2's
     # reported long-sequence causal rates on H100 (~330 TFLOP/s forward, ~270 backward); NVLink 4
     # at 450 GB/s per direction, ~80% in all-to-all; one 400 Gb/s InfiniBand NIC per GPU between
-    # nodes; PCIe 5 x16 at ~50 GB/s per GPU.
+    # nodes; PCIe 5 x16 at ~50 GB/s per GPU; two 8-channel DDR5-4800 sockets (614 GB/s), ~60%
+    # sustained by a many-threaded stream, shared by 8 ranks.
     name="H100 SXM 80GB", matmul_flops=0.70 * 989e12, attention_forward_flops=330e12,
     attention_backward_flops=270e12, all_to_all_bytes=0.8 * 450e9, inter_node_bytes=0.8 * 50e9,
     collective_latency_s=30e-6,
-    host_link_bytes=50e9,
+    host_link_bytes=50e9, host_memory_bytes=0.6 * 614e9 / 8,
 )
+
+HOST_ADAMW_BYTES_PER_PARAM = 28
+"""Fused fp32 AdamW on the host reads each parameter, its gradient and both moments and writes
+the parameter and both moments back."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,10 @@ class Setup:
     """Rows per step (each of ``seq_len`` tokens, split over the same ranks)."""
     ranks_per_node: int = 8
     """Consecutive ranks share a node: an all-to-all or ring wider than this crosses nodes."""
+    offload_state: bool = False
+    """FSDP keeps the fp32 parameter shards, gradients and optimizer state on the host."""
+    fsdp_shards: int = 1
+    """Ranks FSDP shards the parameters over (dp_shard x cp)."""
 
 
 @dataclass(frozen=True)
@@ -101,10 +114,12 @@ class StepTime:
     ring: float
     offload: float
     head_and_loss: float
+    host_optimizer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention + self.all_to_all + self.ring + self.offload + self.head_and_loss
+        return (self.linear + self.attention + self.all_to_all + self.ring + self.offload + self.head_and_loss
+                + self.host_optimizer)
 
     def tokens_per_s(self, setup: "Setup") -> float:
         """Tokens of the rows per second (every rank works on the same rows)."""
@@ -154,17 +169,23 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
         per_layer_ring = (max(0.0, passed - per_layer_attention)
                           + (ring - 1) * stages * (attention_runs + 2) * device.collective_latency_s)
 
-    per_layer_offload = 0.0
+    transfer = 0.0
     if setup.offload_block_inputs:
         x_bytes = n * shape.dim * setup.element_bytes
         kept = (x_bytes + q_bytes) if setup.keep_attention else 0.0  # the fused block's y and o
-        transfer = 2 * (x_bytes + kept) / device.host_link_bytes  # out after forward, back before backward
-        per_layer_offload = max(0.0, transfer - (per_layer_linear + per_layer_attention))
+        transfer += 2 * (x_bytes + kept) / device.host_link_bytes  # out after forward, back before backward
+    host_optimizer = 0.0
+    if setup.offload_state:
+        transfer += 3 * 4 * shape.layer_weights / setup.fsdp_shards / device.host_link_bytes
+        params = (shape.n_layers * shape.layer_weights + 2 * shape.vocab_size * shape.dim) / setup.fsdp_shards
+        host_optimizer = params * HOST_ADAMW_BYTES_PER_PARAM / device.host_memory_bytes
+    per_layer_offload = max(0.0, transfer - (per_layer_linear + per_layer_attention))
 
     head = 6.0 * n * shape.vocab_size * shape.dim / device.matmul_flops
     layers = shape.n_layers
     return StepTime(linear=layers * per_layer_linear, attention=layers * per_layer_attention,
-                    all_to_all=layers * per_layer_a2a, ring=layers * per_layer_ring, offload=layers * per_layer_offload, head_and_loss=head)
+                    all_to_all=layers * per_layer_a2a, ring=layers * per_layer_ring, offload=layers * per_layer_offload,
+                    head_and_loss=head, host_optimizer=host_optimizer)
 
 
 def model_flops(shape: ModelShape, setup: Setup) -> float:

@@ -51,7 +51,8 @@ from upipe_compile.estimate.gpu import CUBLAS_WORKSPACES_GIB, DEVICE_RATIO, GIB
 from upipe_compile.estimate.plain_loops import FusedRMSNormFunction, plain_stack_loops
 from upipe_compile.estimate.report import H100_80GB_GIB, Estimate, result_of, step_time_report
 from upipe_compile.estimate.search import search
-from upipe_compile.estimate.step import DEVICE, HOST, PhaseTracker, SavedOnDevice, kernel_models, measured
+from upipe_compile.estimate.step import (DEVICE, HOST, PhaseTracker, SavedOnDevice, kernel_models, measured,
+                                         offload_staging_bytes)
 from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.hf_stack import StackSettings, apply_stack, decoder_layers
 from upipe_compile.measure import workspace
@@ -88,6 +89,9 @@ class HFJob:
     offload_block_inputs: bool = False
     keep_attention: bool = False
     gradient_checkpointing: bool = True
+    fsdp_cpu_offload: bool = False
+    """FSDP2 keeps the parameters, gradients and optimizer state on the host
+    (``TrainingArguments(fsdp="full_shard offload")``: accelerate's CPUOffloadPolicy)."""
 
     @property
     def world(self) -> int:
@@ -106,9 +110,10 @@ class HFJob:
     def describe(self) -> str:
         stack = [f"{k} = {getattr(self, k)}" for k in ("loss_chunk_tokens", "mlp_tile_tokens") if getattr(self, k)]
         stack += [k for k in ("offload_block_inputs", "keep_attention") if getattr(self, k)]
+        fsdp = f"{FSDP_POLICY}, state offloaded to the host" if self.fsdp_cpu_offload else FSDP_POLICY
         ring = "" if self.ring_degree == 1 else f" (ring {self.ring_degree} x all-to-all {self.a2a})"
         return (f"transformers model {self.config} ({config_path(self.config)}) as UPipeTrainer trains it: "
-                f"{self.nodes} x {self.cp}{ring} ranks, FSDP2 over all ({FSDP_POLICY}), gradient checkpointing "
+                f"{self.nodes} x {self.cp}{ring} ranks, FSDP2 over all ({fsdp}), gradient checkpointing "
                 f"{'on (non-reentrant)' if self.gradient_checkpointing else 'off'}, stack: "
                 f"{', '.join(stack) or 'none'}")
 
@@ -312,6 +317,8 @@ def estimate_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
     modelled, modelled_host = {}, {}
     if cuda_kernel:
         modelled["cublas_workspaces"] = CUBLAS_WORKSPACES_GIB
+    if job.fsdp_cpu_offload:
+        modelled["cpu_offload_staging"] = round(offload_staging_bytes(model) / GIB, 6)
     if job.keep_attention:
         kept = round(kept_attention_bytes(shape, job, heads_per_stage, "fused block" in calls) / GIB, 6)
         # On the host only where the trainer's offloader takes them beside the block inputs; else
@@ -319,7 +326,8 @@ def estimate_hf(job: HFJob, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: in
         (modelled_host if kept_on_host else modelled)["kept_attention_outputs"] = kept
     setup = Setup(seq_len=job.seq_len, cp=job.cp, heads_per_stage=heads_per_stage, ring_degree=job.ring_degree,
                   full_ac=job.gradient_checkpointing, keep_attention=job.keep_attention,
-                  offload_block_inputs=job.offload_block_inputs, element_bytes=2)
+                  offload_block_inputs=job.offload_block_inputs, element_bytes=2,
+                  offload_state=job.fsdp_cpu_offload, fsdp_shards=job.world)
     return result_of(memory, seq_len=job.seq_len, cuda_kernel=cuda_kernel, world=job.world, cp=job.cp,
                      heads_per_stage=heads_per_stage, ring_degree=job.ring_degree, modelled=modelled, modelled_host=modelled_host,
                      gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib, device_ratio=device_ratio,
@@ -383,7 +391,8 @@ def _measure(job: HFJob, config, cuda_kernel):
             param.grad = torch.zeros_like(param)
         optimizer.step()
         optimizer.zero_grad()
-        tracker = PhaseTracker(model, optimizer, checkpointed=_checkpointed_parts(model))
+        tracker = PhaseTracker(model, optimizer, checkpointed=_checkpointed_parts(model),
+                               offloaded_state=job.fsdp_cpu_offload)
         fused = cuda_kernel is not None
         norms = _fused_hf_rms_norms(model) if fused else contextlib.nullcontext()
         with kernel_models(fused, fused), norms, tracker:
@@ -472,7 +481,7 @@ def command(args, unknown: list[str]) -> int:
     job = HFJob(args.hf, seq_len=args.seq_len, cp=args.cp, nodes=args.nodes, ring_degree=args.ring_degree, heads_per_stage=args.heads_per_stage,
                 loss_chunk_tokens=args.loss_chunk_tokens, mlp_tile_tokens=args.mlp_tile_tokens,
                 offload_block_inputs=args.offload_block_inputs, keep_attention=args.keep_attention,
-                gradient_checkpointing=not args.no_gradient_checkpointing)
+                gradient_checkpointing=not args.no_gradient_checkpointing, fsdp_cpu_offload=args.fsdp_cpu_offload)
     budgets = dict(gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
                    cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
     if args.max_context:
