@@ -9,7 +9,8 @@ the device ratio a GPU measured applied, the node's host budget checked), run in
 process and kept as JSON under ``benchmarks/results/fits_70b/`` (an existing one is reused:
 delete it to rerun; a 70B step takes minutes on a CPU). Writes
 ``benchmarks/results/fits_70b.md``. No tensor parallelism: upipe refuses TP beside its CP, and
-FSDP shards the weights over all the GPUs instead, so there are no TP x ring rows.
+FSDP shards the weights over all the GPUs instead (on four nodes keeping them, their gradients and
+the optimizer state in host memory), so there are no TP x ring rows.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ TOML_8B_4_NODES = "integrations/torchtitan/llama3_8b_upipe_4_nodes.toml"
 TOML_70B_8_NODES = "integrations/torchtitan/llama3_70b_upipe_8_nodes.toml"
 MODULE = "upipe_compile.integrations.torchtitan"
 EIGHT_NODES = ("--parallelism.context_parallel_degree", "64", "--upipe.ring_degree", "8")
+STATE_ON_HOST = ("--training.enable_cpu_offload", "--upipe.blocks_kept_on_device", "8", "--upipe.mlp_tile_tokens",
+                 "8192", "--upipe.recompute_attention_output")
+"""FSDP's parameters, gradients and optimizer state in host memory; the freed GPU memory holds the
+last 8 blocks' inputs (the shipped 0.3 four-node config's settings)."""
 
 # (nodes, method, torchtitan release, the estimate's arguments)
 ROWS = (
@@ -42,7 +47,13 @@ ROWS = (
     (4, "UPipe 8 x ring 4, MLP tiles of 8K", "0.2.2",
      ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", "--training.seq_len", "4718592",
       "--upipe.mlp_tile_tokens", "8192")),
-    (4, "UPipe 8 x ring 4 (shipped config)", "0.3", ("--module", MODULE, "--config", "llama3_70b_upipe_4_nodes")),
+    (4, "UPipe 8 x ring 4, FSDP state on host, last 8 blocks' inputs on GPU (shipped config)", "0.3",
+     ("--module", MODULE, "--config", "llama3_70b_upipe_4_nodes")),
+    (4, "UPipe 8 x ring 4, FSDP state on host, last 8 blocks' inputs on GPU", "0.2.2",
+     ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", "--training.seq_len", "5242880", *STATE_ON_HOST)),
+    (4, "Ulysses (U = 64) x ring 4, the same", "0.2.2",
+     ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", "--training.seq_len", "5242880", *STATE_ON_HOST,
+      "--upipe.heads_per_stage", "64")),
     (8, "UPipe 8 x ring 8", "0.2.2",
      ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", *EIGHT_NODES, "--training.seq_len", "10485760")),
     (8, "UPipe 8 x ring 8 (shipped TOML)", "0.2.2", ("--config", TOML_70B_8_NODES)),
@@ -90,10 +101,12 @@ def main() -> None:
             "# Llama-3.1-70B on 4 and 8 nodes of 8 H100s: fits at a length, by the whole-step estimate\n\n"
             "Each row's command is beside it (the 0.3 rows with "
             "`PYTHONPATH=.torchtitan03`). \"on the device\": the estimate with the device ratio a GPU "
-            f"measured ({DEVICE_RATIO}) applied above the parameters, gradients and optimizer state; a job fits when "
-            "that is within the budget (79.1 GiB of an 80 GB H100 less the CUDA context, NCCL and "
-            "fragmentation) and its offloaded block inputs fit the node's host budget (2 TB less the "
-            "reserve). FSDP shards the weights over all the GPUs (no tensor parallelism).\n\n"
+            f"measured ({DEVICE_RATIO}) applied above the parameters, gradients and optimizer state (where they "
+            "are on the GPU); a job fits when that is within the budget (79.1 GiB of an 80 GB H100 less the CUDA "
+            "context, NCCL and fragmentation) and what it offloads (block inputs; with \"FSDP state on host\", "
+            "`training.enable_cpu_offload`, the parameters, gradients and optimizer state too, modelled) fits the "
+            "node's host budget (2 TB less the reserve). FSDP shards the weights over all the GPUs (no tensor "
+            "parallelism).\n\n"
             + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True) + "\n")
     with open(os.path.join(RESULTS, "fits_70b.md"), "w") as f:
         f.write(text)

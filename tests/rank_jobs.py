@@ -272,9 +272,9 @@ def compiled_variant_block_case(case: AttentionCase, window, softcap, with_sinks
     def backend(gm, example_inputs):
         gm = apply_upipe_passes(gm, options)
         recording(gm, example_inputs)
-        from upipe_compile.backend import _inner_backend
+        from upipe_compile.backend import inner_backend as compiler_for
 
-        return _inner_backend(inner_backend)(gm, example_inputs)
+        return compiler_for(inner_backend)(gm, example_inputs)
 
     model = torch.compile(TinyVariantAttention(case, window, softcap, with_sinks), backend=backend)
     out, dx, grads = block_grads(model, x, dout)

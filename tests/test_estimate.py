@@ -305,11 +305,14 @@ def test_keep_attention_counts_the_kept_attention_outputs():
     import upipe_compile.integrations.torchtitan  # noqa: F401  the [upipe] section
     from torchtitan_jobs import load_config
     from upipe_compile.integrations.torchtitan.estimate_run import _op_selective_ac
+    from upipe_compile.integrations.torchtitan.release_022 import job_facts
 
-    assert _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=full", "--upipe.keep_attention"))
-    assert not _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=full"))
-    assert _op_selective_ac(load_config(DEBUG_TOML, "--activation_checkpoint.mode=selective",
-                                        "--activation_checkpoint.selective_ac_option=op"))
+    def kept(*overrides):
+        return _op_selective_ac(job_facts(load_config(DEBUG_TOML, *overrides)))
+
+    assert kept("--activation_checkpoint.mode=full", "--upipe.keep_attention")
+    assert not kept("--activation_checkpoint.mode=full")
+    assert kept("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")
 
 
 def test_saved_attention_output_uses_the_value_head_dim():

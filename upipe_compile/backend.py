@@ -43,7 +43,9 @@ def _never_fall_back_to_eager() -> None:
         config.fail_on_recompile_limit_hit = True
 
 
-def _inner_backend(name: str):
+def inner_backend(name: str):
+    """The compiler callable for upipe's inner backend ``name`` (what compiles each graph after
+    the rewrite): a registered torch.compile backend, or "eager" (the graph as it is)."""
     if name == "eager":
         return lambda gm, example_inputs: gm.forward
     from torch._dynamo.backends.registry import lookup_backend
@@ -61,6 +63,6 @@ def upipe_backend(gm: fx.GraphModule, example_inputs, options=None, **unused):
         _never_fall_back_to_eager()
         ctx = PassContext.of(opts)
         gm = run_passes(gm, ctx)
-    compiled = _inner_backend(opts.inner_backend)(gm, example_inputs)
+    compiled = inner_backend(opts.inner_backend)(gm, example_inputs)
     # the graph after a graph break starts from the outputs' sequence dimensions
     return compiled if ctx is None else marking_outputs(compiled, ctx.output_dims, ctx.output_routing)

@@ -17,6 +17,7 @@ import logging
 import torch
 import torch.nn as nn
 
+from upipe_compile.backend import inner_backend as compiler_for
 from upipe_compile.backend import upipe_backend
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.cp_layout import upipe_cp_mesh
@@ -43,9 +44,7 @@ def compile_options(job_config, parallel_dims) -> dict:
 
 def inner_backend(name: str):
     """What torch.compile takes for upipe's inner backend ``name`` (the callable for "eager")."""
-    from upipe_compile.backend import _inner_backend
-
-    return name if name != "eager" else _inner_backend(name)
+    return name if name != "eager" else compiler_for(name)
 
 
 def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:

@@ -82,7 +82,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         modelled["cublas_workspaces"] = CUBLAS_WORKSPACES_GIB
     if facts.fsdp_cpu_offload:
         modelled["cpu_offload_staging"] = _gib(offload_staging_bytes(job.model))
-    if cp > 1 and _op_selective_ac(job_config):
+    if cp > 1 and _op_selective_ac(facts):
         # The compiled path saves every layer's upipe::attention / attention_block outputs
         # (the ops are in the save list) where the step run here recomputes them.
         kept_bytes = attention_outputs_bytes_per_rank(job_config, job.model_args, cp, _param_dtype(job_config),
@@ -101,21 +101,20 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         heads_per_stage=heads_per_stage, ring_degree=cp // a2a, modelled=modelled, modelled_host=modelled_host,
         gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib, device_ratio=device_ratio,
         step_time=step_time_report(shape_of(job.model, job.model_args),
-                                   step_setup(job_config, heads_per_stage, cp // a2a)),
+                                   step_setup(job_config, heads_per_stage, cp // a2a, facts)),
         attention_calls=calls, start=start,
     )
 
 
-def _op_selective_ac(job_config) -> bool:
+def _op_selective_ac(facts) -> bool:
     """Whether the blocks keep upipe's attention ops' outputs from the forward: selective op
     AC, or full AC with upipe's keep_attention (selective op AC that keeps only them)."""
-    facts = installed_release().job_facts(job_config)
     return facts.ac == "selective_op" or (facts.ac == "full" and facts.upipe.keep_attention)
 
 
-def step_setup(job_config, heads_per_stage: int, ring_degree: int) -> Setup:
-    """The step-time model's view of a job."""
-    facts = installed_release().job_facts(job_config)
+def step_setup(job_config, heads_per_stage: int, ring_degree: int, facts=None) -> Setup:
+    """The step-time model's view of a job (``facts``: its job facts where already read)."""
+    facts = facts or installed_release().job_facts(job_config)
     cfg = facts.upipe
     return Setup(seq_len=facts.seq_len, batch=facts.local_batch_size, cp=facts.cp, heads_per_stage=heads_per_stage,
                  ring_degree=ring_degree, full_ac=facts.ac == "full", keep_attention=cfg.keep_attention,
