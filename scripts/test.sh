@@ -10,4 +10,4 @@ if [ "${1:-}" = "--fast" ]; then
   shift
 fi
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "${TIER[@]}" "$@"
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=30 "${TIER[@]}" "$@"

@@ -19,4 +19,4 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 export PYTHONPATH="$PWD/.torchtitan03${PYTHONPATH:+:$PYTHONPATH}"
 .venv/bin/python -c "import torchtitan, importlib.metadata as m; print('torchtitan', m.version('torchtitan'))"
-exec .venv/bin/python -m pytest tests/torchtitan03 -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest tests/torchtitan03 -q -p no:cacheprovider --durations=15 "$@"
