@@ -369,3 +369,25 @@ def test_kept_blocks_and_fsdp_offload_in_the_node_check():
     assert "needs 156.0 GiB of host memory per rank x 8 ranks per node = 1248.0 GiB" in message
     assert "[training] enable_cpu_offload = true (FSDP's parameters, gradients and optimizer state: 16.0 GiB" in message
     assert "raise [upipe] blocks_kept_on_device" in message
+
+
+def test_fsdp_host_state_is_each_local_shard_four_times():
+    """What the start-up check counts for ``training.enable_cpu_offload``: each parameter's local
+    shard (a DTensor's ``to_local()``), its gradient and Adam's two moments."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+    from upipe_compile.integrations.torchtitan.long_context_stack import fsdp_host_state_bytes
+    from upipe_compile.measure.memory import fake_process_group
+
+    plain = nn.Linear(4, 3)  # 15 fp32 numbers
+    assert fsdp_host_state_bytes(plain) == 4 * 15 * 4
+    local = torch.zeros(2, 4)  # this rank's rows of an [8, 4] parameter over 4 ranks
+    with fake_process_group(4):
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        sharded = nn.Module()
+        sharded.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+        assert sharded.weight.shape == (8, 4)
+        assert fsdp_host_state_bytes(sharded) == 4 * local.nbytes
