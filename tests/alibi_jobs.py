@@ -73,7 +73,7 @@ def _local(case: AttentionCase):
 def _recording_backend(options):
     """The upipe passes with ``options`` then the inner backend, recording the upipe ops the
     rewritten graphs hold into the returned list."""
-    from upipe_compile.backend import _inner_backend, apply_upipe_passes
+    from upipe_compile.backend import apply_upipe_passes, inner_backend
 
     seen = []
 
@@ -81,7 +81,7 @@ def _recording_backend(options):
         gm = apply_upipe_passes(gm, options)
         seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
                     for n in m.graph.nodes if str(n.target).startswith("upipe."))
-        return _inner_backend(options.inner_backend)(gm, example_inputs)
+        return inner_backend(options.inner_backend)(gm, example_inputs)
 
     return backend, seen
 

@@ -142,7 +142,7 @@ def _ring_mesh(ring: int):
 def _compiled_recording(module: torch.nn.Module, options) -> tuple[torch.nn.Module, list[str]]:
     """``module`` compiled by the upipe passes with ``options`` (then aot_eager), and the list
     the upipe ops left in its graphs are recorded into as it compiles."""
-    from upipe_compile.backend import _inner_backend, apply_upipe_passes
+    from upipe_compile.backend import apply_upipe_passes, inner_backend
 
     torch._dynamo.reset()
     seen = []
@@ -151,7 +151,7 @@ def _compiled_recording(module: torch.nn.Module, options) -> tuple[torch.nn.Modu
         gm = apply_upipe_passes(gm, options)
         seen.extend(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
                     for n in m.graph.nodes if str(n.target).startswith("upipe."))
-        return _inner_backend("aot_eager")(gm, example_inputs)
+        return inner_backend("aot_eager")(gm, example_inputs)
 
     return torch.compile(module, backend=backend), seen
 
