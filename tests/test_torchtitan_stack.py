@@ -391,3 +391,19 @@ def test_fsdp_host_state_is_each_local_shard_four_times():
         sharded.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
         assert sharded.weight.shape == (8, 4)
         assert fsdp_host_state_bytes(sharded) == 4 * local.nbytes
+
+
+def test_keeping_every_block_on_device_is_refused_in_each_release_spelling():
+    """``blocks_kept_on_device`` >= the model's blocks offloads nothing: refused, naming the keys
+    as the job spells them (0.2.2's TOML here)."""
+    from types import SimpleNamespace
+
+    from upipe_compile.integrations.torchtitan.config import UPipe
+    from upipe_compile.integrations.torchtitan.long_context_stack import offload_problems
+    from upipe_compile.integrations.torchtitan.release_022 import SPELLING
+
+    model = SimpleNamespace(layers=nn.ModuleDict({str(i): nn.Identity() for i in range(6)}))
+    assert offload_problems(model, UPipe(offload_block_inputs=True, blocks_kept_on_device=5), SPELLING) == []
+    assert offload_problems(model, UPipe(offload_block_inputs=True, blocks_kept_on_device=6), SPELLING) == [
+        "[upipe] blocks_kept_on_device = 6 keeps every one of the model's 6 blocks on the device: offload nothing "
+        "([upipe] offload_block_inputs = false) or keep fewer"]

@@ -29,7 +29,7 @@ from upipe_compile.integrations.torchtitan.estimate_job import world_size
 from upipe_compile.integrations.torchtitan.estimate_release import installed_release
 from upipe_compile.integrations.torchtitan.estimate_step import MODEL_KERNELS
 from upipe_compile.integrations.torchtitan.long_context_stack import (attention_outputs_bytes_per_rank,
-                                                                    offloaded_blocks)
+                                                                    offloaded_share)
 from upipe_compile.measure import workspace
 from upipe_compile.measure.memory import counting_eager_calls
 from upipe_compile.options import resolved_heads_per_stage
@@ -90,8 +90,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         # The offloaded blocks' go to the host beside their inputs (on the device each comes
         # back with its block's input, where full AC's recompute, what the step ran, makes the
         # same tensors); the other blocks' stay on the device.
-        layers = job.model_args.n_layers
-        on_host = kept_bytes * offloaded_blocks(cfg, layers) // layers
+        on_host = offloaded_share(kept_bytes, cfg, job.model_args.n_layers)
         if on_host:
             modelled_host["kept_attention_outputs"] = _gib(on_host)
         if kept_bytes > on_host:

@@ -58,8 +58,9 @@ def tile_mlps(model: nn.Module, cfg) -> None:
         log.info("upipe: SwiGLU of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
 
 
-def model_problems(model: nn.Module, job_config) -> list[str]:
-    """What the stack keys cannot apply to on this model."""
+def model_problems(model: nn.Module, job_config, spelling) -> list[str]:
+    """What the stack keys cannot apply to on this model (``spelling``: the release's
+    job_rules.Spelling, how its job names the keys)."""
     cfg = upipe_config(job_config)
     problems = mlp_tile_problems(model, cfg)
     if cfg.loss_chunk_tokens:
@@ -67,20 +68,23 @@ def model_problems(model: nn.Module, job_config) -> list[str]:
         if not isinstance(output, nn.Linear) or output.bias is not None:
             problems.append(f"[upipe] loss_chunk_tokens = {cfg.loss_chunk_tokens} needs the model's `output` to be "
                             f"a bias-free nn.Linear, got {type(output).__name__}")
-    return problems + offload_problems(model, cfg)
+    return problems + offload_problems(model, cfg, spelling)
 
 
-def offload_problems(model: nn.Module, cfg) -> list[str]:
-    """What offloading block inputs cannot do on this model."""
+def offload_problems(model: nn.Module, cfg, spelling) -> list[str]:
+    """What offloading block inputs cannot do on this model, spelled as the release's job
+    names the keys (``spelling``: job_rules.Spelling)."""
+    offload = spelling.key("upipe.offload_block_inputs")
     if not cfg.offload_block_inputs:
         return []
     if not len(getattr(model, "layers", ())):
-        return ["upipe.offload_block_inputs needs a model with `layers`"]
+        return [f"{offload} = {spelling.value(True)} needs a model with `layers`"]
     if cfg.blocks_kept_on_device >= len(model.layers):
-        return [f"upipe.blocks_kept_on_device = {cfg.blocks_kept_on_device} keeps every one of the model's "
-                f"{len(model.layers)} blocks on the device: offload nothing (upipe.offload_block_inputs off) or "
-                "keep fewer"]
+        return [f"{spelling.key('upipe.blocks_kept_on_device')} = {cfg.blocks_kept_on_device} keeps every one of "
+                f"the model's {len(model.layers)} blocks on the device: offload nothing ({offload} = "
+                f"{spelling.value(False)}) or keep fewer"]
     return []
+
 
 
 def apply_module_swaps(model: nn.Module, job_config) -> None:
@@ -147,6 +151,11 @@ def offloaded_blocks(cfg, n_layers: int) -> int:
     return max(0, n_layers - cfg.blocks_kept_on_device) if cfg.offload_block_inputs else 0
 
 
+def offloaded_share(total_bytes: int, cfg, n_layers: int) -> int:
+    """What of every block's ``total_bytes`` (kept attention outputs) the offloaded blocks hold."""
+    return total_bytes * offloaded_blocks(cfg, n_layers) // n_layers
+
+
 def offload_host_bytes_per_rank(job_config, parallel_dims, model_args) -> int:
     """Host memory the offloader takes per rank (0 when offload is off): the offloaded blocks'
     inputs, and with ``keep_attention`` their kept attention outputs (fused blocks unless
@@ -162,7 +171,7 @@ def offload_host_bytes_per_rank(job_config, parallel_dims, model_args) -> int:
         return inputs
     outputs = attention_outputs_bytes_per_rank(job_config, model_args, parallel_dims.cp, dtype,
                                                fused=cfg.fuse_projections)
-    return inputs + outputs * blocks // model_args.n_layers
+    return inputs + offloaded_share(outputs, cfg, model_args.n_layers)
 
 
 def fsdp_host_state_bytes(model: nn.Module) -> int:

@@ -70,7 +70,7 @@ def check_job(job_config, parallel_dims, model_args=None, model=None) -> None:
     ``model``, what the stack keys cannot apply to on it."""
     problems = job_problems(job_facts(job_config, parallel_dims, model_args))
     if model is not None:
-        problems += long_context_stack.model_problems(model, job_config)
+        problems += long_context_stack.model_problems(model, job_config, SPELLING)
     refuse(problems, SPELLING)
 
 

@@ -83,7 +83,7 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
                      compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
     # (the loss chunks are 0.3's own ChunkedLossWrapper's)
     problems = long_context_stack.mlp_tile_problems(model, job.upipe) + long_context_stack.offload_problems(
-        model, job.upipe)
+        model, job.upipe, SPELLING)
     if problems:
         raise UnsupportedAttention("\n".join(problems))
     long_context_stack.tile_mlps(model, job.upipe)

@@ -174,9 +174,9 @@ class PhaseTracker(FSDPMemTracker):
         # tracks on every op (a third of a long estimate's time); nothing here reads those, so
         # only its per-device peak and the snapshot at it are kept, as it keeps them.
         previous_peak = self._peak_mem.get(DEVICE, 0)
-        snaps = dict(self._curr_mem_snap)
+        snaps = self._curr_mem_snap  # runs on every op: a copy only where the state is moved
         if self.offloaded_state and DEVICE in snaps:
-            snaps[DEVICE] = self._without_offloaded_state(snaps[DEVICE])
+            snaps = {**snaps, DEVICE: self._without_offloaded_state(snaps[DEVICE])}
         for device, device_snap in snaps.items():
             if device_snap is not None and self._peak_mem.get(device, 0) < device_snap["Total"]:
                 self._peak_mem[device] = device_snap["Total"]
