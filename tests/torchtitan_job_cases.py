@@ -25,6 +25,12 @@ class BadJob:
     """Selective (op) activation checkpointing, as each release asks for it."""
     varlen: bool = False
     """The model's attention is varlen (0.3's debug config has it already)."""
+    releases: tuple[str, ...] = ("0.2.2", "0.3")
+    """The releases that refuse the job for this reason (0.3 runs TP beside upipe's CP)."""
+
+
+def cases_of(release: str) -> list[BadJob]:
+    return [case for case in BAD_JOBS if release in case.releases]
 
 
 BAD_JOBS = [
@@ -56,17 +62,28 @@ BAD_JOBS = [
     BadJob("ring-degree", overrides=("--parallelism.context_parallel_degree=4", "--upipe.ring_degree=3"),
            reason=lambda s: f"{s.key('upipe.ring_degree')} = 3 must divide "
                             f"{s.key('parallelism.context_parallel_degree')} = 4"),
-    BadJob("tensor-parallel", overrides=("--parallelism.tensor_parallel_degree=2",),
+    BadJob("tensor-parallel", overrides=("--parallelism.tensor_parallel_degree=2",), releases=("0.2.2",),
            reason=lambda s: f"{s.key('parallelism.tensor_parallel_degree')} = 2: upipe's context parallelism does "
-                            "not run beside tensor parallelism yet (its blocks would hold DTensor shards of the "
-                            f"heads); the same 4 GPUs run under upipe as {s.key('parallelism.tensor_parallel_degree')}"
-                            f" = 1 and {s.key('parallelism.context_parallel_degree')} = 4"),
+                            "not run beside tensor parallelism in a torchtitan 0.2.2 job (its blocks would hold "
+                            "DTensor shards of the heads; a 0.3 job runs it); the same 4 GPUs run under upipe as "
+                            f"{s.key('parallelism.tensor_parallel_degree')} = 1 and "
+                            f"{s.key('parallelism.context_parallel_degree')} = 4"),
     BadJob("tensor-parallel-beyond-the-heads", overrides=("--parallelism.tensor_parallel_degree=16",),
+           releases=("0.2.2",),
            reason=lambda s: f"{s.key('parallelism.tensor_parallel_degree')} = 16: upipe's context parallelism does "
-                            "not run beside tensor parallelism yet (its blocks would hold DTensor shards of the "
-                            f"heads); the same 32 GPUs run under upipe as {s.key('parallelism.tensor_parallel_degree')} = 1 "
-                            f"and {s.key('parallelism.context_parallel_degree')} = 32 with "
+                            "not run beside tensor parallelism in a torchtitan 0.2.2 job (its blocks would hold "
+                            "DTensor shards of the heads; a 0.3 job runs it); the same 32 GPUs run under upipe as "
+                            f"{s.key('parallelism.tensor_parallel_degree')} = 1 and "
+                            f"{s.key('parallelism.context_parallel_degree')} = 32 with "
                             f"{s.key('upipe.ring_degree')} = 2 (16 all-to-all ranks per ring step)"),
+    BadJob("tensor-parallel-fused", overrides=("--parallelism.tensor_parallel_degree=2",), releases=("0.3",),
+           reason=lambda s: f"{s.key('parallelism.tensor_parallel_degree')} = 2: the q/k/v/o projections are "
+                            "TP-sharded, so upipe cannot fuse them into its stage loop; set "
+                            f"{s.key('upipe.fuse_projections')} = {s.value(False)}"),
+    BadJob("tensor-parallel-beyond-the-heads-per-cp", overrides=(
+        "--parallelism.tensor_parallel_degree=16", "--upipe.no_fuse_projections"), releases=("0.3",),
+           reason=lambda s: f"the heads per TP rank, 1 (n_heads = 16 / {s.key('parallelism.tensor_parallel_degree')} "
+                            "16), is not divisible by the CP degree 2"),
     BadJob("pipeline-parallel", overrides=("--parallelism.pipeline_parallel_degree=2",),
            reason=lambda s: f"{s.key('parallelism.pipeline_parallel_degree')} = 2: upipe's context parallelism does "
                             "not run beside pipeline parallelism"),

@@ -72,6 +72,21 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
 
 
+def compile_attention_per_tp_rank(model: nn.Module, job_config, parallel_dims) -> None:
+    """With tensor parallelism: each block's inner attention compiled with backend "upipe" over
+    the CP mesh, before TP's ``model.parallelize`` (whose ``local_map`` then hands it its TP
+    rank's heads as local tensors, this rank's CP shard of the tokens). The projections, the
+    norms and the MLP stay TP's eager DTensor ops; the blocks are not compiled (a block
+    compiled around the attention would inline it, and upipe would see DTensor projections).
+    The attention runs as the plain stage-loop op: fuse_projections is off (job_rules.py)."""
+    options = compile_options(job_config, parallel_dims)
+    for block in model.layers.values():
+        inner = block.attention.inner_attention
+        inner.forward = torch.compile(inner.forward, backend=upipe_backend, fullgraph=True, options=dict(options))
+    log.info("upipe: compiled the attention of %d TransformerBlocks per TP rank (CP=%d, TP=%d)", len(model.layers),
+             parallel_dims.cp, parallel_dims.tp)
+
+
 def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:
     """What compile_blocks does to attention, eagerly, for fake-tensor memory measurement: every
     block's SDPA runs as the real stage loops with the options it would be compiled with. The

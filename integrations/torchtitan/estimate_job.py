@@ -194,6 +194,10 @@ def build_job_03(config, fake_mode) -> Job:
     torchtitan_on_cpu()
     if not take_over(config):
         raise JobError('the estimate measures upipe jobs: compile.enable = True and compile.backend = "upipe"')
+    if config.parallelism.tensor_parallel_degree > 1:
+        raise JobError(f"parallelism.tensor_parallel_degree = {config.parallelism.tensor_parallel_degree}: the "
+                       "estimate does not model tensor parallelism; estimate the same GPUs with "
+                       "tensor_parallel_degree = 1 and the TP ranks folded into context_parallel_degree")
     if not config.upipe.fuse_projections:
         raise JobError("upipe.fuse_projections = False: the estimate measures 0.3's varlen attention through "
                        "fused blocks only")

@@ -57,12 +57,16 @@ class JobFacts:
     compile_components: tuple[str, ...]
     other_degrees: dict[str, int]
     """``parallelism.<name>_degree`` of the parallelisms upipe does not run beside its CP
-    (tensor, pipeline, expert), by field name."""
+    (pipeline, expert; tensor in a release without :attr:`tp`), by field name."""
     ac: str
     """Activation checkpointing: "full", "selective", "selective_op" (selective, saving ops),
     "memory_budget" or "none"."""
     ac_name: str
     """``ac`` as the job spells it (0.2.2: the mode; 0.3: the config class)."""
+    tp: int = 1
+    """``parallelism.tensor_parallel_degree`` where the release runs TP beside upipe's CP (0.3:
+    the heads split over the TP group first, upipe's stage loop over the CP group on each TP
+    rank's heads); a release that does not lists it in :attr:`other_degrees`."""
     fsdp_cpu_offload: bool = False
     """``training.enable_cpu_offload``: FSDP keeps the sharded parameters, gradients and
     optimizer state on the host, and the optimizer steps there."""
@@ -195,8 +199,9 @@ def _compiles_the_model(f: JobFacts) -> list[str]:
 
 
 _WHY_NOT = {
-    "tensor_parallel_degree": "upipe's context parallelism does not run beside tensor parallelism yet (its "
-                              "blocks would hold DTensor shards of the heads)",
+    "tensor_parallel_degree": "upipe's context parallelism does not run beside tensor parallelism in a "
+                              "torchtitan 0.2.2 job (its blocks would hold DTensor shards of the heads; a 0.3 "
+                              "job runs it)",
     "pipeline_parallel_degree": "upipe's context parallelism does not run beside pipeline parallelism (each "
                                 "stage would compile part of the blocks with its own CP group)",
     "expert_parallel_degree": "upipe's context parallelism does not run beside expert parallelism yet (the "
@@ -272,8 +277,38 @@ def _memory_budget_ac(f: JobFacts) -> list[str]:
     return []
 
 
-LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _other_parallelisms, _seq_len,
-                                  _spmd_backend, _load_balancer, _validator, _memory_budget_ac)
+_NOT_BESIDE_TP = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens")
+"""Stack keys that run on whole blocks, not yet run beside TP's DTensor blocks."""
+
+
+def _tensor_parallel(f: JobFacts) -> list[str]:
+    """TP beside upipe's CP: the projections are TP-sharded DTensors outside the stage loop,
+    so the attention runs as the plain stage-loop op on each TP rank's heads (no fused block),
+    and the stack keys that act on whole blocks stay off."""
+    s = f.spelling
+    if f.tp < 1:
+        return [f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp} must be >= 1"]
+    if f.tp == 1:
+        return []
+    tp = f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp}"
+    problems = []
+    if f.upipe.fuse_projections:
+        problems.append(f"{tp}: the q/k/v/o projections are TP-sharded, so upipe cannot fuse them into its stage "
+                        f"loop; set {s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs its "
+                        "stage-loop attention on each TP rank's heads)")
+    if f.seq_len % (f.cp * f.tp):
+        problems.append(f"{s.key('training.seq_len')} = {f.seq_len} must be divisible by CP x TP = {f.cp * f.tp} "
+                        "(sequence parallelism splits each CP shard over the TP ranks)")
+    for name in _NOT_BESIDE_TP:
+        if getattr(f.upipe, name):
+            problems.append(f"{tp}: {s.key('upipe.' + name)} is not supported beside tensor parallelism; turn it "
+                            f"off, or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks "
+                            f"into {s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}")
+    return problems
+
+
+LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _tensor_parallel, _other_parallelisms,
+                                  _seq_len, _spmd_backend, _load_balancer, _validator, _memory_budget_ac)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -323,20 +358,29 @@ def _one_packed_row(f: JobFacts) -> list[str]:
 def _heads_split(f: JobFacts) -> list[str]:
     s, a2a, ring = f.spelling, f.all_to_all_degree, f.upipe.ring_degree
     for heads in f.n_heads or ():
-        if heads % a2a:
+        if heads % f.tp:
+            return [f"n_heads = {heads} is not divisible by {s.key('parallelism.tensor_parallel_degree')} = {f.tp} "
+                    "(each TP rank holds whole heads)"]
+        local, of = heads // f.tp, (f"the heads per TP rank, {heads // f.tp} (n_heads = {heads} / "
+                                    f"{s.key('parallelism.tensor_parallel_degree')} {f.tp})," if f.tp > 1
+                                    else f"n_heads = {heads}")
+        if local % a2a:
             if ring > 1:
-                return [f"n_heads = {heads} is not divisible by the all-to-all degree {a2a} (the CP degree {f.cp} / "
+                return [f"{of} is not divisible by the all-to-all degree {a2a} (the CP degree {f.cp} / "
                         f"{s.key('upipe.ring_degree')} {ring}): raise ring_degree"]
-            return [f"n_heads = {heads} is not divisible by the CP degree {f.cp}: set {s.key('upipe.ring_degree')} "
-                    "so that CP / ring_degree divides it (ring attention across the groups)"]
+            return [f"{of} is not divisible by the CP degree {f.cp}: set {s.key('upipe.ring_degree')} "
+                    "so that CP / ring_degree divides it (ring attention across the groups)"
+                    + (", or lower the TP degree" if f.tp > 1 else "")]
     return []
 
 
 def _heads_per_stage_divides(f: JobFacts) -> list[str]:
     per_stage = f.upipe.heads_per_stage
     for heads in f.n_heads or ():
-        if per_stage and isinstance(per_stage, int) and heads % per_stage:
-            return [f"{f.spelling.key('upipe.heads_per_stage')} = {per_stage} must divide n_heads = {heads}"]
+        local = heads // f.tp
+        if per_stage and isinstance(per_stage, int) and local % per_stage:
+            of = f"the {local} heads per TP rank" if f.tp > 1 else f"n_heads = {heads}"
+            return [f"{f.spelling.key('upipe.heads_per_stage')} = {per_stage} must divide {of}"]
     return []
 
 

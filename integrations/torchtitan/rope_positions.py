@@ -21,6 +21,7 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate
 from torchtitan.models.common import rope as rope_module
 from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
@@ -55,6 +56,8 @@ def frequencies(rope: nn.Module) -> torch.Tensor:
 def rows(rope: nn.Module, positions: torch.Tensor) -> torch.Tensor:
     """The table's rows for ``positions`` ([..., width]), as ``_precompute_cache`` computes them."""
     freqs = getattr(rope, FREQUENCIES)
+    if isinstance(freqs, DTensor):  # (replicated by TP's parallelize until init_weights recomputes it)
+        freqs = freqs.to_local()
     flat = positions.reshape(-1)
     if isinstance(rope, ComplexRoPE):  # integer positions times float frequencies, then polar
         angles = torch.outer(flat, freqs).float()
@@ -70,8 +73,14 @@ def _reshape_cache(rope: nn.Module):
     def reshape_cache(query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:  # as 0.3 does without positions: 0 .. seq_len - 1 for every row
             positions = torch.arange(query.shape[1], device=query.device).unsqueeze(0)
+        if isinstance(positions, DTensor):
+            positions = positions.to_local()
         table = rows(rope, positions)
-        return table.view(positions.shape[0], positions.shape[1], *([1] * (query.dim() - 3)), table.shape[-1])
+        table = table.view(positions.shape[0], positions.shape[1], *([1] * (query.dim() - 3)), table.shape[-1])
+        if isinstance(query, DTensor):  # under TP: the same rows on every TP rank (each holds all its tokens)
+            table = DTensor.from_local(table, query.device_mesh, [Replicate()] * query.device_mesh.ndim,
+                                       run_check=False)
+        return table
 
     return reshape_cache
 
@@ -93,6 +102,10 @@ def compute_rope_rows(model: nn.Module) -> int:
         if type(rope) not in (ComplexRoPE, CosSinRoPE):
             continue
         rope.register_buffer(FREQUENCIES, torch.empty(0, device=rope.cache.device), persistent=False)
+        sharding = getattr(rope, "_sharding_config", None)
+        if sharding is not None and "cache" in sharding.state_shardings:  # TP distributes every buffer it names
+            rope._sharding_config = dataclasses.replace(sharding, state_shardings={
+                **sharding.state_shardings, FREQUENCIES: sharding.state_shardings["cache"]})
         rope.cache = torch.empty(0, 0, device=rope.cache.device)
         rope._precompute_cache = _precompute_cache(rope)
         rope._reshape_cache = _reshape_cache(rope)

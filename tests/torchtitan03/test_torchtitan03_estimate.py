@@ -56,6 +56,19 @@ def test_the_debug_config_on_cpu_and_a_refusal(runs):
         refused.stderr[-2000:]
 
 
+def test_a_tensor_parallel_job_is_refused_by_the_estimate_naming_a_cp_layout():
+    """TP beside UPipe's CP trains (test_torchtitan03_train.py) but the estimate does not model
+    it: it says so and names the CP-only layout on the same GPUs, before building anything."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config", DEBUG,
+         "--parallelism.tensor_parallel_degree", "2", "--upipe.no_fuse_projections"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    assert ("parallelism.tensor_parallel_degree = 2: the estimate does not model tensor parallelism"
+            in refused.stderr), refused.stderr[-2000:]
+
+
 def test_max_context_rows_fit_the_host_budget():
     with open(os.path.join(ROOT, "benchmarks", "results", "max_context_03.md")) as f:
         lines = [line for line in f if line.startswith("|")]

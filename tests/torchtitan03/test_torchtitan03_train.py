@@ -67,6 +67,47 @@ def test_qwen3_config_path_equals_cp1(rank_pools, world, overrides):
         assert events.get("upipe::attention_block", 0) > 0, events
 
 
+PLAIN = ("--upipe.no_fuse_projections",)
+TP2 = (*PLAIN, "--parallelism.tensor_parallel_degree=2")
+
+
+def assert_ran_upipe_per_tp_rank(results):
+    """Every rank's forward ran upipe's stage-loop op (one per layer, twice: full AC's
+    recompute) and no attention outside it."""
+    for *_, events in results:
+        assert events.get("plain sdpa outside upipe", 0) == 0, events
+        assert events.get("upipe::attention") == 2 * jobs.LAYERS, events
+
+
+def test_tensor_parallel_2_x_cp_2_equals_cp_4_and_one_rank(rank_pools):
+    """TP 2 (with sequence parallelism, 0.3's own) x UPipe CP 2 on four ranks: each TP rank's
+    8 of the 16 heads go through UPipe's all-to-all and stage loop over its CP pair. Every
+    rank's losses and first-step gradients equal CP = 4 (TP = 1) on the same four ranks and
+    the one-rank run."""
+    tensor_parallel = rank_pools(4).run(jobs.train, 2, STEPS, TP2)
+    cp4 = rank_pools(4).run(jobs.train, 4, STEPS, PLAIN)
+    assert_equals_cp1(tensor_parallel, reference(rank_pools))
+    assert_equals_cp1(tensor_parallel, cp4[0])
+    assert_ran_upipe_per_tp_rank(tensor_parallel)
+
+
+def test_tensor_parallel_2_x_ring_2_x_all_to_all_2_equals_one_rank(rank_pools):
+    """Eight ranks: TP 2 x UPipe CP 4 as a ring of 2 over all-to-all pairs (zigzag shards);
+    each TP rank's 8 heads split 4 per all-to-all rank."""
+    results = rank_pools(8).run(jobs.train, 4, STEPS, (*TP2, "--upipe.ring_degree=2"))
+    assert_equals_cp1(results, reference(rank_pools))
+    assert_ran_upipe_per_tp_rank(results)
+
+
+def test_qwen3_tensor_parallel_2_x_cp_2_equals_one_rank(rank_pools):
+    """Qwen3's TP keeps q and k DTensors through RoPE (upipe's RoPE rows then replicate over
+    the TP ranks) and its QK-norm; GQA 16/8 gives each TP rank 8 query and 4 KV heads."""
+    config = "qwen3_debugmodel_upipe_cpu"
+    results = rank_pools(4).run(jobs.train, 2, STEPS, TP2, None, True, config)
+    assert_equals_cp1(results, reference(rank_pools, config=config))
+    assert_ran_upipe_per_tp_rank(results)
+
+
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):
     """As shipped, 0.3's varlen attention computes in bf16: the losses still agree within 1e-5;
     each first-step gradient is held to twice CP = 1's own bf16 error against fp32 attention."""
@@ -139,7 +180,7 @@ def test_the_shipped_configs_pass_the_check():
 @pytest.mark.parametrize("overrides, change, names", [
     (("--parallelism.context_parallel_load_balancer=headtail",), None, "parallelism.context_parallel_load_balancer"),
     (("--parallelism.spmd_backend=spmd_types",), None, "parallelism.spmd_backend"),
-    (("--parallelism.tensor_parallel_degree=2",), None, "parallelism.tensor_parallel_degree"),
+    (("--parallelism.tensor_parallel_degree=2",), None, "set upipe.fuse_projections = False"),
     (("--validator.enable",), None, "validator.enable"),
     ((), lambda c: setattr(c, "loss", _plain_loss()), "loss=ChunkedLossWrapper.Config"),
     (("--upipe.loss_chunk_tokens=-1",), None, "loss_chunk_tokens = -1"),
@@ -154,8 +195,14 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
     ((), lambda c: _qwen3_moe(c), "MoE layers"),
-], ids=["load-balancer", "spmd-types", "tp", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
-        "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5", "moe"])
+    (TP2 + ("--upipe.keep_attention",), None, "upipe.keep_attention is not supported beside tensor parallelism"),
+    (TP2 + ("--parallelism.context_parallel_degree=16", "--training.seq_len=2048"), None,
+     "the heads per TP rank, 8 (n_heads = 16 / parallelism.tensor_parallel_degree 2), is not divisible by the CP "
+     "degree 16"),
+    (TP2 + ("--training.seq_len=510",), None, "must be divisible by CP x TP = 4"),
+], ids=["load-balancer", "spmd-types", "tp-fused", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
+        "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5",
+        "moe", "tp-keep-attention", "tp-heads", "tp-seq-len"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 

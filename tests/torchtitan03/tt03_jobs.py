@@ -213,6 +213,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
 
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
     from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer, take_over
@@ -230,6 +231,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     model_config = config.model_spec.model
     parallel_dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)  # as the Trainer does (TP's loss reads it)
     model_config.update_from_config(config=config)
 
     torch.manual_seed(0)
