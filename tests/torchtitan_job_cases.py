@@ -78,7 +78,7 @@ BAD_JOBS = [
                             f"{s.key('upipe.ring_degree')} = 2 (16 all-to-all ranks per ring step)"),
     BadJob("tensor-parallel-fused", overrides=("--parallelism.tensor_parallel_degree=2",), releases=("0.3",),
            reason=lambda s: f"{s.key('parallelism.tensor_parallel_degree')} = 2: the q/k/v/o projections are "
-                            "TP-sharded, so upipe cannot fuse them into its stage loop; set "
+                            "TP-sharded, so upipe cannot fuse the projections into its stage loop; set "
                             f"{s.key('upipe.fuse_projections')} = {s.value(False)}"),
     BadJob("tensor-parallel-beyond-the-heads-per-cp", overrides=(
         "--parallelism.tensor_parallel_degree=16", "--upipe.no_fuse_projections"), releases=("0.3",),

@@ -47,6 +47,16 @@ def inner_backend(name: str):
     return name if name != "eager" else compiler_for(name)
 
 
+def _backend_and_options(job_config, parallel_dims):
+    """upipe's backend and the job's options over its CP mesh; with CP = 1 there is nothing to
+    rewrite: the inner backend, no options."""
+    if not parallel_dims.cp_enabled:
+        return inner_backend(upipe_config(job_config).inner_backend), None
+    # The backend callable, not its name: the name resolves only through the package's entry
+    # point, which a source checkout on PYTHONPATH does not have.
+    return upipe_backend, compile_options(job_config, parallel_dims)
+
+
 def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     """Per-block torch.compile, as torchtitan's apply_compile, but with backend "upipe" and
     the CP mesh, each block's forward compiled in place. With CP = 1 there is nothing to
@@ -54,13 +64,7 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     if is_measuring(job_config):
         route_blocks_through_stage_loops(model, job_config, parallel_dims)
         return
-    options = None
-    if parallel_dims.cp_enabled:
-        # The backend callable, not its name: the name resolves only through the
-        # package's entry point, which a source checkout on PYTHONPATH does not have.
-        backend, options = upipe_backend, compile_options(job_config, parallel_dims)
-    else:
-        backend = inner_backend(upipe_config(job_config).inner_backend)
+    backend, options = _backend_and_options(job_config, parallel_dims)
     for block in model.layers.values():
         # each block its own copy of the options: the backend may keep what it is given
         given = {"options": dict(options)} if options is not None else {}
@@ -72,18 +76,19 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
     log.info("upipe: compiled %d TransformerBlocks (CP=%d)", len(model.layers), parallel_dims.cp)
 
 
-def compile_attention_per_tp_rank(model: nn.Module, job_config, parallel_dims) -> None:
-    """With tensor parallelism: each block's inner attention compiled with backend "upipe" over
-    the CP mesh, before TP's ``model.parallelize`` (whose ``local_map`` then hands it its TP
-    rank's heads as local tensors, this rank's CP shard of the tokens). The projections, the
-    norms and the MLP stay TP's eager DTensor ops; the blocks are not compiled (a block
-    compiled around the attention would inline it, and upipe would see DTensor projections).
-    The attention runs as the plain stage-loop op: fuse_projections is off (job_rules.py)."""
-    options = compile_options(job_config, parallel_dims)
+def compile_attention_alone(model: nn.Module, job_config, parallel_dims) -> None:
+    """With tensor parallelism: each layer's inner attention compiled with backend "upipe" over
+    the CP mesh, before 0.3's ``model.parallelize`` (whose TP ``local_map`` then hands it its TP
+    rank's heads as local tensors, this rank's CP shard of the tokens). The projections, norms
+    and MLP stay TP's eager DTensor ops; the blocks are not compiled (a block compiled around
+    the attention would inline it, and upipe would see DTensor projections). The attention
+    runs as the plain stage-loop op: fuse_projections is off (job_rules.py)."""
+    backend, options = _backend_and_options(job_config, parallel_dims)
     for block in model.layers.values():
         inner = block.attention.inner_attention
-        inner.forward = torch.compile(inner.forward, backend=upipe_backend, fullgraph=True, options=dict(options))
-    log.info("upipe: compiled the attention of %d TransformerBlocks per TP rank (CP=%d, TP=%d)", len(model.layers),
+        given = {"options": dict(options)} if options is not None else {}
+        inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=True, **given)
+    log.info("upipe: compiled the attention of %d TransformerBlocks alone (CP=%d, TP=%d)", len(model.layers),
              parallel_dims.cp, parallel_dims.tp)
 
 

@@ -277,14 +277,14 @@ def _memory_budget_ac(f: JobFacts) -> list[str]:
     return []
 
 
-_NOT_BESIDE_TP = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens")
-"""Stack keys that run on whole blocks, not yet run beside TP's DTensor blocks."""
+_WHOLE_BLOCK_KEYS = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens")
+"""Stack keys that act on whole compiled blocks, not run where upipe compiles the attention alone."""
 
 
 def _tensor_parallel(f: JobFacts) -> list[str]:
-    """TP beside upipe's CP: the projections are TP-sharded DTensors outside the stage loop,
-    so the attention runs as the plain stage-loop op on each TP rank's heads (no fused block),
-    and the stack keys that act on whole blocks stay off."""
+    """TP's projections are TP-sharded DTensors outside upipe's graph: upipe compiles each
+    layer's attention alone, as the plain stage-loop op on the TP rank's heads (no fused
+    block), and the stack keys that act on whole blocks stay off."""
     s = f.spelling
     if f.tp < 1:
         return [f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp} must be >= 1"]
@@ -293,17 +293,17 @@ def _tensor_parallel(f: JobFacts) -> list[str]:
     tp = f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp}"
     problems = []
     if f.upipe.fuse_projections:
-        problems.append(f"{tp}: the q/k/v/o projections are TP-sharded, so upipe cannot fuse them into its stage "
-                        f"loop; set {s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs its "
-                        "stage-loop attention on each TP rank's heads)")
+        problems.append(f"{tp}: the q/k/v/o projections are TP-sharded, so upipe cannot fuse the projections into "
+                        f"its stage loop; set {s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs "
+                        "its stage-loop attention on each TP rank's heads)")
+    for name in _WHOLE_BLOCK_KEYS:
+        if getattr(f.upipe, name):
+            problems.append(f"{tp}: {s.key('upipe.' + name)} is not supported where upipe compiles the attention "
+                            f"alone; turn it off, or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold "
+                            f"the TP ranks into {s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}")
     if f.seq_len % (f.cp * f.tp):
         problems.append(f"{s.key('training.seq_len')} = {f.seq_len} must be divisible by CP x TP = {f.cp * f.tp} "
                         "(sequence parallelism splits each CP shard over the TP ranks)")
-    for name in _NOT_BESIDE_TP:
-        if getattr(f.upipe, name):
-            problems.append(f"{tp}: {s.key('upipe.' + name)} is not supported beside tensor parallelism; turn it "
-                            f"off, or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks "
-                            f"into {s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}")
     return problems
 
 

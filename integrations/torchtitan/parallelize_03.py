@@ -14,10 +14,10 @@ Differences from 0.3's ``parallelize_llama`` when ``compile.backend = "upipe"``:
 - FSDP over torchtitan's "fsdp" mesh (dp_shard x cp) exactly as 0.3 does (partial-DTensor
   backend), with plain SUM reductions on gloo;
 - with ``parallelism.tensor_parallel_degree`` > 1, the heads split over the TP group first:
-  each inner attention is compiled with backend "upipe" before 0.3's own ``model.parallelize``
-  (TP with sequence parallelism), whose ``local_map`` hands it the TP rank's heads; UPipe's
-  all-to-all and stage loop then run over the CP group on those heads, and the rest of each
-  block is TP's eager DTensor ops (compile_blocks.compile_attention_per_tp_rank).
+  upipe compiles each layer's attention alone, before 0.3's own ``model.parallelize`` (TP with
+  sequence parallelism), whose ``local_map`` hands it the TP rank's heads; UPipe's all-to-all
+  and stage loop then run over the CP group on those heads, and the rest of each block is
+  TP's eager DTensor ops (compile_blocks.compile_attention_alone).
 
 The inputs are sharded by the Trainer (trainer_03.py).
 """
@@ -34,7 +34,7 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.integrations.torchtitan import long_context_stack
-from upipe_compile.integrations.torchtitan.compile_blocks import (compile_attention_per_tp_rank, compile_blocks,
+from upipe_compile.integrations.torchtitan.compile_blocks import (compile_attention_alone, compile_blocks,
                                                                   upipe_enabled)
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import job_problems, refuse
@@ -95,7 +95,7 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     long_context_stack.tile_mlps(model, job.upipe)
     compute_rope_rows(model)  # each rank computes its own tokens' RoPE rows: no table
     if parallel_dims.tp_enabled:
-        compile_attention_per_tp_rank(model, job, parallel_dims)  # before parallelize: inside TP's local_map
+        compile_attention_alone(model, job, parallel_dims)  # before parallelize: inside TP's local_map
         model.parallelize(parallel_dims)
     _apply_ac(model, ac_config, job.upipe, dump_folder)
     if not parallel_dims.tp_enabled:

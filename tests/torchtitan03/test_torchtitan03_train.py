@@ -71,7 +71,7 @@ PLAIN = ("--upipe.no_fuse_projections",)
 TP2 = (*PLAIN, "--parallelism.tensor_parallel_degree=2")
 
 
-def assert_ran_upipe_per_tp_rank(results):
+def assert_ran_upipe_per_rank(results):
     """Every rank's forward ran upipe's stage-loop op (one per layer, twice: full AC's
     recompute) and no attention outside it."""
     for *_, events in results:
@@ -88,7 +88,7 @@ def test_tensor_parallel_2_x_cp_2_equals_cp_4_and_one_rank(rank_pools):
     cp4 = rank_pools(4).run(jobs.train, 4, STEPS, PLAIN)
     assert_equals_cp1(tensor_parallel, reference(rank_pools))
     assert_equals_cp1(tensor_parallel, cp4[0])
-    assert_ran_upipe_per_tp_rank(tensor_parallel)
+    assert_ran_upipe_per_rank(tensor_parallel)
 
 
 def test_tensor_parallel_2_x_ring_2_x_all_to_all_2_equals_one_rank(rank_pools):
@@ -96,7 +96,7 @@ def test_tensor_parallel_2_x_ring_2_x_all_to_all_2_equals_one_rank(rank_pools):
     each TP rank's 8 heads split 4 per all-to-all rank."""
     results = rank_pools(8).run(jobs.train, 4, STEPS, (*TP2, "--upipe.ring_degree=2"))
     assert_equals_cp1(results, reference(rank_pools))
-    assert_ran_upipe_per_tp_rank(results)
+    assert_ran_upipe_per_rank(results)
 
 
 def test_qwen3_tensor_parallel_2_x_cp_2_equals_one_rank(rank_pools):
@@ -105,7 +105,7 @@ def test_qwen3_tensor_parallel_2_x_cp_2_equals_one_rank(rank_pools):
     config = "qwen3_debugmodel_upipe_cpu"
     results = rank_pools(4).run(jobs.train, 2, STEPS, TP2, None, True, config)
     assert_equals_cp1(results, reference(rank_pools, config=config))
-    assert_ran_upipe_per_tp_rank(results)
+    assert_ran_upipe_per_rank(results)
 
 
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):
@@ -195,7 +195,7 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
     ((), lambda c: _qwen3_moe(c), "MoE layers"),
-    (TP2 + ("--upipe.keep_attention",), None, "upipe.keep_attention is not supported beside tensor parallelism"),
+    (TP2 + ("--upipe.keep_attention",), None, "upipe.keep_attention is not supported where upipe compiles the attention alone"),
     (TP2 + ("--parallelism.context_parallel_degree=16", "--training.seq_len=2048"), None,
      "the heads per TP rank, 8 (n_heads = 16 / parallelism.tensor_parallel_degree 2), is not divisible by the CP "
      "degree 16"),

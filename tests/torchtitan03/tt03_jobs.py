@@ -184,7 +184,8 @@ def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss
     Trainer then requires to be finite). ``grad_norms``: the clipped total norm is appended."""
     from torchtitan.distributed import utils as dist_utils
 
-    norm = dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True)
+    norm = dist_utils.clip_grad_norm_(list(model.parameters()), config.training.max_norm, foreach=True,
+                                      ep_enabled=parallel_dims.ep_enabled)
     if grad_norms is not None:
         grad_norms.append(float(full_tensor(norm)))
     optimizers.step()
@@ -254,6 +255,8 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     loss_fn.set_lm_head(model.lm_head)
     model._skip_lm_head = True
     optimizers = config.optimizer.build(model_parts=[model])
+    if config.model_spec.post_optimizer_build_fn is not None:  # the MoE load-balancing hook, as the Trainer
+        config.model_spec.post_optimizer_build_fn(optimizers, [model], parallel_dims)
     lr_schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=steps)
     trainer = SimpleNamespace(config=config, parallel_dims=parallel_dims, model_parts=[model], ntokens_seen=0,
                               upipe_on=upipe_on)
