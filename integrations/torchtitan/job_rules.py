@@ -67,6 +67,12 @@ class JobFacts:
     """``parallelism.tensor_parallel_degree`` where the release runs TP beside upipe's CP (0.3:
     the heads split over the TP group first, upipe's stage loop over the CP group on each TP
     rank's heads); a release that does not lists it in :attr:`other_degrees`."""
+    ep: int = 1
+    """``parallelism.expert_parallel_degree`` where the release runs EP beside upipe's CP
+    (0.3; a release that does not lists it in :attr:`other_degrees`)."""
+    attention_alone: bool = False
+    """The release can compile each layer's attention alone with upipe and leave the rest of
+    the block to its own modules and parallelisms (0.3: TP, MoE layers, EP)."""
     fsdp_cpu_offload: bool = False
     """``training.enable_cpu_offload``: FSDP keeps the sharded parameters, gradients and
     optimizer state on the host, and the optimizer steps there."""
@@ -281,33 +287,42 @@ _WHOLE_BLOCK_KEYS = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens"
 """Stack keys that act on whole compiled blocks, not run where upipe compiles the attention alone."""
 
 
-def _tensor_parallel(f: JobFacts) -> list[str]:
-    """TP's projections are TP-sharded DTensors outside upipe's graph: upipe compiles each
-    layer's attention alone, as the plain stage-loop op on the TP rank's heads (no fused
-    block), and the stack keys that act on whole blocks stay off."""
+def _attention_alone(f: JobFacts) -> list[str]:
+    """TP (the projections are TP-sharded DTensors) and MoE layers (the experts' token dispatch,
+    an all-to-all of its own with EP) stay outside upipe's graph: upipe compiles each layer's
+    attention alone, as the plain stage-loop op on the rank's heads (no fused block), and the
+    stack keys that act on whole blocks stay off."""
     s = f.spelling
     if f.tp < 1:
         return [f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp} must be >= 1"]
-    if f.tp == 1:
-        return []
-    tp = f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp}"
+    outside = []
+    if f.tp > 1:
+        outside.append((f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp}",
+                        "the q/k/v/o projections are TP-sharded"))
+    if f.moe and f.attention_alone:
+        outside.append(("the model's MoE layers", "their token dispatch is torchtitan's own, outside upipe's graph"))
     problems = []
-    if f.upipe.fuse_projections:
-        problems.append(f"{tp}: the q/k/v/o projections are TP-sharded, so upipe cannot fuse the projections into "
-                        f"its stage loop; set {s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs "
-                        "its stage-loop attention on each TP rank's heads)")
-    for name in _WHOLE_BLOCK_KEYS:
-        if getattr(f.upipe, name):
-            problems.append(f"{tp}: {s.key('upipe.' + name)} is not supported where upipe compiles the attention "
-                            f"alone; turn it off, or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold "
-                            f"the TP ranks into {s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}")
-    if f.seq_len % (f.cp * f.tp):
+    for what, why in outside:
+        if f.upipe.fuse_projections:
+            problems.append(f"{what}: {why}, so upipe cannot fuse the projections into its stage loop; set "
+                            f"{s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs its stage-loop "
+                            "attention on each rank's heads)")
+        for name in _WHOLE_BLOCK_KEYS:
+            if getattr(f.upipe, name):
+                fold = (f", or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks into "
+                        f"{s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}" if f.tp > 1 else "")
+                problems.append(f"{what}: {s.key('upipe.' + name)} is not supported where upipe compiles the "
+                                f"attention alone; turn it off{fold}")
+    if f.tp > 1 and f.seq_len % (f.cp * f.tp):
         problems.append(f"{s.key('training.seq_len')} = {f.seq_len} must be divisible by CP x TP = {f.cp * f.tp} "
                         "(sequence parallelism splits each CP shard over the TP ranks)")
+    if f.ep > 1 and f.moe is False:
+        problems.append(f"{s.key('parallelism.expert_parallel_degree')} = {f.ep}, but the model has no MoE layers: "
+                        "set it to 1")
     return problems
 
 
-LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _tensor_parallel, _other_parallelisms,
+LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _attention_alone, _other_parallelisms,
                                   _seq_len, _spmd_backend, _load_balancer, _validator, _memory_budget_ac)
 
 
@@ -335,7 +350,7 @@ def _own_parallelize(f: JobFacts) -> list[str]:
 
 
 def _dense(f: JobFacts) -> list[str]:
-    if f.moe:
+    if f.moe and not f.attention_alone:
         return ["the model flavor has MoE layers: not supported with backend upipe (not implemented); "
                 "use a dense flavor"]
     return []

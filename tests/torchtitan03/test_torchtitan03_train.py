@@ -108,6 +108,25 @@ def test_qwen3_tensor_parallel_2_x_cp_2_equals_one_rank(rank_pools):
     assert_ran_upipe_per_rank(results)
 
 
+def test_moe_expert_parallel_2_x_cp_2_equals_cp_2_and_one_rank(rank_pools):
+    """Qwen3's MoE debug model (64 experts, 8 a token). Its attention goes through UPipe's
+    stage loop; its MoE layers stay 0.3's own, the experts sharded over EP 2 borrowed from the
+    2 CP ranks (tokens dispatched to them by all-to-all). Every rank's losses and first-step
+    gradients (the experts' and the router's included) equal CP = 2 without EP and the
+    one-rank run. Routed by torchtitan's deterministic round-robin
+    (``debug.moe_force_load_balance``; a shard of a multiple of experts / top_k tokens routes
+    as the whole row), so that no near-tie of a freshly initialised router's top-k can flip
+    between layouts."""
+    config, routing = "qwen3_moe_debugmodel_upipe_cpu", ("--debug.moe_force_load_balance",)
+    expert_parallel = rank_pools(2).run(jobs.train, 2, STEPS, (*routing, "--parallelism.expert_parallel_degree=2"),
+                                        None, True, config)
+    cp2 = rank_pools(2).run(jobs.train, 2, STEPS, routing, None, True, config)
+    (one_rank,) = rank_pools(1).run(jobs.train, 1, STEPS, routing, None, True, config)
+    assert_equals_cp1(expert_parallel, one_rank)
+    assert_equals_cp1(expert_parallel, cp2[0])
+    assert_ran_upipe_per_rank(expert_parallel)
+
+
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):
     """As shipped, 0.3's varlen attention computes in bf16: the losses still agree within 1e-5;
     each first-step gradient is held to twice CP = 1's own bf16 error against fp32 attention."""
@@ -194,7 +213,11 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _use_flex(c), 'attn_backend="varlen"'),
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
-    ((), lambda c: _qwen3_moe(c), "MoE layers"),
+    ((), lambda c: _qwen3_moe(c), "the model's MoE layers: their token dispatch is torchtitan's own, outside "
+                                  "upipe's graph, so upipe cannot fuse the projections into its stage loop; set "
+                                  "upipe.fuse_projections = False"),
+    (("--parallelism.expert_parallel_degree=2",), None, "parallelism.expert_parallel_degree = 2, but the model has no "
+                                                        "MoE layers"),
     (TP2 + ("--upipe.keep_attention",), None, "upipe.keep_attention is not supported where upipe compiles the attention alone"),
     (TP2 + ("--parallelism.context_parallel_degree=16", "--training.seq_len=2048"), None,
      "the heads per TP rank, 8 (n_heads = 16 / parallelism.tensor_parallel_degree 2), is not divisible by the CP "
@@ -202,7 +225,7 @@ def test_the_shipped_configs_pass_the_check():
     (TP2 + ("--training.seq_len=510",), None, "must be divisible by CP x TP = 4"),
 ], ids=["load-balancer", "spmd-types", "tp-fused", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
         "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5",
-        "moe", "tp-keep-attention", "tp-heads", "tp-seq-len"])
+        "moe-fused", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 
