@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 import tt03_jobs as jobs
 from tests_support import relative_error
@@ -125,6 +126,25 @@ def test_moe_expert_parallel_2_x_cp_2_equals_cp_2_and_one_rank(rank_pools):
     assert_equals_cp1(expert_parallel, one_rank)
     assert_equals_cp1(expert_parallel, cp2[0])
     assert_ran_upipe_per_rank(expert_parallel)
+
+
+def test_moe_load_balancing_follows_the_whole_sequence(rank_pools):
+    """With the router's own (learned) routing, the load-balancing bias 0.3's optimizer hook
+    sets after each step comes from the expert counts of the whole sequence (summed over the
+    "loss" mesh, the CP ranks included): every rank's biases equal the one-rank run's, and
+    the losses, routed by them, agree."""
+    config, steps = "qwen3_moe_debugmodel_upipe_cpu", 2
+    sharded = rank_pools(2).run(jobs.train, 2, steps, (), None, True, config, None, True)
+    (whole,) = rank_pools(1).run(jobs.train, 1, steps, (), None, True, config, None, True)
+    losses, biases = whole
+    assert any(bias.abs().sum() > 0 for bias in biases[0].values())  # the hook moved them
+    for rank_losses, rank_biases in sharded:
+        for ours, theirs in zip(rank_losses, losses):
+            assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+        for step_biases, expected in zip(rank_biases, biases):
+            assert step_biases.keys() == expected.keys()
+            for name, bias in expected.items():
+                assert torch.equal(step_biases[name], bias), (name, step_biases[name], bias)
 
 
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):

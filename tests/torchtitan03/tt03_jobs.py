@@ -210,7 +210,7 @@ def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss
 
 
 def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
-          config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None):
+          config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None, biases: bool = False):
     """:func:`train_job`, with fp32 experts from the start when ``fp32_attention``: EP's
     parallelize captures the experts' forward in its local_map."""
     from unittest import mock
@@ -220,11 +220,11 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     with contextlib.ExitStack() as patches:
         if fp32_attention:
             patches.enter_context(mock.patch.object(GroupedExperts, "forward", experts_in_fp32))
-        return train_job(cp, steps, overrides, window, fp32_attention, config_name, nan_at)
+        return train_job(cp, steps, overrides, window, fp32_attention, config_name, nan_at, biases)
 
 
 def train_job(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
-              config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None):
+              config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None, biases: bool = False):
     """Train the CPU debug config for ``steps`` steps at CP = ``cp`` on every rank of the gloo
     world, following 0.3's Trainer: ConfigManager, UPipeTrainer's take-over of the job,
     ParallelDims and its meshes, meta build, the ModelSpec's parallelize_fn, init_weights,
@@ -236,7 +236,8 @@ def train_job(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=N
     of the experts' inputs and weights in a MoE model: experts_in_fp32), so that the model is
     fp32 and every difference is upipe's, not bf16 rounding's. Returns (losses, first-step gradients by name, upipe op counts of the
     last step). ``nan_at`` = (rank, step): that rank's final norm outputs NaN at that step
-    (after the last attention: in the forward only its own loss term sees the NaN), and the result gains each step's gradient norm."""
+    (after the last attention: in the forward only its own loss term sees the NaN), and the result gains each step's gradient norm. ``biases``: returns (losses, each step's
+    MoE load-balancing biases by buffer name, as the optimizer hook left them)."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -289,7 +290,7 @@ def train_job(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=N
     trainer = SimpleNamespace(config=config, parallel_dims=parallel_dims, model_parts=[model], ntokens_seen=0,
                               upipe_on=upipe_on)
 
-    losses, first_grads, counts, grad_norms = [], None, None, []
+    losses, first_grads, counts, grad_norms, step_biases = [], None, None, [], []
     current = {"step": 0}
     if nan_at is not None and dist.get_rank() == nan_at[0]:
         def poison(module, args, output):
@@ -318,6 +319,10 @@ def train_job(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=N
             if step == 1:
                 first_grads = {wrapped_name(n): full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
             losses.append(optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss, grad_norms))
+            step_biases.append({name: full_tensor(buffer).clone() for name, buffer in model.named_buffers()
+                                if name.endswith("expert_bias_E")})
     if nan_at is not None:
         return losses, grad_norms
+    if biases:
+        return losses, step_biases
     return losses, first_grads, counts
