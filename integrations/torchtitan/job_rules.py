@@ -20,7 +20,8 @@ from upipe_compile.options import option_problems
 from upipe_compile.sharding import sequence_multiple
 
 MODELS = ("llama3", "qwen3")
-"""The models whose parallelize upipe's replaces (dense flavors)."""
+"""The models whose parallelize upipe's replaces (dense flavors; MoE ones where the release
+compiles the attention alone, :attr:`JobFacts.attention_alone`)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class JobFacts:
     compile_components: tuple[str, ...]
     other_degrees: dict[str, int]
     """``parallelism.<name>_degree`` of the parallelisms upipe does not run beside its CP
-    (pipeline, expert; tensor in a release without :attr:`tp`), by field name."""
+    (pipeline; tensor and expert in a release without :attr:`tp` and :attr:`ep`), by field name."""
     ac: str
     """Activation checkpointing: "full", "selective", "selective_op" (selective, saving ops),
     "memory_budget" or "none"."""
