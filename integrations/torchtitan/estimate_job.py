@@ -198,6 +198,10 @@ def build_job_03(config, fake_mode) -> Job:
         raise JobError(f"parallelism.tensor_parallel_degree = {config.parallelism.tensor_parallel_degree}: the "
                        "estimate does not model tensor parallelism; estimate the same GPUs with "
                        "tensor_parallel_degree = 1 and the TP ranks folded into context_parallel_degree")
+    if any(getattr(layer, "moe", None) is not None for layer in config.model_spec.model.layers):
+        raise JobError("the model has MoE layers: the estimate does not model torchtitan 0.3's MoE layers (it "
+                       "measures fused blocks only); python -m upipe_compile.estimate --hf estimates a "
+                       "Hugging Face MoE model (e.g. --hf qwen3-30b-a3b)")
     if not config.upipe.fuse_projections:
         raise JobError("upipe.fuse_projections = False: the estimate measures 0.3's varlen attention through "
                        "fused blocks only")
