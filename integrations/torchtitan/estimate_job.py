@@ -194,10 +194,13 @@ def build_job_03(config, fake_mode) -> Job:
     torchtitan_on_cpu()
     if not take_over(config):
         raise JobError('the estimate measures upipe jobs: compile.enable = True and compile.backend = "upipe"')
-    if config.parallelism.tensor_parallel_degree > 1:
-        raise JobError(f"parallelism.tensor_parallel_degree = {config.parallelism.tensor_parallel_degree}: the "
-                       "estimate does not model tensor parallelism; estimate the same GPUs with "
-                       "tensor_parallel_degree = 1 and the TP ranks folded into context_parallel_degree")
+    p = config.parallelism
+    if p.tensor_parallel_degree > 1:
+        raise JobError(f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: the estimate does not "
+                       "model tensor parallelism; estimate the same GPUs as parallelism.tensor_parallel_degree = 1 "
+                       "and parallelism.context_parallel_degree = "
+                       f"{p.context_parallel_degree * p.tensor_parallel_degree} (with the upipe.ring_degree the "
+                       "job check asks for, if the heads need one)")
     if any(getattr(layer, "moe", None) is not None for layer in config.model_spec.model.layers):
         raise JobError("the model has MoE layers: the estimate does not model torchtitan 0.3's MoE layers (it "
                        "measures fused blocks only); python -m upipe_compile.estimate --hf estimates a "

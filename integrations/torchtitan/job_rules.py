@@ -226,12 +226,20 @@ def _other_parallelisms(f: JobFacts) -> list[str]:
     for degree in others.values():
         folded *= degree
     ones = ", ".join(f"{s.key('parallelism.' + name)} = 1" for name in others)
-    layout = f"{ones} and {s.key('parallelism.context_parallel_degree')} = {folded}"
-    ring = _ring_for(folded, f.n_heads)
-    if ring is not None and ring > 1:
-        layout += f" with {s.key('upipe.ring_degree')} = {ring} ({folded // ring} all-to-all ranks per ring step)"
+    layout = f"{ones} and {s.key('parallelism.context_parallel_degree')} = {folded}" + _ring_hint(f, folded)
+    if f.tp > 1:  # TP stays: the heads per TP rank are what the all-to-all splits
+        layout += f", beside {s.key('parallelism.tensor_parallel_degree')} = {f.tp}"
     return [f"{s.key('parallelism.' + name)} = {degree}: {_WHY_NOT.get(name, 'not supported with upipe')}; "
-            f"the same {folded} GPUs run under upipe as {layout}" for name, degree in others.items()]
+            f"the same {folded * f.tp} GPUs run under upipe as {layout}" for name, degree in others.items()]
+
+
+def _ring_hint(f: JobFacts, cp: int, tp: int | None = None) -> str:
+    """" with ring_degree = R (...)" when ``cp`` CP ranks need a ring for the heads per TP rank."""
+    tp = f.tp if tp is None else tp
+    ring = _ring_for(cp, [heads // tp for heads in f.n_heads] if f.n_heads else None)
+    if ring is None or ring == 1:
+        return ""
+    return f" with {f.spelling.key('upipe.ring_degree')} = {ring} ({cp // ring} all-to-all ranks per ring step)"
 
 
 def _ring_for(cp: int, n_heads) -> int | None:
@@ -302,29 +310,39 @@ def _attention_alone(f: JobFacts) -> list[str]:
                         "the q/k/v/o projections are TP-sharded"))
     if f.moe and f.attention_alone:
         outside.append(("the model's MoE layers", "their token dispatch is torchtitan's own, outside upipe's graph"))
+    if not outside:
+        return []
+    what = " and ".join(name for name, _ in outside)
+    why = "; ".join(reason for _, reason in outside)
     problems = []
-    for what, why in outside:
-        if f.upipe.fuse_projections:
-            problems.append(f"{what}: {why}, so upipe cannot fuse the projections into its stage loop; set "
-                            f"{s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs its stage-loop "
-                            "attention on each rank's heads)")
-        for name in _WHOLE_BLOCK_KEYS:
-            if getattr(f.upipe, name):
-                fold = (f", or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks into "
-                        f"{s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}" if f.tp > 1 else "")
-                problems.append(f"{what}: {s.key('upipe.' + name)} is not supported where upipe compiles the "
-                                f"attention alone; turn it off{fold}")
+    if f.upipe.fuse_projections:
+        problems.append(f"{what}: {why}, so upipe cannot fuse the projections into its stage loop; set "
+                        f"{s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs its stage-loop "
+                        "attention on each rank's heads)")
+    # folding TP into CP brings the whole-block keys back for a dense model only
+    fold = (f", or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks into "
+            f"{s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}{_ring_hint(f, f.cp * f.tp, 1)}"
+            if f.tp > 1 and not f.moe else "")
+    for name in _WHOLE_BLOCK_KEYS:
+        if getattr(f.upipe, name):
+            problems.append(f"{what}: {s.key('upipe.' + name)} is not supported where upipe compiles the attention "
+                            f"alone; turn it off{fold}")
     if f.tp > 1 and f.seq_len % (f.cp * f.tp):
         problems.append(f"{s.key('training.seq_len')} = {f.seq_len} must be divisible by CP x TP = {f.cp * f.tp} "
-                        "(sequence parallelism splits each CP shard over the TP ranks)")
-    if f.ep > 1 and f.moe is False:
-        problems.append(f"{s.key('parallelism.expert_parallel_degree')} = {f.ep}, but the model has no MoE layers: "
-                        "set it to 1")
+                        "(each CP shard is split over the TP ranks)")
     return problems
 
 
-LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _attention_alone, _other_parallelisms,
-                                  _seq_len, _spmd_backend, _load_balancer, _validator, _memory_budget_ac)
+def _expert_parallel_needs_experts(f: JobFacts) -> list[str]:
+    if f.ep > 1 and f.moe is False:
+        return [f"{f.spelling.key('parallelism.expert_parallel_degree')} = {f.ep}, but the model has no MoE layers: "
+                "set it to 1"]
+    return []
+
+
+LAYOUT_RULES: tuple[Rule, ...] = (_ring, _options, _compiles_the_model, _attention_alone,
+                                  _expert_parallel_needs_experts, _other_parallelisms, _seq_len, _spmd_backend,
+                                  _load_balancer, _validator, _memory_budget_ac)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -339,7 +357,7 @@ def _known_model(f: JobFacts) -> list[str]:
               "runs exactly through upipe's transformers integration (upipe_compile.integrations."
               "transformers.register()), its mixers as stage loops." if f.model_name == "qwen3_5" else "")
     return [f"{f.spelling.key('model_spec.name')} = {f.model_name!r}: upipe runs {' and '.join(MODELS)} "
-            f"(dense).{hybrid}"]
+            f"(dense; MoE flavors on torchtitan 0.3).{hybrid}"]
 
 
 def _own_parallelize(f: JobFacts) -> list[str]:

@@ -65,7 +65,8 @@ def test_a_tensor_parallel_job_is_refused_by_the_estimate_naming_a_cp_layout():
         capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert refused.returncode != 0, refused.stdout[-2000:]
-    assert ("parallelism.tensor_parallel_degree = 2: the estimate does not model tensor parallelism"
+    assert ("parallelism.tensor_parallel_degree = 2: the estimate does not model tensor parallelism; estimate "
+            "the same GPUs as parallelism.tensor_parallel_degree = 1 and parallelism.context_parallel_degree = 4"
             in refused.stderr), refused.stderr[-2000:]
 
 

@@ -243,9 +243,18 @@ def test_the_shipped_configs_pass_the_check():
      "the heads per TP rank, 8 (n_heads = 16 / parallelism.tensor_parallel_degree 2), is not divisible by the CP "
      "degree 16"),
     (TP2 + ("--training.seq_len=510",), None, "must be divisible by CP x TP = 4"),
+    (TP2 + ("--parallelism.pipeline_parallel_degree=2",), None,
+     "the same 8 GPUs run under upipe as parallelism.pipeline_parallel_degree = 1 and "
+     "parallelism.context_parallel_degree = 4, beside parallelism.tensor_parallel_degree = 2"),
+    (TP2 + ("--upipe.keep_attention", "--parallelism.context_parallel_degree=16", "--training.seq_len=2048"), None,
+     "fold the TP ranks into parallelism.context_parallel_degree = 32 with upipe.ring_degree = 2"),
+    (("--parallelism.tensor_parallel_degree=2",), lambda c: _qwen3_moe(c),
+     "parallelism.tensor_parallel_degree = 2 and the model's MoE layers: the q/k/v/o projections are TP-sharded; "
+     "their token dispatch is torchtitan's own"),
 ], ids=["load-balancer", "spmd-types", "tp-fused", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
         "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5",
-        "moe-fused", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len"])
+        "moe-fused", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len", "tp-pp", "tp-fold-ring",
+        "tp-moe"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 
