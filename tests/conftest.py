@@ -85,6 +85,13 @@ def rank_pools():
             _pools[world] = RankPool(world, threads=1, timeout_s=JOB_TIMEOUT_S)
         return _pools[world]
 
+    def close(world: int) -> None:
+        """Stop the pool of ``world`` ranks (a large one, used once, gives its memory back)."""
+        pool = _pools.pop(world, None)
+        if pool is not None:
+            pool.close()
+
+    get.close = close
     yield get
     for pool in _pools.values():
         pool.close()

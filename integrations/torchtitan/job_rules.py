@@ -20,8 +20,7 @@ from upipe_compile.options import option_problems
 from upipe_compile.sharding import sequence_multiple
 
 MODELS = ("llama3", "qwen3")
-"""The models whose parallelize upipe's replaces (dense flavors; MoE ones where the release
-compiles the attention alone, :attr:`JobFacts.attention_alone`)."""
+"""The models whose parallelize upipe's replaces (dense flavors)."""
 
 
 @dataclass(frozen=True)
@@ -308,8 +307,6 @@ def _attention_alone(f: JobFacts) -> list[str]:
     if f.tp > 1:
         outside.append((f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp}",
                         "the q/k/v/o projections are TP-sharded"))
-    if f.moe and f.attention_alone:
-        outside.append(("the model's MoE layers", "their token dispatch is torchtitan's own, outside upipe's graph"))
     if not outside:
         return []
     what = " and ".join(name for name, _ in outside)
@@ -322,7 +319,7 @@ def _attention_alone(f: JobFacts) -> list[str]:
     # folding TP into CP brings the whole-block keys back for a dense model only
     fold = (f", or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks into "
             f"{s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}{_ring_hint(f, f.cp * f.tp, 1)}"
-            if f.tp > 1 and not f.moe else "")
+            if f.tp > 1 else "")
     for name in _WHOLE_BLOCK_KEYS:
         if getattr(f.upipe, name):
             problems.append(f"{what}: {s.key('upipe.' + name)} is not supported where upipe compiles the attention "
@@ -357,7 +354,7 @@ def _known_model(f: JobFacts) -> list[str]:
               "runs exactly through upipe's transformers integration (upipe_compile.integrations."
               "transformers.register()), its mixers as stage loops." if f.model_name == "qwen3_5" else "")
     return [f"{f.spelling.key('model_spec.name')} = {f.model_name!r}: upipe runs {' and '.join(MODELS)} "
-            f"(dense; MoE flavors on torchtitan 0.3).{hybrid}"]
+            f"(dense).{hybrid}"]
 
 
 def _own_parallelize(f: JobFacts) -> list[str]:
@@ -369,7 +366,7 @@ def _own_parallelize(f: JobFacts) -> list[str]:
 
 
 def _dense(f: JobFacts) -> list[str]:
-    if f.moe and not f.attention_alone:
+    if f.moe:
         return ["the model flavor has MoE layers: not supported with backend upipe (not implemented); "
                 "use a dense flavor"]
     return []

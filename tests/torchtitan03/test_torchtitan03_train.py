@@ -95,7 +95,10 @@ def test_tensor_parallel_2_x_cp_2_equals_cp_4_and_one_rank(rank_pools):
 def test_tensor_parallel_2_x_ring_2_x_all_to_all_2_equals_one_rank(rank_pools):
     """Eight ranks: TP 2 x UPipe CP 4 as a ring of 2 over all-to-all pairs (zigzag shards);
     each TP rank's 8 heads split 4 per all-to-all rank."""
-    results = rank_pools(8).run(jobs.train, 4, STEPS, (*TP2, "--upipe.ring_degree=2"))
+    try:
+        results = rank_pools(8).run(jobs.train, 4, STEPS, (*TP2, "--upipe.ring_degree=2"))
+    finally:  # eight live ranks beside the other pools would exhaust a 24 GiB runner
+        rank_pools.close(8)
     assert_equals_cp1(results, reference(rank_pools))
     assert_ran_upipe_per_rank(results)
 
@@ -107,44 +110,6 @@ def test_qwen3_tensor_parallel_2_x_cp_2_equals_one_rank(rank_pools):
     results = rank_pools(4).run(jobs.train, 2, STEPS, TP2, None, True, config)
     assert_equals_cp1(results, reference(rank_pools, config=config))
     assert_ran_upipe_per_rank(results)
-
-
-def test_moe_expert_parallel_2_x_cp_2_equals_cp_2_and_one_rank(rank_pools):
-    """Qwen3's MoE debug model (64 experts, 8 a token). Its attention goes through UPipe's
-    stage loop; its MoE layers stay 0.3's own, the experts sharded over EP 2 borrowed from the
-    2 CP ranks (tokens dispatched to them by all-to-all). Every rank's losses and first-step
-    gradients (the experts' and the router's included) equal CP = 2 without EP and the
-    one-rank run. Routed by torchtitan's deterministic round-robin
-    (``debug.moe_force_load_balance``; a shard of a multiple of experts / top_k tokens routes
-    as the whole row), so that no near-tie of a freshly initialised router's top-k can flip
-    between layouts."""
-    config, routing = "qwen3_moe_debugmodel_upipe_cpu", ("--debug.moe_force_load_balance",)
-    expert_parallel = rank_pools(2).run(jobs.train, 2, STEPS, (*routing, "--parallelism.expert_parallel_degree=2"),
-                                        None, True, config)
-    cp2 = rank_pools(2).run(jobs.train, 2, STEPS, routing, None, True, config)
-    (one_rank,) = rank_pools(1).run(jobs.train, 1, STEPS, routing, None, True, config)
-    assert_equals_cp1(expert_parallel, one_rank)
-    assert_equals_cp1(expert_parallel, cp2[0])
-    assert_ran_upipe_per_rank(expert_parallel)
-
-
-def test_moe_load_balancing_follows_the_whole_sequence(rank_pools):
-    """With the router's own (learned) routing, the load-balancing bias 0.3's optimizer hook
-    sets after each step comes from the expert counts of the whole sequence (summed over the
-    "loss" mesh, the CP ranks included): every rank's biases equal the one-rank run's, and
-    the losses, routed by them, agree."""
-    config, steps = "qwen3_moe_debugmodel_upipe_cpu", 2
-    sharded = rank_pools(2).run(jobs.train, 2, steps, (), None, True, config, None, True)
-    (whole,) = rank_pools(1).run(jobs.train, 1, steps, (), None, True, config, None, True)
-    losses, biases = whole
-    assert any(bias.abs().sum() > 0 for bias in biases[0].values())  # the hook moved them
-    for rank_losses, rank_biases in sharded:
-        for ours, theirs in zip(rank_losses, losses):
-            assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
-        for step_biases, expected in zip(rank_biases, biases):
-            assert step_biases.keys() == expected.keys()
-            for name, bias in expected.items():
-                assert torch.equal(step_biases[name], bias), (name, step_biases[name], bias)
 
 
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):
@@ -233,9 +198,7 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _use_flex(c), 'attn_backend="varlen"'),
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
-    ((), lambda c: _qwen3_moe(c), "the model's MoE layers: their token dispatch is torchtitan's own, outside "
-                                  "upipe's graph, so upipe cannot fuse the projections into its stage loop; set "
-                                  "upipe.fuse_projections = False"),
+    ((), lambda c: _qwen3_moe(c), "MoE layers"),
     (("--parallelism.expert_parallel_degree=2",), None, "parallelism.expert_parallel_degree = 2, but the model has no "
                                                         "MoE layers"),
     (TP2 + ("--upipe.keep_attention",), None, "upipe.keep_attention is not supported where upipe compiles the attention alone"),
@@ -248,13 +211,9 @@ def test_the_shipped_configs_pass_the_check():
      "parallelism.context_parallel_degree = 4, beside parallelism.tensor_parallel_degree = 2"),
     (TP2 + ("--upipe.keep_attention", "--parallelism.context_parallel_degree=16", "--training.seq_len=2048"), None,
      "fold the TP ranks into parallelism.context_parallel_degree = 32 with upipe.ring_degree = 2"),
-    (("--parallelism.tensor_parallel_degree=2",), lambda c: _qwen3_moe(c),
-     "parallelism.tensor_parallel_degree = 2 and the model's MoE layers: the q/k/v/o projections are TP-sharded; "
-     "their token dispatch is torchtitan's own"),
 ], ids=["load-balancer", "spmd-types", "tp-fused", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
         "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5",
-        "moe-fused", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len", "tp-pp", "tp-fold-ring",
-        "tp-moe"])
+        "moe", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len", "tp-pp", "tp-fold-ring"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 
