@@ -70,9 +70,6 @@ class JobFacts:
     ep: int = 1
     """``parallelism.expert_parallel_degree`` where the release runs EP beside upipe's CP
     (0.3; a release that does not lists it in :attr:`other_degrees`)."""
-    attention_alone: bool = False
-    """The release can compile each layer's attention alone with upipe and leave the rest of
-    the block to its own modules and parallelisms (0.3: TP, MoE layers, EP)."""
     fsdp_cpu_offload: bool = False
     """``training.enable_cpu_offload``: FSDP keeps the sharded parameters, gradients and
     optimizer state on the host, and the optimizer steps there."""
@@ -296,10 +293,9 @@ _WHOLE_BLOCK_KEYS = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens"
 
 
 def _attention_alone(f: JobFacts) -> list[str]:
-    """TP (the projections are TP-sharded DTensors) and MoE layers (the experts' token dispatch,
-    an all-to-all of its own with EP) stay outside upipe's graph: upipe compiles each layer's
-    attention alone, as the plain stage-loop op on the rank's heads (no fused block), and the
-    stack keys that act on whole blocks stay off."""
+    """TP's projections are TP-sharded DTensors outside upipe's graph: upipe compiles each
+    layer's attention alone, as the plain stage-loop op on the TP rank's heads (no fused
+    block), and the stack keys that act on whole blocks stay off."""
     s = f.spelling
     if f.tp < 1:
         return [f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp} must be >= 1"]
