@@ -116,11 +116,11 @@ def register_flavor(size: Size) -> None:
 
 def job_config(size: Size, inner_backend: str | None = None):
     """The job; ``inner_backend`` (None: the TOML's, aot_eager) overrides [upipe] inner_backend."""
-    from upipe_compile.integrations.torchtitan.estimate_job import load_job_config
+    from upipe_compile.integrations.torchtitan.release_022.estimate import load_config
 
     register_flavor(size)
     overrides = size.overrides() + ([f"--upipe.inner_backend={inner_backend}"] if inner_backend else [])
-    return load_job_config(DEBUG_TOML, overrides)
+    return load_config(DEBUG_TOML, overrides)
 
 
 # --- (a) the estimate -------------------------------------------------------------------------
@@ -333,7 +333,7 @@ def measure_step(size: Size, explain: bool = False, inner_backend: str | None = 
     import torchtitan.train  # its prepare_context_parallel_input, as the upipe import routes it
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.estimate_job import build_real_job
+    from upipe_compile.integrations.torchtitan.release_022.estimate import build_real_job
 
     torch._dynamo.reset()
     config = job_config(size, inner_backend)

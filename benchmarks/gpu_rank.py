@@ -69,14 +69,14 @@ def job_config(tiny: bool, layers: int, seq_len: int, overrides: list[str]):
     import upipe_compile.integrations.torchtitan  # noqa: F401  (registers the specs)
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.estimate_job import load_job_config
+    from upipe_compile.integrations.torchtitan.release_022.estimate import load_config
 
-    base = load_job_config(DEBUG_TOML if tiny else TOML, [])
+    base = load_config(DEBUG_TOML if tiny else TOML, [])
     args = get_train_spec(base.model.name).model_args
     args[FLAVOR] = dataclasses.replace(args[base.model.flavor], n_layers=layers,
                                        max_seq_len=max(seq_len, args[base.model.flavor].max_seq_len))
     extra = TINY_OVERRIDES if tiny else []
-    return load_job_config(DEBUG_TOML if tiny else TOML, [
+    return load_config(DEBUG_TOML if tiny else TOML, [
         "--model.flavor", FLAVOR, "--training.seq_len", str(seq_len), *extra, *overrides])
 
 
@@ -138,7 +138,8 @@ def run_method(tiny: bool, jobs: list[tuple[int, int]], overrides: list[str], lo
     The methods' processes run at once: building and the first step (mostly compiling) overlap
     under a shared lock on ``lock_path``; the timed step holds it exclusively, so nothing else
     runs on the device while it is timed."""
-    from upipe_compile.integrations.torchtitan.estimate_job import build_real_job, world_size
+    from upipe_compile.integrations.torchtitan.estimate_job import world_size
+    from upipe_compile.integrations.torchtitan.release_022.estimate import build_real_job
     from upipe_compile.measure.memory import fake_process_group
 
     device = _device(tiny)

@@ -305,7 +305,7 @@ def test_keep_attention_counts_the_kept_attention_outputs():
     import upipe_compile.integrations.torchtitan  # noqa: F401  the [upipe] section
     from torchtitan_jobs import load_config
     from upipe_compile.integrations.torchtitan.estimate_run import _op_selective_ac
-    from upipe_compile.integrations.torchtitan.release_022 import job_facts
+    from upipe_compile.integrations.torchtitan.release_022.facts import job_facts
 
     def kept(*overrides):
         return _op_selective_ac(job_facts(load_config(DEBUG_TOML, *overrides)))

@@ -226,7 +226,7 @@ def test_blocks_are_compiled_with_the_backend_callable(monkeypatch):
     from types import SimpleNamespace
 
     from upipe_compile import upipe_backend
-    from upipe_compile.integrations.torchtitan import parallelize
+    from upipe_compile.integrations.torchtitan.release_022 import parallelize
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda module, **kwargs: seen.append(kwargs) or module)
@@ -247,7 +247,8 @@ def test_a_upipe_jobs_state_dict_has_the_models_own_names():
 
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.estimate_job import parallel_dims_of, torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
+    from upipe_compile.integrations.torchtitan.release_022.estimate import parallel_dims_of
     from upipe_compile.measure.memory import fake_process_group
 
     job_config = load_config(DEBUG_TOML)

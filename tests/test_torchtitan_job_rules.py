@@ -19,7 +19,7 @@ def refusal_of(case) -> str:
     import upipe_compile.integrations.torchtitan  # noqa: F401  registers the spec
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.estimate_job import parallel_dims_of
+    from upipe_compile.integrations.torchtitan.release_022.estimate import parallel_dims_of
     from upipe_compile.integrations.torchtitan import check_job
 
     mode = "selective" if case.selective_ac else "full"
@@ -40,7 +40,7 @@ def refusal_of(case) -> str:
 
 @pytest.mark.parametrize("case", cases_of("0.2.2"), ids=[case.name for case in cases_of("0.2.2")])
 def test_bad_jobs_are_refused_for_the_tables_reason(case):
-    from upipe_compile.integrations.torchtitan.release_022 import SPELLING
+    from upipe_compile.integrations.torchtitan.release_022.facts import SPELLING
 
     message = refusal_of(case)
     assert message.startswith('torchtitan job cannot run with [compile] backend = "upipe":\n')
@@ -51,7 +51,7 @@ def test_the_rules_on_facts_alone():
     """job_rules.py needs no config: facts in, refusals out, spelled as the facts say."""
     from upipe_compile.integrations.torchtitan.config import UPipe
     from upipe_compile.integrations.torchtitan.job_rules import JOB_RULES, STACK_RULES, job_problems
-    from upipe_compile.integrations.torchtitan.release_022 import SPELLING
+    from upipe_compile.integrations.torchtitan.release_022.facts import SPELLING
 
     fine = _facts(SPELLING, UPipe())
     assert job_problems(fine) == []

@@ -228,7 +228,7 @@ def test_a_real_buffer_handed_to_every_block_is_held_once_in_the_param_dtype():
     """FSDP casts each block's floating inputs to bf16 and AC keeps them until backward: an
     fp32 buffer passed to every block (Qwen3's rope_cache) would live once per layer. The
     root pre-forward hook casts it once; complex buffers (Llama3's freqs_cis) stay."""
-    from upipe_compile.integrations.torchtitan.parallelize import _root_buffers_in_param_dtype
+    from upipe_compile.integrations.torchtitan.release_022.parallelize import _root_buffers_in_param_dtype
 
     model = torch.nn.Module()
     model.register_buffer("rope_cache", torch.randn(16, 8), persistent=False)
@@ -400,7 +400,7 @@ def test_keeping_every_block_on_device_is_refused_in_each_release_spelling():
 
     from upipe_compile.integrations.torchtitan.config import UPipe
     from upipe_compile.integrations.torchtitan.long_context_stack import offload_problems
-    from upipe_compile.integrations.torchtitan.release_022 import SPELLING
+    from upipe_compile.integrations.torchtitan.release_022.facts import SPELLING
 
     model = SimpleNamespace(layers=nn.ModuleDict({str(i): nn.Identity() for i in range(6)}))
     assert offload_problems(model, UPipe(offload_block_inputs=True, blocks_kept_on_device=5), SPELLING) == []

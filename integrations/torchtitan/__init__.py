@@ -2,7 +2,7 @@
 
 torchtitan 0.3 (Python job configs): ``--module upipe_compile.integrations.torchtitan
 --config llama3_8b_upipe_5m`` runs one of the configs of ``config_registry.py``, each a
-:class:`~upipe_compile.integrations.torchtitan.trainer_03.UPipeTrainer` config (see
+:class:`~upipe_compile.integrations.torchtitan.release_03.trainer.UPipeTrainer` config (see
 README.md next to this file). The rest of this docstring is the 0.2.2 TOML path.
 
 torchtitan 0.2.2 (TOML):
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from upipe_compile.integrations.torchtitan.config import UPipe, upipe_config
 from upipe_compile.integrations.torchtitan.release import python_configs
-from upipe_compile.integrations.torchtitan.parallelize import (
+from upipe_compile.integrations.torchtitan.release_022.parallelize import (
     build_loss_fn_upipe, check_job, compile_options, parallelize_llama_upipe, parallelize_qwen3_upipe, upipe_enabled,
 )
 
@@ -76,5 +76,5 @@ def register() -> tuple[str, ...]:
     return MODEL_NAMES
 
 
-if not python_configs():  # 0.3 has no TrainSpecs: its configs carry upipe's parallelize (trainer_03.py)
+if not python_configs():  # 0.3 has no TrainSpecs: its configs carry upipe's parallelize (release_03/trainer.py)
     register()

@@ -27,7 +27,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 
 from upipe_compile.integrations.torchtitan.config import UPipe
 from upipe_compile.integrations.torchtitan.job_rules import SPMD_BACKEND
-from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer
+from upipe_compile.integrations.torchtitan.release_03.trainer import UPipeTrainer
 
 __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
            "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes", "llama3_debugmodel_upipe_cpu",

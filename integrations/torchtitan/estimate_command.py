@@ -12,8 +12,8 @@ import json
 from dataclasses import asdict
 
 from upipe_compile.estimate.cli_format import format_report, max_context_output
-from upipe_compile.integrations.torchtitan.estimate_job import load_config_03, load_job_config
 from upipe_compile.integrations.torchtitan.estimate_plan import format_plan, plan
+from upipe_compile.integrations.torchtitan.estimate_release import installed_release
 from upipe_compile.integrations.torchtitan.estimate_run import estimate
 from upipe_compile.integrations.torchtitan.estimate_search import max_context
 
@@ -21,10 +21,7 @@ from upipe_compile.integrations.torchtitan.estimate_search import max_context
 def command(args, overrides: list[str]) -> int:
     """Estimate the job of ``--config`` (a TOML, or with ``--module`` a 0.3 config function) with
     ``overrides``: one step, ``--max-context`` or ``--plan``; prints the report, 0."""
-    if args.module:
-        job_config = load_config_03(args.module, args.config, overrides)
-    else:
-        job_config = load_job_config(args.config, overrides)
+    job_config = installed_release().load_config(args.config, overrides, module=args.module)
     budgets = dict(gpu_gib=args.gpu_gib, gpus_per_node=args.gpus_per_node, host_gib=args.host_gib,
                    cuda_kernel=args.cuda_kernel, device_ratio=args.device_ratio)
     if args.max_context:

@@ -1,8 +1,8 @@
 """What a torchtitan job must be for UPipe context parallelism: one set of facts about the job
 and one ordered list of rules over them, asked by both torchtitan releases.
 
-Each release reads its own config into :class:`JobFacts` once (release_022.py from the 0.2.2
-TOML's JobConfig, release_03.py from 0.3's ``Trainer.Config``); the rules never see a
+Each release reads its own config into :class:`JobFacts` once (release_022/facts.py from the 0.2.2
+TOML's JobConfig, release_03/facts.py from 0.3's ``Trainer.Config``); the rules never see a
 config. A rule returns its refusals (empty: the job is fine), each naming the setting to
 change in the job's own spelling (:class:`Spelling`: ``[training] seq_len`` in a TOML,
 ``training.seq_len`` in a Python config). A fact a release does not have is None (or False)

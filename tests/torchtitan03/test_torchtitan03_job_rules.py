@@ -15,7 +15,7 @@ def refusal_of(case) -> str:
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     from upipe_compile.errors import UnsupportedAttention
-    from upipe_compile.integrations.torchtitan.trainer_03 import take_over
+    from upipe_compile.integrations.torchtitan.release_03.trainer import take_over
 
     config = jobs.load_config(*case.overrides)
     for key, value in case.upipe.items():
@@ -29,7 +29,7 @@ def refusal_of(case) -> str:
 
 @pytest.mark.parametrize("case", cases_of("0.3"), ids=[case.name for case in cases_of("0.3")])
 def test_bad_jobs_are_refused_for_the_tables_reason(case):
-    from upipe_compile.integrations.torchtitan.release_03 import SPELLING
+    from upipe_compile.integrations.torchtitan.release_03.facts import SPELLING
 
     message = refusal_of(case)
     assert message.startswith('torchtitan job cannot run with compile.backend = "upipe":\n')

@@ -163,7 +163,7 @@ def test_long_context_stack_equals_cp1(rank_pools):
 # --- refusals: the whole job is checked before anything is built ---------------------------
 
 def problems_of(*overrides, change=None):
-    from upipe_compile.integrations.torchtitan.parallelize_03 import config_problems
+    from upipe_compile.integrations.torchtitan.release_03.parallelize import config_problems
 
     config = jobs.load_config(*overrides)
     if change:
@@ -173,7 +173,7 @@ def problems_of(*overrides, change=None):
 
 def test_the_shipped_configs_pass_the_check():
     from upipe_compile.integrations.torchtitan import config_registry
-    from upipe_compile.integrations.torchtitan.parallelize_03 import config_problems
+    from upipe_compile.integrations.torchtitan.release_03.parallelize import config_problems
 
     for name in config_registry.__all__[:-1]:
         config = getattr(config_registry, name)()
@@ -256,7 +256,7 @@ def _custom_parallelize(config):
 def test_the_loss_chunks_divide_the_local_tokens(seq_len, cp, chunks):
     """0.3's ChunkedLossWrapper needs a chunk count that divides the local tokens: the fewest
     chunks of at most upipe.loss_chunk_tokens (64 in the debug config) each."""
-    from upipe_compile.integrations.torchtitan.trainer_03 import take_over
+    from upipe_compile.integrations.torchtitan.release_03.trainer import take_over
 
     config = jobs.load_config(f"--training.seq_len={seq_len}", f"--parallelism.context_parallel_degree={cp}")
     assert take_over(config)
@@ -266,7 +266,7 @@ def test_the_loss_chunks_divide_the_local_tokens(seq_len, cp, chunks):
 
 def test_the_trainer_refuses_before_building_and_leaves_other_backends_alone():
     from upipe_compile.errors import UnsupportedAttention
-    from upipe_compile.integrations.torchtitan.trainer_03 import take_over
+    from upipe_compile.integrations.torchtitan.release_03.trainer import take_over
 
     config = jobs.load_config("--parallelism.context_parallel_load_balancer=headtail")
     with pytest.raises(UnsupportedAttention, match="context_parallel_load_balancer"):
@@ -281,7 +281,7 @@ def test_the_loss_is_rebuilt_with_the_inner_backend():
     "upipe") is rebuilt compiled with upipe.inner_backend, its lm_head kept: the same values."""
     import torch
 
-    from upipe_compile.integrations.torchtitan.trainer_03 import upipe_loss
+    from upipe_compile.integrations.torchtitan.release_03.trainer import upipe_loss
 
     config = jobs.load_config("--compile.components", "model,loss", "--upipe.loss_chunk_tokens=16")
     assert config.upipe.inner_backend == "aot_eager"

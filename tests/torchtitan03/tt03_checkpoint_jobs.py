@@ -78,7 +78,7 @@ def run_job(cp: int, dump_folder: str, overrides: tuple[str, ...] = (), stop_aft
     from torchtitan.trainer import Trainer
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
-    from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer, take_over, upipe_loss
+    from upipe_compile.integrations.torchtitan.release_03.trainer import UPipeTrainer, take_over, upipe_loss
 
     torchtitan_on_cpu()
     torch._dynamo.reset()

@@ -154,9 +154,9 @@ CPU_CONFIG = "llama3_debugmodel_upipe_cpu"
 
 def load_config(*overrides: str, config: str = CPU_CONFIG):
     """A shipped 0.3 config through torchtitan's ConfigManager, command-line ``overrides``."""
-    from upipe_compile.integrations.torchtitan.estimate_job import load_config_03
+    from upipe_compile.integrations.torchtitan.release_03.estimate import load_config
 
-    return load_config_03(CONFIG_MODULE, config, list(overrides))
+    return load_config(config, list(overrides), module=CONFIG_MODULE)
 
 
 def training_batch(seq: int, step: int):
@@ -217,7 +217,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     from torchtitan.distributed import utils as dist_utils
 
     from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
-    from upipe_compile.integrations.torchtitan.trainer_03 import UPipeTrainer, take_over
+    from upipe_compile.integrations.torchtitan.release_03.trainer import UPipeTrainer, take_over
 
     torchtitan_on_cpu()
     torch._dynamo.reset()

@@ -261,7 +261,7 @@ def run_step(job, fake_mode, *, train_step, fused_kernels: bool = True, cuda_ops
     """One training step of ``job`` (anything with the built ``model`` and its ``optimizers``)
     measured with the optimizer state already there, as in every step of a real run but the
     first. ``train_step(job, tracker) -> StepMemory``: the job source's step (the torchtitan
-    integration's ``train_step_022`` / ``train_step_03``). ``fused_kernels``: RMSNorm (and
+    integration's ``release_022.estimate.train_step`` / ``release_03.estimate.train_step``). ``fused_kernels``: RMSNorm (and
     ``model_kernels``) allocate what fused kernels do (a GPU's, or inductor's anywhere;
     plain_loops.py), else what eager CPU torch allocates; ``cuda_ops``: the embedding's backward
     allocates what CUDA's kernel does. ``offloaded_state``: the job's FSDP offloads its state to

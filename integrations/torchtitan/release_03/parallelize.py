@@ -1,5 +1,5 @@
 """torchtitan 0.3: the job check (:func:`check_config`: job_rules.py's rules over the facts
-release_03.py reads) and the model's parallelization (:func:`parallelize_upipe`), in the order of 0.3's own
+release_03/facts.py reads) and the model's parallelization (:func:`parallelize_upipe`), in the order of 0.3's own
 ``parallelize_llama``: activation checkpointing -> per-block torch.compile -> FSDP.
 
 Differences from 0.3's ``parallelize_llama`` when ``compile.backend = "upipe"``:
@@ -19,7 +19,7 @@ Differences from 0.3's ``parallelize_llama`` when ``compile.backend = "upipe"``:
   and stage loop then run over the CP group on those heads, and the rest of each block is
   TP's eager DTensor ops (compile_blocks.compile_attention_alone).
 
-The inputs are sharded by the Trainer (trainer_03.py).
+The inputs are sharded by the Trainer (release_03/trainer.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from upipe_compile.integrations.torchtitan.compile_blocks import (compile_attent
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import job_problems, refuse
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
-from upipe_compile.integrations.torchtitan.release_03 import SPELLING, job_facts
+from upipe_compile.integrations.torchtitan.release_03.facts import SPELLING, job_facts
 from upipe_compile.integrations.torchtitan.rope_positions import compute_rope_rows
 from upipe_compile.stack.keep_attention import KEPT_OPS, keep_attention
 

@@ -1,8 +1,7 @@
-"""torchtitan 0.3's side of the integration: a job is a Python function returning a
-``Trainer.Config`` (trainer_03.UPipeTrainer.Config, with the ``upipe`` section), the model a
-ModelSpec's config. This file reads the job facts the rules of job_rules.py ask, from the
-config alone (before any process group); the estimate's build and step for such a job are
-estimate_job.py's ``build_job_03`` and estimate_step.py's ``train_step_03``.
+"""The facts of a torchtitan 0.3 job that the rules of job_rules.py ask, read from its
+``Trainer.Config`` alone (before any process group), and the release's names for what the
+rules and the parallelize function look up (AC kinds, attention configs, the stock
+parallelize functions).
 """
 
 from __future__ import annotations

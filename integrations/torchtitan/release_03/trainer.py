@@ -8,7 +8,7 @@ without it the Trainer is torchtitan's, unchanged.
 
 With it, the Trainer
 
-- checks the whole job before anything is built (job_rules.py, with the facts release_03.py reads), naming the
+- checks the whole job before anything is built (job_rules.py, with the facts release_03/facts.py reads), naming the
   field to change;
 - sizes 0.3's ChunkedLossWrapper from ``upipe.loss_chunk_tokens`` (chunks of at most that
   many local tokens, whatever ``training.seq_len`` is);
@@ -42,8 +42,8 @@ from torchtitan.trainer import Trainer
 from upipe_compile.integrations.torchtitan.config import UPipe
 from upipe_compile.integrations.torchtitan.cp_layout import upipe_cp_mesh
 from upipe_compile.integrations.torchtitan.compile_blocks import inner_backend, upipe_enabled
-from upipe_compile.integrations.torchtitan.parallelize_03 import check_config, parallelize_upipe
-from upipe_compile.integrations.torchtitan.release_03 import attention_configs
+from upipe_compile.integrations.torchtitan.release_03.parallelize import check_config, parallelize_upipe
+from upipe_compile.integrations.torchtitan.release_03.facts import attention_configs
 from upipe_compile.sharding import shard_sequence
 
 log = logging.getLogger(__name__)

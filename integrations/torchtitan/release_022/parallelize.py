@@ -46,7 +46,7 @@ from upipe_compile.integrations.torchtitan.document_attention import use_documen
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import STACK_RULES, job_problems, refuse
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
-from upipe_compile.integrations.torchtitan.release_022 import SPELLING, job_facts
+from upipe_compile.integrations.torchtitan.release_022.facts import SPELLING, job_facts
 from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
 from upipe_compile.stack.keep_attention import KEPT_OPS
 

@@ -1,7 +1,6 @@
-"""torchtitan 0.2.2's side of the integration: a job is a TOML read into a JobConfig (with the
-[upipe] section of config.py), the model a TrainSpec's ``model_args``. This file reads the job
-facts the rules of job_rules.py ask; the estimate's build and step for such a job are
-estimate_job.py's ``build_job`` and estimate_step.py's ``train_step_022``.
+"""The facts of a torchtitan 0.2.2 job that the rules of job_rules.py ask, read from its
+JobConfig (the TOML with the [upipe] section of config.py) and, once built, its TrainSpec's
+``model_args``.
 """
 
 from __future__ import annotations
