@@ -33,7 +33,6 @@ def load_config(config_file: str, overrides: list[str], module: str | None = Non
     if module is not None:
         raise JobError(f"--module {module}: Python job configs are torchtitan 0.3's; the installed 0.2.2 reads "
                        "a TOML (--config FILE.toml)")
-
     return ConfigManager().parse_args(["--job.config_file", config_file, *overrides])
 
 

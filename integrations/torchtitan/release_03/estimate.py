@@ -26,14 +26,14 @@ def load_config(config_name: str, overrides: list[str], module: str | None = Non
         raise JobError(f"--config {config_name} without --module: the installed torchtitan 0.3 reads Python job "
                        "configs (--module upipe_compile.integrations.torchtitan --config FUNCTION); TOML files "
                        "are 0.2.2's")
-
     return ConfigManager().parse_args(["--module", module, "--config", config_name, *overrides])
 
 
 def build_job(config, fake_mode) -> Job:
     """The Trainer's model, optimizers and loss for a torchtitan 0.3 job (a
-    :class:`UPipeTrainer.Config`), as fake CPU tensors: the Trainer's take-over of the job, ParallelDims, the meta build, the ModelSpec's
-    parallelize, the config's loss (ChunkedLossWrapper on the model's lm_head) and optimizer."""
+    :class:`UPipeTrainer.Config`) as fake CPU tensors: the Trainer's take-over of the job,
+    ParallelDims, the meta build, the ModelSpec's parallelize, the config's loss
+    (ChunkedLossWrapper on the model's lm_head) and optimizer."""
     from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import ParallelDims
 
