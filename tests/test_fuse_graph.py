@@ -567,7 +567,7 @@ def test_torchtitan_document_block_is_fused_with_its_boundaries(world, checkpoin
     from torchtitan.models.attention import VarlenMetadata
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.document_attention import use_document_attention
+    from upipe_compile.integrations.torchtitan.release_022.document_attention import use_document_attention
 
     spec = get_train_spec("llama3")
     args = dataclasses.replace(spec.model_args["debugmodel_varlen_attn"], n_layers=1)

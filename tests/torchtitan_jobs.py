@@ -78,7 +78,7 @@ def train_debug_model(cp: int, steps: int, n_layers: int | None = None, override
     from torchtitan.distributed import ParallelDims, utils as dist_utils
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from upipe_compile.integrations.torchtitan.rope_rows import rope_buffer_name
+    from upipe_compile.integrations.torchtitan.release_022.rope_rows import rope_buffer_name
 
     torchtitan_on_cpu()
     torch._dynamo.reset()
@@ -194,7 +194,7 @@ def rope_rows_across_lengths():
     step with positions and one longer than the table raise."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
+    from upipe_compile.integrations.torchtitan.release_022.rope_rows import keep_local_rope_rows
 
     class Toy(torch.nn.Module):
         max_seq_len = 32

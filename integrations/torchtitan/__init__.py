@@ -33,48 +33,12 @@ from upipe_compile.integrations.torchtitan.release import python_configs
 from upipe_compile.integrations.torchtitan.release_022.parallelize import (
     build_loss_fn_upipe, check_job, compile_options, parallelize_llama_upipe, parallelize_qwen3_upipe, upipe_enabled,
 )
-
-MODEL_NAMES = ("llama3", "qwen3")
-_PARALLELIZE = {"llama3": parallelize_llama_upipe, "qwen3": parallelize_qwen3_upipe}
+from upipe_compile.integrations.torchtitan.release_022.train_specs import MODEL_NAMES, get_train_spec, register
 
 __all__ = [
     "MODEL_NAMES", "UPipe", "build_loss_fn_upipe", "check_job", "compile_options", "get_train_spec",
     "parallelize_llama_upipe", "parallelize_qwen3_upipe", "register", "upipe_config", "upipe_enabled",
 ]
-
-
-def get_train_spec(name: str = "llama3"):
-    """torchtitan's TrainSpec for ``name`` ("llama3" or "qwen3") with the UPipe-aware
-    parallelize and loss builders."""
-    import dataclasses
-    import importlib
-
-    from upipe_compile.integrations.torchtitan.document_attention import varlen_model_args
-
-    stock = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
-    return dataclasses.replace(
-        stock, parallelize_fn=_PARALLELIZE[name], build_loss_fn=build_loss_fn_upipe,
-        model_args={flavor: varlen_model_args(args) for flavor, args in stock.model_args.items()},
-    )
-
-
-def register() -> tuple[str, ...]:
-    """Register the specs under "llama3" and "qwen3" and route the Trainer's input sharding
-    through upipe's layout for upipe jobs (idempotent); returns the names."""
-    from torchtitan.protocols import train_spec as ts
-
-    from upipe_compile.integrations.torchtitan.cp_layout import install_input_sharding
-
-    install_input_sharding()  # ring layouts and varlen batches sharded upipe's way (cp_layout.py)
-
-    for name in MODEL_NAMES:
-        existing = ts._extra_train_specs.get(name)
-        if existing is None:
-            ts.register_train_spec(name, get_train_spec(name))
-        elif existing.parallelize_fn is not _PARALLELIZE[name]:
-            raise RuntimeError(f"another TrainSpec is already registered as {name!r}; cannot add upipe's")
-    return MODEL_NAMES
-
 
 if not python_configs():  # 0.3 has no TrainSpecs: its configs carry upipe's parallelize (release_03/trainer.py)
     register()

@@ -42,12 +42,12 @@ from upipe_compile.integrations.torchtitan.compile_blocks import (
 )
 from upipe_compile.integrations.torchtitan.config import upipe_config
 from upipe_compile.integrations.torchtitan.cp_layout import forget_layout, upipe_cp_mesh
-from upipe_compile.integrations.torchtitan.document_attention import use_document_attention
+from upipe_compile.integrations.torchtitan.release_022.document_attention import use_document_attention
 from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on_gloo
 from upipe_compile.integrations.torchtitan.job_rules import STACK_RULES, job_problems, refuse
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.integrations.torchtitan.release_022.facts import SPELLING, job_facts
-from upipe_compile.integrations.torchtitan.rope_rows import keep_local_rope_rows
+from upipe_compile.integrations.torchtitan.release_022.rope_rows import keep_local_rope_rows
 from upipe_compile.stack.keep_attention import KEPT_OPS
 
 __all__ = ["BACKEND", "build_loss_fn_upipe", "check_job", "compile_blocks", "compile_options",

@@ -40,7 +40,7 @@ from upipe_compile.integrations.torchtitan.fsdp_on_gloo import sum_reductions_on
 from upipe_compile.integrations.torchtitan.job_rules import job_problems, refuse
 from upipe_compile.integrations.torchtitan.measurement import is_measuring
 from upipe_compile.integrations.torchtitan.release_03.facts import SPELLING, job_facts
-from upipe_compile.integrations.torchtitan.rope_positions import compute_rope_rows
+from upipe_compile.integrations.torchtitan.release_03.rope_positions import compute_rope_rows
 from upipe_compile.stack.keep_attention import KEPT_OPS, keep_attention
 
 
