@@ -55,6 +55,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
 
 
+def pytest_collection_finish(session):
+    """The whole-step estimates the selected tests read start now, in the background at a low
+    priority (estimate_commands.py), and fill the cores the tests leave idle."""
+    from estimate_commands import start_selected
+
+    start_selected(session.items)
+
+
+def pytest_sessionfinish(session):
+    from estimate_commands import cancel_queued
+
+    cancel_queued()  # a session that stops early (-x, ^C) does not run what no test will read
+
+
 @pytest.fixture(scope="module")
 def fake_world(request):
     """A fake default group of the test module's ``WORLD`` ranks (this process is rank 0), for

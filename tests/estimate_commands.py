@@ -1,7 +1,12 @@
-"""Whole-step estimates of shipped jobs, two at a time: each runs in its own process (it needs
-its own fake default group) and keeps one core busy (fake tensors: Python, not kernels), so a
-test module starts the ones its selected tests ask for together and two cores run them side by
-side."""
+"""Whole-step estimates of shipped jobs, in the background: each runs in its own process (it
+needs its own fake default group) and keeps one core busy (fake tensors: Python, not kernels).
+
+When collection ends (conftest.py), every estimate a selected test will read is queued, in the
+order the tests run, on one pool of two workers shared by every module, each process at
+:data:`NICENESS`: while the suite's tests use both cores the estimates give way, and while a
+test leaves a core idle (one process, or a rank waiting on another) they take it. A test then
+reads its result, waiting for it where it has not finished.
+"""
 
 from __future__ import annotations
 
@@ -12,25 +17,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 ESTIMATE = [sys.executable, "-m", "upipe_compile.estimate"]
 CORES = 2
+NICENESS = 10
+_POOL = ThreadPoolExecutor(max_workers=CORES)  # at most CORES estimates at once, across modules
 
 
 class EstimateRuns:
-    """``runs[name]``: the JSON report of ``python -m upipe_compile.estimate *commands[name]``;
-    :meth:`start` runs the named commands CORES at a time, a name not started runs when asked."""
+    """``runs[name]``: the JSON report of ``python -m upipe_compile.estimate *commands[name]``.
+    ``read_by``: the test (item name) that reads each command's report; a command it does not
+    name is read by any test of the module."""
 
-    def __init__(self, commands: dict[str, list[str]], cwd: str, timeout_s: float = 1800):
+    def __init__(self, commands: dict[str, list[str]], cwd: str, read_by: dict[str, str] | None = None,
+                 timeout_s: float = 1800):
         self.commands, self.cwd, self.timeout_s = commands, cwd, timeout_s
+        self.read_by = read_by or {}
         self._futures: dict[str, Future] = {}
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([*ESTIMATE, *argv], capture_output=True, text=True, timeout=self.timeout_s, cwd=self.cwd)
+        return subprocess.run(["nice", "-n", str(NICENESS), *ESTIMATE, *argv], capture_output=True, text=True,
+                              timeout=self.timeout_s, cwd=self.cwd)
 
     def start(self, names) -> "EstimateRuns":
-        pool = ThreadPoolExecutor(max_workers=CORES)
-        self._futures.update({name: pool.submit(self._run, self.commands[name]) for name in names
-                              if name not in self._futures})
-        pool.shutdown(wait=False)
+        for name in names:
+            if name not in self._futures:
+                self._futures[name] = _POOL.submit(self._run, self.commands[name])
         return self
+
+    def start_for(self, test_names: set[str]) -> "EstimateRuns":
+        """Start the commands that one of ``test_names`` (the module's selected tests) reads."""
+        return self.start([name for name in self.commands
+                           if name not in self.read_by or self.read_by[name] in test_names])
 
     def process(self, name: str) -> subprocess.CompletedProcess:
         return self.start([name])._futures[name].result()
@@ -41,8 +56,23 @@ class EstimateRuns:
         return json.loads(done.stdout)
 
 
-def started_for_selected(request, runs: EstimateRuns, test_of: dict[str, str]) -> EstimateRuns:
-    """``runs`` with the commands started whose test (command name -> test item name) this
-    session selected in the requesting module."""
-    selected = {item.name for item in request.session.items if item.path == request.path}
-    return runs.start([name for name, test in test_of.items() if test in selected])
+def start_selected(items) -> None:
+    """Queue the estimates the selected ``items`` read (each module's ``RUNS``), in test order."""
+    selected: dict[int, tuple[EstimateRuns, set[str]]] = {}
+    for item in items:
+        runs = getattr(getattr(item, "module", None), "RUNS", None)
+        if isinstance(runs, EstimateRuns):
+            selected.setdefault(id(runs), (runs, set()))[1].add(item.name)
+    for runs, names in selected.values():
+        runs.start_for(names)
+
+
+def cancel_queued() -> None:
+    """Drop the estimates not yet started (those running finish)."""
+    _POOL.shutdown(wait=False, cancel_futures=True)
+
+
+def started_for_selected(request, runs: EstimateRuns) -> EstimateRuns:
+    """``runs`` with the commands started that this session's selected tests of the requesting
+    module read (already queued at collection's end; here for a module imported otherwise)."""
+    return runs.start_for({item.name for item in request.session.items if item.path == request.path})

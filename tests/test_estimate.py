@@ -32,7 +32,7 @@ def run_estimate(*args, timeout=300):
 
 STACK = ["--upipe.offload_block_inputs", "--upipe.mlp_tile_tokens", "64", "--upipe.loss_chunk_tokens", "64"]
 UNFUSED = ["--upipe.no-fuse_projections"]
-# the debug job's estimates the module's fixtures read, started together when the first is asked for
+# the debug job's estimates the module's fixtures read (any of its tests may), started when collection ends
 RUNS = EstimateRuns({
     "debug": [*DEBUG_ARGS, "--json"],
     "stack": [*DEBUG_ARGS, *STACK, "--json"],
@@ -46,7 +46,7 @@ RUNS = EstimateRuns({
 
 @pytest.fixture(scope="module")
 def runs():
-    return RUNS.start(RUNS.commands)
+    return RUNS.start(RUNS.commands)  # (already queued at collection's end, unless imported otherwise)
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,15 @@ RUNS = EstimateRuns({
     **{toml: ["--config", os.path.join(TOML_DIR, toml), "--json"] for toml in SHIPPED},
     SIX_MILLION: ["--config", os.path.join(TOML_DIR, "llama3_8b_upipe_5m.toml"), "--training.seq_len",
                   str(6 * 2**20), "--device-ratio", "1", "--json"],
-}, cwd=ROOT)
+}, cwd=ROOT, read_by={
+    **{toml: f"test_shipped_toml_fits_by_the_estimate[{toml}]" for toml in SHIPPED},
+    SIX_MILLION: "test_the_device_ratio_decides_six_million_tokens_on_one_node"})
 
 
 @pytest.fixture(scope="module")
 def runs(request):
-    """The estimates the module's selected tests read, started together."""
-    return started_for_selected(request, RUNS, {
-        **{toml: f"test_shipped_toml_fits_by_the_estimate[{toml}]" for toml in SHIPPED},
-        SIX_MILLION: "test_the_device_ratio_decides_six_million_tokens_on_one_node"})
+    """The estimates the module's selected tests read (started when collection ended)."""
+    return started_for_selected(request, RUNS)
 
 
 @pytest.mark.parametrize("toml", SHIPPED)

@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 from tests_support import attention_events, full_tensor, load_full_weights, wrapped_name
 from upipe_compile.integrations.torchtitan.estimate_job import torchtitan_on_cpu
-from upipe_compile.integrations.torchtitan.release_022.estimate import load_config
+from upipe_compile.integrations.torchtitan.release_022.estimate import load_config as load_toml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG_TOML = os.path.join(HERE, "..", "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
 
 
 def load_config(toml: str, *overrides: str):
-    return load_config(toml, list(overrides))
+    return load_toml(toml, list(overrides))
 
 
 # The long-context stack, all on: full AC (offload needs it), uneven MLP tiles and loss chunks

@@ -21,15 +21,15 @@ SHIPPED = ("llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "
            "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes")
 DEBUG = "llama3_debugmodel_upipe_cpu"
 RUNS = EstimateRuns({config: ["--module", MODULE, "--config", config, "--json"] for config in (*SHIPPED, DEBUG)},
-                    cwd=ROOT)
+                    cwd=ROOT, read_by={
+                        **{config: f"test_shipped_config_fits_by_the_estimate[{config}]" for config in SHIPPED},
+                        DEBUG: "test_the_debug_config_on_cpu_and_a_refusal"})
 
 
 @pytest.fixture(scope="module")
 def runs(request):
-    """The estimates the module's selected tests read, started together."""
-    return started_for_selected(request, RUNS, {
-        **{config: f"test_shipped_config_fits_by_the_estimate[{config}]" for config in SHIPPED},
-        DEBUG: "test_the_debug_config_on_cpu_and_a_refusal"})
+    """The estimates the module's selected tests read (started when collection ended)."""
+    return started_for_selected(request, RUNS)
 
 
 @pytest.mark.parametrize("config", SHIPPED)

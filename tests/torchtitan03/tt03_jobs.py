@@ -154,9 +154,9 @@ CPU_CONFIG = "llama3_debugmodel_upipe_cpu"
 
 def load_config(*overrides: str, config: str = CPU_CONFIG):
     """A shipped 0.3 config through torchtitan's ConfigManager, command-line ``overrides``."""
-    from upipe_compile.integrations.torchtitan.release_03.estimate import load_config
+    from upipe_compile.integrations.torchtitan.release_03.estimate import load_config as load_03_config
 
-    return load_config(config, list(overrides), module=CONFIG_MODULE)
+    return load_03_config(config, list(overrides), module=CONFIG_MODULE)
 
 
 def training_batch(seq: int, step: int):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from upipe_compile.estimate.errors import JobError
-from upipe_compile.estimate.step import PhaseTracker, SavedOnDevice, measured
+from upipe_compile.estimate.step import DEVICE, PhaseTracker, SavedOnDevice, measured
 from upipe_compile.integrations.torchtitan.estimate_job import (Job, torchtitan_on_cpu, values_not_initialised,
                                                                 world_size)
 from upipe_compile.integrations.torchtitan.estimate_step import clip_and_step
