@@ -82,7 +82,7 @@ class SelectiveACKeepingUPipe(SelectiveAC):
 def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
                       dump_folder: str, job, stock):
     """0.3's ParallelizeFunction with UPipe context parallelism (``job``: the Trainer's config,
-    bound by :func:`trainer_03.take_over`; ``stock``: the model's own function,
+    bound by :func:`trainer.take_over`; ``stock``: the model's own function,
     run unchanged when the job does not compile with backend "upipe")."""
     if not upipe_enabled(job):
         return stock(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,

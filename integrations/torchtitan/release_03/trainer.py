@@ -17,7 +17,7 @@ With it, the Trainer
   rope_positions.py) and lifts 0.3's "varlen attention is not supported with CP" (a limit
   of torchtitan's own CP; here upipe does the CP);
 - parallelizes the model with upipe's function in place of the model's own
-  (parallelize_03.parallelize_upipe: no ``apply_cp_to_forward``, blocks compiled with
+  (parallelize.parallelize_upipe: no ``apply_cp_to_forward``, blocks compiled with
   backend "upipe" over the CP mesh);
 - shards each batch itself (:func:`shard_batch`) instead of torchtitan's
   ``prepare_context_parallel_input``: the documents' attention masks are built from the whole
