@@ -50,9 +50,14 @@ FAST_FILES = {
 
 
 def pytest_collection_modifyitems(config, items):
+    from estimate_commands import reads_estimates
+
     for item in items:
         if item.path.name in FAST_FILES:
             item.add_marker(pytest.mark.fast)
+    # The tests that read whole-step estimates run last: their estimates (started in the
+    # background when collection ends) have had the whole run to finish on the idle cores.
+    items[:] = [item for item in items if not reads_estimates(item)] + [item for item in items if reads_estimates(item)]
 
 
 def pytest_collection_finish(session):
@@ -60,7 +65,8 @@ def pytest_collection_finish(session):
     priority (estimate_commands.py), and fill the cores the tests leave idle."""
     from estimate_commands import start_selected
 
-    start_selected(session.items)
+    if not session.config.option.collectonly:
+        start_selected(session.items)
 
 
 def pytest_sessionfinish(session):

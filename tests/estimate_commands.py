@@ -2,7 +2,7 @@
 needs its own fake default group) and keeps one core busy (fake tensors: Python, not kernels).
 
 When collection ends (conftest.py), every estimate a selected test will read is queued, in the
-order the tests run, on one pool of two workers shared by every module, each process at
+order the tests run (those tests last), on one pool of two workers shared by every module, each process at
 :data:`NICENESS`: while the suite's tests use both cores the estimates give way, and while a
 test leaves a core idle (one process, or a rank waiting on another) they take it. A test then
 reads its result, waiting for it where it has not finished.
@@ -54,6 +54,11 @@ class EstimateRuns:
         done = self.process(name)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)
+
+
+def reads_estimates(item) -> bool:
+    """Whether ``item``'s module reads estimates of :class:`EstimateRuns` (its ``RUNS``)."""
+    return isinstance(getattr(getattr(item, "module", None), "RUNS", None), EstimateRuns)
 
 
 def start_selected(items) -> None:
