@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0"
 if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
@@ -30,7 +30,7 @@ mkdir "$WORK/src"
 git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -xf - -C "$WORK/src"
 "$VENV/bin/python" -m pip wheel -q --no-deps "$WORK/src" -w "$WORK/dist"
 WHEEL=$(ls "$WORK"/dist/upipe_compile-*.whl)
-"$VENV/bin/python" -m pip install -q "$WHEEL[hf]" pytest
+"$VENV/bin/python" -m pip install -q --no-compile "$WHEEL[hf]" pytest
 
 # run from outside the checkout, so nothing but the installed package can be imported
 mkdir "$WORK/run"
@@ -39,6 +39,6 @@ cd "$WORK/run"
 export UPIPE_CHECKOUT=$CHECKOUT
 "$VENV/bin/python" -m pytest check_installed.py -q -p no:cacheprovider -k "not torchtitan_config" "$@"
 
-"$VENV/bin/python" -m pip install -q "$WHEEL[hf,torchtitan]"
+"$VENV/bin/python" -m pip install -q --no-compile "$WHEEL[hf,torchtitan]"
 UPIPE_INSTALLED_PHASE=torchtitan "$VENV/bin/python" -m pytest check_installed.py -q -p no:cacheprovider \
   -k "wheel_is_what_runs or every_module or torchtitan_config" "$@"

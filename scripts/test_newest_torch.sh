@@ -11,8 +11,8 @@ fi
 # no pip config: a machine-wide cap on torch's version would pin the old release
 export PIP_CONFIG_FILE=/dev/null
 .venv-newest/bin/python -m pip install -q --upgrade pip
-.venv-newest/bin/python -m pip install -q --upgrade torch
-.venv-newest/bin/python -m pip install -q -e ".[test,torchtitan022]"
+.venv-newest/bin/python -m pip install -q --no-compile --upgrade torch
+.venv-newest/bin/python -m pip install -q --no-compile -e ".[test,torchtitan022]"
 if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
