@@ -55,14 +55,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in FAST_FILES:
             item.add_marker(pytest.mark.fast)
-    # The tests that read whole-step estimates run last: their estimates (started in the
-    # background when collection ends) have had the whole run to finish on the idle cores.
+    # The tests that read whole-step estimates run last: their estimates, started in the
+    # background when collection ends, have had the whole run to finish.
     items[:] = [item for item in items if not reads_estimates(item)] + [item for item in items if reads_estimates(item)]
 
 
 def pytest_collection_finish(session):
     """The whole-step estimates the selected tests read start now, in the background at a low
-    priority (estimate_commands.py), and fill the cores the tests leave idle."""
+    priority (estimate_commands.py)."""
     from estimate_commands import start_selected
 
     if not session.config.option.collectonly:

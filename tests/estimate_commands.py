@@ -2,10 +2,10 @@
 needs its own fake default group) and keeps one core busy (fake tensors: Python, not kernels).
 
 When collection ends (conftest.py), every estimate a selected test will read is queued, in the
-order the tests run (those tests last), on one pool of two workers shared by every module, each process at
-:data:`NICENESS`: while the suite's tests use both cores the estimates give way, and while a
-test leaves a core idle (one process, or a rank waiting on another) they take it. A test then
-reads its result, waiting for it where it has not finished.
+order the tests run (those tests last), on one pool of two workers shared by every module, each
+process at :data:`NICENESS`, so that it gives way to the tests. A test then reads its result,
+waiting for it where it has not finished. (Measured on 2 cores: the estimates cost the tests
+about the time they save at the end; the gloo ranks leave few cycles idle.)
 """
 
 from __future__ import annotations
@@ -56,17 +56,22 @@ class EstimateRuns:
         return json.loads(done.stdout)
 
 
+def _runs_of(item) -> EstimateRuns | None:
+    """``item``'s module's estimates (its ``RUNS``), None where it reads none."""
+    runs = getattr(getattr(item, "module", None), "RUNS", None)
+    return runs if isinstance(runs, EstimateRuns) else None
+
+
 def reads_estimates(item) -> bool:
-    """Whether ``item``'s module reads estimates of :class:`EstimateRuns` (its ``RUNS``)."""
-    return isinstance(getattr(getattr(item, "module", None), "RUNS", None), EstimateRuns)
+    return _runs_of(item) is not None
 
 
 def start_selected(items) -> None:
     """Queue the estimates the selected ``items`` read (each module's ``RUNS``), in test order."""
     selected: dict[int, tuple[EstimateRuns, set[str]]] = {}
     for item in items:
-        runs = getattr(getattr(item, "module", None), "RUNS", None)
-        if isinstance(runs, EstimateRuns):
+        runs = _runs_of(item)
+        if runs is not None:
             selected.setdefault(id(runs), (runs, set()))[1].add(item.name)
     for runs, names in selected.values():
         runs.start_for(names)
