@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fast tier on the newest torch PyPI serves (a second venv, .venv-newest: a CUDA build,
-# several GB, that runs on the CPU), beside the full suite on the pinned torch
+# several GB, that runs on the CPU), beside the suite on the pinned torch
 # (scripts/test.sh). With --prepare only the venv is made. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
