@@ -27,7 +27,7 @@ class EstimateRuns:
     name is read by any test of the module."""
 
     def __init__(self, commands: dict[str, list[str]], cwd: str, read_by: dict[str, str] | None = None,
-                 timeout_s: float = 1800):
+                 timeout_s: float = 3600):  # (a 70B estimate, niced under a busy suite, took over 1800 s)
         self.commands, self.cwd, self.timeout_s = commands, cwd, timeout_s
         self.read_by = read_by or {}
         self._futures: dict[str, Future] = {}

@@ -293,7 +293,7 @@ def test_llama3_rope_counted_as_a_fused_kernel():
     from torch.distributed._tools.mem_tracker import MemTracker
     from torchtitan.models.llama3.model import model as llama3
 
-    from upipe_compile.integrations.torchtitan.estimate_step import fused_rope
+    from upipe_compile.integrations.torchtitan.release_022.estimate import fused_rope
     from upipe_compile.measure.memory import tracker_peak_bytes
 
     def rope(fused: bool):

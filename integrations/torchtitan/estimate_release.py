@@ -25,6 +25,8 @@ class TorchtitanRelease:
     train_step: Callable
     """(job, tracker) -> upipe_compile.estimate.step.StepMemory: the release's Trainer.train_step
     for one microbatch."""
+    model_kernels: tuple
+    """What the release's models run as fused kernels beyond RMSNorm, for step.py's ``kernel_models``."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,4 +36,4 @@ def installed_release() -> TorchtitanRelease:
     else:
         from upipe_compile.integrations.torchtitan.release_022 import estimate, facts
     return TorchtitanRelease(facts.NAME, estimate.load_config, facts.job_facts, estimate.build_job,
-                             estimate.train_step)
+                             estimate.train_step, estimate.MODEL_KERNELS)

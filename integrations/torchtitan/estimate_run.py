@@ -27,7 +27,6 @@ from upipe_compile.estimate.step import offload_staging_bytes, run_step
 from upipe_compile.estimate.step_time import ModelShape, Setup
 from upipe_compile.integrations.torchtitan.estimate_job import world_size
 from upipe_compile.integrations.torchtitan.estimate_release import installed_release
-from upipe_compile.integrations.torchtitan.estimate_step import MODEL_KERNELS
 from upipe_compile.integrations.torchtitan.long_context_stack import (attention_outputs_bytes_per_rank,
                                                                     offloaded_share)
 from upipe_compile.measure import workspace
@@ -71,7 +70,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         job = release.build_job(job_config, fake_mode)
         fused = cuda_kernel is not None if fused_kernels is None else fused_kernels
         memory = run_step(job, fake_mode, train_step=release.train_step, fused_kernels=fused,
-                          cuda_ops=cuda_kernel is not None, model_kernels=MODEL_KERNELS,
+                          cuda_ops=cuda_kernel is not None, model_kernels=release.model_kernels,
                           offloaded_state=facts.fsdp_cpu_offload)
     cp, cfg = facts.cp, facts.upipe
     a2a = facts.all_to_all_degree

@@ -10,7 +10,7 @@ RoPE (e.g. torchtitan's Llama3 ``apply_rotary_emb``): eager, it makes fp32 copie
 k, their complex products and the casts back (about five q-sized bf16 units beyond q); the
 compiled block fuses it into one kernel that writes the rotated q and k (and in backward
 their gradients): :class:`FusedRoPEFunction` allocates that. Which model's RoPE it stands in
-for is the job source's to say (the torchtitan integration's ``estimate_step.fused_rope``,
+for is the job source's to say (the torchtitan integration's ``release_022/estimate.fused_rope``,
 handed to step.py's ``kernel_models``).
 
 Embedding backward: on CPU ``embedding_dense_backward`` adds each token's gradient row into

@@ -1,5 +1,5 @@
 """One training step of a built job under a memory tracker, whatever built the job (the job
-sources hand in their Trainer's step: the torchtitan integration's estimate_step.py, the
+sources hand in their Trainer's step: each torchtitan release's estimate.py, the
 transformers one's hf_estimate.py).
 
 ``FSDPMemTracker`` counts every tensor the step allocates on each device, by kind (sharded /

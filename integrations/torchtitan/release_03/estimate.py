@@ -18,6 +18,10 @@ from upipe_compile.integrations.torchtitan.release_03.parallelize import model_d
 from upipe_compile.integrations.torchtitan.release_03.trainer import shard_batch, take_over
 
 
+MODEL_KERNELS = ()
+"""0.3's RoPE is measured in fused blocks only, as the block runs it: nothing to stand in for."""
+
+
 def load_config(config_name: str, overrides: list[str], module: str | None = None):
     """torchtitan 0.3's ConfigManager on ``--module``/``--config`` and command-line overrides."""
     from torchtitan.config import ConfigManager
