@@ -52,8 +52,9 @@ FAST_FILES = {
 # The slow tier (`-m slow`): run by `bash scripts/test.sh --full` (and the 0.3 tier's --full),
 # not by CI. Each is the larger twin of a test CI runs on the same path: another parametrization
 # (fewer ranks, one loss type of many, a 2 x 2 mesh for a 4 x 2), or the same job without one
-# option that a smaller test covers; and the 70B configs' whole-step estimates (each a
-# quarter-hour or more of fake-tensor ops on 2 cores; the 8B and 32B configs' run in CI).
+# option that a smaller test covers; and the 70B configs' whole-step estimates (1 to 7 minutes
+# of fake-tensor ops each alone, up to half an hour niced beside the suite on 2 cores; the 8B
+# and 32B configs' run in CI).
 SLOW_TESTS = {
     # the shipped 70B jobs' estimates (the 8B and 32B ones stay: the same estimate, smaller)
     "test_shipped_tomls_fit.py::test_shipped_toml_fits_by_the_estimate[llama3_70b_upipe_8_nodes.toml]",
