@@ -108,14 +108,14 @@ def _test_id(item) -> str:
     return os.path.relpath(str(item.path), os.path.dirname(__file__)).replace(os.sep, "/") + "::" + item.name
 
 
-def _check_slow_tier(config, items) -> None:
+def _check_slow_tier(config, ids: list[str]) -> None:
     """A slow-tier name that no longer names a test (renamed, parametrized anew) is an error
     where its file was collected whole, so a test cannot drop into CI or out of it unseen."""
     if any("::" in arg for arg in config.args):
         return  # single tests named on the command line: their files are not collected whole
-    files = {_test_id(item).split("::")[0] for item in items}
-    ids = {_test_id(item) for item in items}
-    stale = sorted(name for name in SLOW_TESTS if name.split("::")[0] in files and name not in ids)
+    collected = set(ids)
+    files = {test_id.split("::")[0] for test_id in collected}
+    stale = sorted(name for name in SLOW_TESTS if name.split("::")[0] in files and name not in collected)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names no collected test: {stale}")
 
@@ -123,11 +123,12 @@ def _check_slow_tier(config, items) -> None:
 def pytest_collection_modifyitems(config, items):
     from estimate_commands import reads_estimates
 
-    _check_slow_tier(config, items)
-    for item in items:
+    ids = [_test_id(item) for item in items]
+    _check_slow_tier(config, ids)
+    for item, test_id in zip(items, ids):
         if item.path.name in FAST_FILES:
             item.add_marker(pytest.mark.fast)
-        if _test_id(item) in SLOW_TESTS:
+        if test_id in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
     # The tests that read whole-step estimates run last: their estimates, started in the
     # background when collection ends, have had the whole run to finish.
