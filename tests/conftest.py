@@ -101,6 +101,13 @@ SLOW_TESTS = {
     # 0.3: TP x CP, the ring on Llama and Qwen3 on CP 2 run in CI
     "torchtitan03/test_torchtitan03_train.py::test_tensor_parallel_2_x_ring_2_x_all_to_all_2_equals_one_rank",
     "torchtitan03/test_torchtitan03_train.py::test_qwen3_config_path_equals_cp1[ring2x2]",
+    # 0.3: CP 4 alone (CI: CP 2, the 2 x 2 ring, and CP 4 beside TP 2's run); the resume onto
+    # the 2 x 2 ring (CI: the resumes at CP 2 and 4)
+    "torchtitan03/test_torchtitan03_train.py::test_config_path_equals_cp1[cp4]",
+    "torchtitan03/test_torchtitan03_checkpoint.py::test_a_resumed_job_goes_on_as_the_uninterrupted_one[ring2x2]",
+    # 0.3 MoE: EP on 4 CP ranks (CI: EP 2 on 2 CP ranks)
+    "torchtitan03/test_torchtitan03_train.py::test_moe_expert_parallel_equals_cp_alone_and_one_rank[cp4-ep2]",
+    "torchtitan03/test_torchtitan03_train.py::test_moe_expert_parallel_equals_cp_alone_and_one_rank[cp4-ep4]",
 }
 
 

@@ -77,19 +77,21 @@ def compile_blocks(model: nn.Module, job_config, parallel_dims) -> None:
 
 
 def compile_attention_alone(model: nn.Module, job_config, parallel_dims) -> None:
-    """With tensor parallelism: each layer's inner attention compiled with backend "upipe" over
-    the CP mesh, before 0.3's ``model.parallelize`` (whose TP ``local_map`` then hands it its TP
-    rank's heads as local tensors, this rank's CP shard of the tokens). The projections, norms
-    and MLP stay TP's eager DTensor ops; the blocks are not compiled (a block compiled around
-    the attention would inline it, and upipe would see DTensor projections). The attention
-    runs as the plain stage-loop op: fuse_projections is off (job_rules.py)."""
+    """With tensor parallelism or MoE layers: each layer's inner attention compiled with backend
+    "upipe" over the CP mesh, before 0.3's ``model.parallelize`` (whose TP ``local_map`` then
+    hands it its TP rank's heads as local tensors, this rank's CP shard of the tokens). The
+    projections, norms, MLP and experts stay 0.3's eager modules (TP's DTensor ops, the
+    experts' token dispatch); the blocks are not compiled (a block compiled around the
+    attention would inline it, and upipe would see DTensor projections or the dispatch, which
+    its token-mixing guard refuses). The attention runs as the plain stage-loop op:
+    fuse_projections is off (job_rules.py)."""
     backend, options = _backend_and_options(job_config, parallel_dims)
     for block in model.layers.values():
         inner = block.attention.inner_attention
         given = {"options": dict(options)} if options is not None else {}
         inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=True, **given)
-    log.info("upipe: compiled the attention of %d TransformerBlocks alone (CP=%d, TP=%d)", len(model.layers),
-             parallel_dims.cp, parallel_dims.tp)
+    log.info("upipe: compiled the attention of %d TransformerBlocks alone (CP=%d, TP=%d, EP=%d)", len(model.layers),
+             parallel_dims.cp, parallel_dims.tp, parallel_dims.ep)
 
 
 def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:

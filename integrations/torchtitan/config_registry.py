@@ -31,7 +31,7 @@ from upipe_compile.integrations.torchtitan.release_03.trainer import UPipeTraine
 
 __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
            "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes", "llama3_debugmodel_upipe_cpu",
-           "qwen3_debugmodel_upipe_cpu", "upipe_job"]
+           "qwen3_debugmodel_upipe_cpu", "qwen3_moe_debugmodel_upipe_cpu", "upipe_job"]
 
 LOSS_CHUNK_TOKENS = 4096
 """Local tokens per chunk (at most) of 0.3's ChunkedLossWrapper (lm_head + loss): 4096 x 128256
@@ -175,3 +175,19 @@ def qwen3_debugmodel_upipe_cpu() -> UPipeTrainer.Config:
     config.training.steps = 4
     return config
 
+
+def qwen3_moe_debugmodel_upipe_cpu() -> UPipeTrainer.Config:
+    """Qwen3's MoE debug model (64 experts, 8 a token, the router's load-balancing bias; 16
+    query / 8 KV heads of 128) on CPU gloo ranks, as the dense ones above: its attention runs
+    as UPipe's plain stage-loop op (fuse_projections off), its MoE layers as 0.3's own, with
+    expert parallelism by ``--parallelism.expert_parallel_degree``."""
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
+
+    config = upipe_job(qwen3_debugmodel(), model_spec=model_registry("debugmodel_moe", attn_backend="varlen"),
+                       context_parallel_degree=2, seq_len=512,
+                       upipe=UPipe(inner_backend="aot_eager", fuse_projections=False),
+                       loss_chunk_tokens=64, inner_components=("model",))
+    config.training.mixed_precision_param = "float32"
+    config.training.steps = 4
+    return config

@@ -20,7 +20,8 @@ from upipe_compile.options import option_problems
 from upipe_compile.sharding import sequence_multiple
 
 MODELS = ("llama3", "qwen3")
-"""The models whose parallelize upipe's replaces (dense flavors)."""
+"""The models whose parallelize upipe's replaces (dense flavors; MoE ones where the release
+compiles the attention alone, :attr:`JobFacts.attention_alone`)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class JobFacts:
     ep: int = 1
     """``parallelism.expert_parallel_degree`` where the release runs EP beside upipe's CP
     (0.3; a release that does not lists it in :attr:`other_degrees`)."""
+    attention_alone: bool = False
+    """The release can compile each layer's attention alone with upipe and leave the rest of
+    the block to its own modules and parallelisms (0.3: TP, MoE layers, EP)."""
     fsdp_cpu_offload: bool = False
     """``training.enable_cpu_offload``: FSDP keeps the sharded parameters, gradients and
     optimizer state on the host, and the optimizer steps there."""
@@ -293,9 +297,10 @@ _WHOLE_BLOCK_KEYS = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens"
 
 
 def _attention_alone(f: JobFacts) -> list[str]:
-    """TP's projections are TP-sharded DTensors outside upipe's graph: upipe compiles each
-    layer's attention alone, as the plain stage-loop op on the TP rank's heads (no fused
-    block), and the stack keys that act on whole blocks stay off."""
+    """TP (the projections are TP-sharded DTensors) and MoE layers (the experts' token dispatch,
+    an all-to-all of its own with EP) stay outside upipe's graph: upipe compiles each layer's
+    attention alone, as the plain stage-loop op on the rank's heads (no fused block), and the
+    stack keys that act on whole blocks stay off."""
     s = f.spelling
     if f.tp < 1:
         return [f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp} must be >= 1"]
@@ -303,6 +308,8 @@ def _attention_alone(f: JobFacts) -> list[str]:
     if f.tp > 1:
         outside.append((f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp}",
                         "the q/k/v/o projections are TP-sharded"))
+    if f.moe and f.attention_alone:
+        outside.append(("the model's MoE layers", "their token dispatch is torchtitan's own, outside upipe's graph"))
     if not outside:
         return []
     what = " and ".join(name for name, _ in outside)
@@ -315,7 +322,7 @@ def _attention_alone(f: JobFacts) -> list[str]:
     # folding TP into CP brings the whole-block keys back for a dense model only
     fold = (f", or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks into "
             f"{s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}{_ring_hint(f, f.cp * f.tp, 1)}"
-            if f.tp > 1 else "")
+            if f.tp > 1 and not f.moe else "")
     for name in _WHOLE_BLOCK_KEYS:
         if getattr(f.upipe, name):
             problems.append(f"{what}: {s.key('upipe.' + name)} is not supported where upipe compiles the attention "
@@ -350,7 +357,7 @@ def _known_model(f: JobFacts) -> list[str]:
               "runs exactly through upipe's transformers integration (upipe_compile.integrations."
               "transformers.register()), its mixers as stage loops." if f.model_name == "qwen3_5" else "")
     return [f"{f.spelling.key('model_spec.name')} = {f.model_name!r}: upipe runs {' and '.join(MODELS)} "
-            f"(dense).{hybrid}"]
+            f"(dense; MoE flavors on torchtitan 0.3).{hybrid}"]
 
 
 def _own_parallelize(f: JobFacts) -> list[str]:
@@ -362,7 +369,7 @@ def _own_parallelize(f: JobFacts) -> list[str]:
 
 
 def _dense(f: JobFacts) -> list[str]:
-    if f.moe:
+    if f.moe and not f.attention_alone:
         return ["the model flavor has MoE layers: not supported with backend upipe (not implemented); "
                 "use a dense flavor"]
     return []

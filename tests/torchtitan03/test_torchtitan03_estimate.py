@@ -70,6 +70,17 @@ def test_a_tensor_parallel_job_is_refused_by_the_estimate_naming_a_cp_layout():
             in refused.stderr), refused.stderr[-2000:]
 
 
+def test_a_moe_job_is_refused_by_the_estimate_naming_the_hf_path():
+    refused = subprocess.run(
+        [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config",
+         "qwen3_moe_debugmodel_upipe_cpu"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    assert "the estimate does not model torchtitan 0.3's MoE layers" in refused.stderr, refused.stderr[-2000:]
+    assert "--hf qwen3-30b-a3b" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_max_context_rows_fit_the_host_budget():
     with open(os.path.join(ROOT, "benchmarks", "results", "max_context_03.md")) as f:
         lines = [line for line in f if line.startswith("|")]

@@ -22,11 +22,11 @@ STEPS = 4
 _REFERENCES: dict = {}
 
 
-def reference(rank_pools, window=None, fp32_attention=True, config=jobs.CPU_CONFIG):
+def reference(rank_pools, window=None, fp32_attention=True, config=jobs.CPU_CONFIG, overrides=()):
     """CP = 1 on the whole row (one process), cached."""
-    key = (window, fp32_attention, config)
+    key = (window, fp32_attention, config, overrides)
     if key not in _REFERENCES:
-        (_REFERENCES[key],) = rank_pools(1).run(jobs.train, 1, STEPS, (), window, fp32_attention, config)
+        (_REFERENCES[key],) = rank_pools(1).run(jobs.train, 1, STEPS, overrides, window, fp32_attention, config)
     return _REFERENCES[key]
 
 
@@ -110,6 +110,48 @@ def test_qwen3_tensor_parallel_2_x_cp_2_equals_one_rank(rank_pools):
     results = rank_pools(4).run(jobs.train, 2, STEPS, TP2, None, True, config)
     assert_equals_cp1(results, reference(rank_pools, config=config))
     assert_ran_upipe_per_rank(results)
+
+
+MOE = "qwen3_moe_debugmodel_upipe_cpu"
+FORCED_ROUTING = ("--debug.moe_force_load_balance",)
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)], ids=["cp2-ep2", "cp4-ep2", "cp4-ep4"])
+def test_moe_expert_parallel_equals_cp_alone_and_one_rank(rank_pools, world, ep):
+    """Qwen3's MoE debug model (its MoE layers with 8 experts, 2 a token: tt03_jobs.fewer_experts).
+    Its attention goes through UPipe's stage loop; its MoE layers stay 0.3's own, the experts
+    sharded over EP ranks borrowed from the CP ranks (tokens dispatched to them by all-to-all).
+    Every rank's losses and first-step gradients (the experts' and the router's included)
+    equal the same CP degree without EP and the one-rank run. Routed by torchtitan's
+    deterministic round-robin (``debug.moe_force_load_balance``; a shard of a multiple of
+    experts / top_k tokens routes as the whole row), so that no near-tie of a freshly
+    initialised router's top-k can flip between layouts."""
+    pool = rank_pools(world)
+    expert_parallel = pool.run(jobs.train, world, STEPS, (*FORCED_ROUTING, f"--parallelism.expert_parallel_degree={ep}"),
+                               None, True, MOE)
+    cp_alone = pool.run(jobs.train, world, STEPS, FORCED_ROUTING, None, True, MOE)
+    assert_equals_cp1(expert_parallel, reference(rank_pools, config=MOE, overrides=FORCED_ROUTING))
+    assert_equals_cp1(expert_parallel, cp_alone[0])
+    assert_ran_upipe_per_rank(expert_parallel)
+
+
+def test_moe_load_balancing_follows_the_whole_sequence(rank_pools):
+    """With the router's own (learned) routing, the load-balancing bias 0.3's optimizer hook
+    sets after each step comes from the expert counts of the whole sequence (summed over the
+    "loss" mesh, the CP ranks included): every rank's biases equal the one-rank run's, and
+    the losses, routed by them, agree."""
+    steps = 2
+    sharded = rank_pools(2).run(jobs.train, 2, steps, (), None, True, MOE, None, True)
+    (whole,) = rank_pools(1).run(jobs.train, 1, steps, (), None, True, MOE, None, True)
+    losses, biases = whole
+    assert any(bias.abs().sum() > 0 for bias in biases[0].values())  # the hook moved them
+    for rank_losses, rank_biases in sharded:
+        for ours, theirs in zip(rank_losses, losses):
+            assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+        for step_biases, expected in zip(rank_biases, biases):
+            assert step_biases.keys() == expected.keys()
+            for name, bias in expected.items():
+                assert torch.equal(step_biases[name], bias), (name, step_biases[name], bias)
 
 
 def test_with_0_3s_bf16_attention_losses_equal_and_gradients_as_accurate_as_cp1(rank_pools):
@@ -198,7 +240,9 @@ def test_the_shipped_configs_pass_the_check():
     ((), lambda c: _use_flex(c), 'attn_backend="varlen"'),
     ((), lambda c: _custom_parallelize(c), "model_spec.parallelize_fn"),
     ((), lambda c: _qwen35(c), "Gated DeltaNet"),
-    ((), lambda c: _qwen3_moe(c), "MoE layers"),
+    ((), lambda c: _qwen3_moe(c), "the model's MoE layers: their token dispatch is torchtitan's own, outside "
+                                  "upipe's graph, so upipe cannot fuse the projections into its stage loop; set "
+                                  "upipe.fuse_projections = False"),
     (("--parallelism.expert_parallel_degree=2",), None, "parallelism.expert_parallel_degree = 2, but the model has no "
                                                         "MoE layers"),
     (TP2 + ("--upipe.keep_attention",), None, "upipe.keep_attention is not supported where upipe compiles the attention alone"),
@@ -211,9 +255,13 @@ def test_the_shipped_configs_pass_the_check():
      "parallelism.context_parallel_degree = 4, beside parallelism.tensor_parallel_degree = 2"),
     (TP2 + ("--upipe.keep_attention", "--parallelism.context_parallel_degree=16", "--training.seq_len=2048"), None,
      "fold the TP ranks into parallelism.context_parallel_degree = 32 with upipe.ring_degree = 2"),
+    (("--parallelism.tensor_parallel_degree=2",), lambda c: _qwen3_moe(c),
+     "parallelism.tensor_parallel_degree = 2 and the model's MoE layers: the q/k/v/o projections are TP-sharded; "
+     "their token dispatch is torchtitan's own"),
 ], ids=["load-balancer", "spmd-types", "tp-fused", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
         "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5",
-        "moe", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len", "tp-pp", "tp-fold-ring"])
+        "moe-fused", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len", "tp-pp", "tp-fold-ring",
+        "tp-moe"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
     assert names in problems_of(*overrides, change=change)
 

@@ -68,6 +68,37 @@ def varlen_on_cpu(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, wind
     return out.transpose(1, 2).squeeze(0)
 
 
+def experts_in_fp32(self, x_RD, num_tokens_per_expert_E):
+    """0.3's GroupedExperts.forward in fp32 (0.3 computes the experts in bf16): each expert's
+    SwiGLU over its rows, the rows grouped by expert in order (rows past the counts: zeros)."""
+    from torch.distributed.tensor import DTensor
+
+    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    counts = num_tokens_per_expert_E.tolist()
+    routed = sum(counts)
+    outs = [(torch.nn.functional.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T
+            for e, rows in enumerate(x_RD[:routed].split(counts))]
+    return torch.cat([*outs, x_RD.new_zeros(x_RD.shape[0] - routed, w2.shape[1])])
+
+
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+"""The MoE debug model's layers with 8 experts, 2 a token, in place of its 64 and 8: the same
+router, dispatch and experts' code, at an eighth of the weights (64 experts' fp32 weights,
+gradients and Adam state on three live ranks filled a 24 GiB runner)."""
+
+
+def fewer_experts(moe):
+    """``moe`` (a 0.3 MoE layer's config) with :data:`MOE_EXPERTS` experts, :data:`MOE_TOP_K` a token."""
+    replace, routed, router = dataclasses.replace, moe.routed_experts, moe.router
+    return replace(
+        moe, num_experts=MOE_EXPERTS,
+        router=replace(router, num_experts=MOE_EXPERTS, top_k=MOE_TOP_K,
+                       gate=replace(router.gate, out_features=MOE_EXPERTS)),
+        routed_experts=replace(
+            routed, inner_experts=replace(routed.inner_experts, num_experts=MOE_EXPERTS),
+            token_dispatcher=replace(routed.token_dispatcher, num_experts=MOE_EXPERTS, top_k=MOE_TOP_K)))
+
+
 def torch_with_fp32_attention():
     """torch as 0.3's attention module sees it, but for the bf16 its varlen attention casts q,
     k, v to: float32 (a module, which torch.compile reads like torch itself)."""
@@ -197,7 +228,21 @@ def optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss
 
 
 def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
-          config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None):
+          config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None, biases: bool = False):
+    """:func:`train_job`, with fp32 experts from the start when ``fp32_attention``: EP's
+    parallelize captures the experts' forward in its local_map."""
+    from unittest import mock
+
+    from torchtitan.models.common.moe import GroupedExperts
+
+    with contextlib.ExitStack() as patches:
+        if fp32_attention:
+            patches.enter_context(mock.patch.object(GroupedExperts, "forward", experts_in_fp32))
+        return train_job(cp, steps, overrides, window, fp32_attention, config_name, nan_at, biases)
+
+
+def train_job(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None, fp32_attention: bool = True,
+              config_name: str = CPU_CONFIG, nan_at: tuple[int, int] | None = None, biases: bool = False):
     """Train the CPU debug config for ``steps`` steps at CP = ``cp`` on every rank of the gloo
     world, following 0.3's Trainer: ConfigManager, UPipeTrainer's take-over of the job,
     ParallelDims and its meshes, meta build, the ModelSpec's parallelize_fn, init_weights,
@@ -205,10 +250,12 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     post_dataloading_process, clip_grad_norm_, the loss summed over the "loss" mesh. What it
     replaces: the dataloader (seeded packed rows), the device (CPU), and at CP = 1 the varlen
     kernel (CUDA only) by its meaning (varlen_on_cpu). Two layers; every rank starts from one
-    seeded full model. ``fp32_attention``: without 0.3's cast of q, k, v to bf16 (the
-    model is fp32: every difference is then upipe's, not bf16 rounding's). Returns (losses, first-step gradients by name, upipe op counts of the
+    seeded full model. ``fp32_attention``: without 0.3's casts to bf16 (of q, k, v, and
+    of the experts' inputs and weights in a MoE model: experts_in_fp32), so that the model is
+    fp32 and every difference is upipe's, not bf16 rounding's. Returns (losses, first-step gradients by name, upipe op counts of the
     last step). ``nan_at`` = (rank, step): that rank's final norm outputs NaN at that step
-    (after the last attention: in the forward only its own loss term sees the NaN), and the result gains each step's gradient norm."""
+    (after the last attention: in the forward only its own loss term sees the NaN), and the result gains each step's gradient norm. ``biases``: returns (losses, each step's
+    MoE load-balancing biases by buffer name, as the optimizer hook left them)."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -225,6 +272,9 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
                          config=config_name)
     model_config = config.model_spec.model
     model_config.layers = model_config.layers[:LAYERS]
+    for layer in model_config.layers:
+        if getattr(layer, "moe", None) is not None:
+            layer.moe = fewer_experts(layer.moe)
     if window is not None:
         for layer in model_config.layers:
             layer.attention.inner_attention.window_size = window
@@ -261,7 +311,7 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
     trainer = SimpleNamespace(config=config, parallel_dims=parallel_dims, model_parts=[model], ntokens_seen=0,
                               upipe_on=upipe_on)
 
-    losses, first_grads, counts, grad_norms = [], None, None, []
+    losses, first_grads, counts, grad_norms, step_biases = [], None, None, [], []
     current = {"step": 0}
     if nan_at is not None and dist.get_rank() == nan_at[0]:
         def poison(module, args, output):
@@ -290,6 +340,10 @@ def train(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=None,
             if step == 1:
                 first_grads = {wrapped_name(n): full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
             losses.append(optimizer_step(model, config, optimizers, lr_schedulers, parallel_dims, loss, grad_norms))
+            step_biases.append({name: full_tensor(buffer).clone() for name, buffer in model.named_buffers()
+                                if name.endswith("expert_bias_E")})
     if nan_at is not None:
         return losses, grad_norms
+    if biases:
+        return losses, step_biases
     return losses, first_grads, counts

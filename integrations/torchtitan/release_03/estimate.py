@@ -51,6 +51,10 @@ def build_job(config, fake_mode) -> Job:
                        "and parallelism.context_parallel_degree = "
                        f"{p.context_parallel_degree * p.tensor_parallel_degree} (with the upipe.ring_degree the "
                        "job check asks for, if the heads need one)")
+    if any(getattr(layer, "moe", None) is not None for layer in config.model_spec.model.layers):
+        raise JobError("the model has MoE layers: the estimate does not model torchtitan 0.3's MoE layers (it "
+                       "measures fused blocks only); python -m upipe_compile.estimate --hf estimates a "
+                       "Hugging Face MoE model (e.g. --hf qwen3-30b-a3b)")
     if not config.upipe.fuse_projections:
         raise JobError("upipe.fuse_projections = False: the estimate measures 0.3's varlen attention through "
                        "fused blocks only")

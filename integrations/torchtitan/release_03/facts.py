@@ -58,7 +58,7 @@ def job_facts(config) -> JobFacts:
         spelling=SPELLING, upipe=config.upipe, cp=p.context_parallel_degree, seq_len=training.seq_len,
         local_batch_size=training.local_batch_size, compile_components=tuple(config.compile.components),
         other_degrees={"pipeline_parallel_degree": p.pipeline_parallel_degree},
-        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree,
+        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, attention_alone=True,
         fsdp_cpu_offload=bool(training.enable_cpu_offload), ac=ac_kind(config), ac_name=type(ac).__qualname__,
         spmd_backend=p.spmd_backend,
         load_balancer=p.context_parallel_load_balancer, validator=bool(config.validator.enable),

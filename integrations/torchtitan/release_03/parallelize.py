@@ -13,11 +13,13 @@ Differences from 0.3's ``parallelize_llama`` when ``compile.backend = "upipe"``:
   them and recomputes the rest;
 - FSDP over torchtitan's "fsdp" mesh (dp_shard x cp) exactly as 0.3 does (partial-DTensor
   backend), with plain SUM reductions on gloo;
-- with ``parallelism.tensor_parallel_degree`` > 1, the heads split over the TP group first:
-  upipe compiles each layer's attention alone, before 0.3's own ``model.parallelize`` (TP with
-  sequence parallelism), whose ``local_map`` hands it the TP rank's heads; UPipe's all-to-all
-  and stage loop then run over the CP group on those heads, and the rest of each block is
-  TP's eager DTensor ops (compile_blocks.compile_attention_alone).
+- with ``parallelism.tensor_parallel_degree`` > 1 or MoE layers (with or without expert
+  parallelism), upipe compiles each layer's attention alone, before 0.3's own
+  ``model.parallelize`` (TP with sequence parallelism, EP), whose ``local_map`` hands it the
+  TP rank's heads; UPipe's all-to-all and stage loop then run over the CP group on those
+  heads, and the rest of each block is 0.3's own eager modules: TP's DTensor ops, the
+  experts' dispatch (compile_blocks.compile_attention_alone); beside EP, FSDP shards the
+  experts over 0.3's "efsdp" mesh.
 
 The inputs are sharded by the Trainer (release_03/trainer.py).
 """
@@ -94,16 +96,18 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
         raise UnsupportedAttention("\n".join(problems))
     long_context_stack.tile_mlps(model, job.upipe)
     compute_rope_rows(model)  # each rank computes its own tokens' RoPE rows: no table
-    if parallel_dims.tp_enabled:
-        compile_attention_alone(model, job, parallel_dims)  # before parallelize: inside TP's local_map
+    attention_alone = parallel_dims.tp_enabled or _has_moe(model)
+    if attention_alone:
+        compile_attention_alone(model, job, parallel_dims)  # before parallelize: inside its local_map
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
     _apply_ac(model, ac_config, job.upipe, dump_folder)
-    if not parallel_dims.tp_enabled:
+    if not attention_alone:
         compile_blocks(model, job, parallel_dims)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     dp_mesh = parallel_dims.get_mesh(names)
     apply_fsdp_to_decoder(
-        model, dp_mesh,
+        model, dp_mesh, ep_degree=parallel_dims.ep, edp_mesh=_expert_fsdp_mesh(parallel_dims),
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         # measuring, the estimate's tracker moves the offloaded state to the host itself
@@ -115,6 +119,18 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     model_dims = model_dims_03(job.model_spec.model)
     long_context_stack.install_offload(model, job, parallel_dims, model_dims)
     return model
+
+
+def _has_moe(model: nn.Module) -> bool:
+    return any(getattr(block, "moe_enabled", False) for block in model.layers.values())
+
+
+def _expert_fsdp_mesh(parallel_dims):
+    """The mesh FSDP shards the experts over beside EP (as 0.3's parallelize_qwen3 chooses it)."""
+    if not parallel_dims.ep_enabled:
+        return None
+    names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
+    return parallel_dims.get_optional_mesh(names)
 
 
 def model_dims_03(model_config):
