@@ -84,11 +84,21 @@ def compile_attention_alone(model: nn.Module, job_config, parallel_dims) -> None
     experts' token dispatch); the blocks are not compiled (a block compiled around the
     attention would inline it, and upipe would see DTensor projections or the dispatch, which
     its token-mixing guard refuses). The attention runs as the plain stage-loop op:
-    fuse_projections is off (job_rules.py)."""
+    fuse_projections is off (job_rules.py). Measuring (the whole-step estimate), the same
+    rewrite runs the stage-loop op's eager twin (eager_twins.py)."""
     backend, options = _backend_and_options(job_config, parallel_dims)
+    if is_measuring(job_config):
+        if options is None:
+            return  # CP = 1: nothing to rewrite, the attention runs as it is
+        from upipe_compile.measure.eager_twins import eager_twin_backend
+
+        # static shapes, as the fused path's measurement: the max-context search changes seq_len
+        backend, static = eager_twin_backend, {"dynamic": False}
+    else:
+        static = {}
     for block in model.layers.values():
         inner = block.attention.inner_attention
-        given = {"options": dict(options)} if options is not None else {}
+        given = {**static, **({"options": dict(options)} if options is not None else {})}
         inner.forward = torch.compile(inner.forward, backend=backend, fullgraph=True, **given)
     log.info("upipe: compiled the attention of %d TransformerBlocks alone (CP=%d, TP=%d, EP=%d)", len(model.layers),
              parallel_dims.cp, parallel_dims.tp, parallel_dims.ep)

@@ -53,8 +53,8 @@ def upipe_job(base, *, model_spec, context_parallel_degree: int, seq_len: int, u
     p.context_parallel_degree = context_parallel_degree
     p.data_parallel_shard_degree = 1  # the job's GPUs are its CP ranks (FSDP shards over them too)
     # torchtitan's 70B and 405B configs shard over TP 8 and pipeline stages: upipe runs no PP
-    # beside its CP and its memory estimate does not model TP, so FSDP over all the CP ranks
-    # shards the weights instead
+    # beside its CP, and its fused blocks and long-context stack do not run beside TP, so FSDP
+    # over all the CP ranks shards the weights instead
     p.tensor_parallel_degree = p.pipeline_parallel_degree = 1
     p.context_parallel_load_balancer = None
     p.spmd_backend = SPMD_BACKEND

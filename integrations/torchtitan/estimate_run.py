@@ -100,7 +100,7 @@ def estimate(job_config, *, gpu_gib: float = H100_80GB_GIB, gpus_per_node: int =
         gpu_gib=gpu_gib, gpus_per_node=gpus_per_node, host_gib=host_gib, device_ratio=device_ratio,
         step_time=step_time_report(shape_of(job.model, job.model_args),
                                    step_setup(job_config, heads_per_stage, cp // a2a, facts)),
-        attention_calls=calls, start=start,
+        attention_calls=calls, start=start, tp=facts.tp,
     )
 
 
@@ -119,7 +119,8 @@ def step_setup(job_config, heads_per_stage: int, ring_degree: int, facts=None) -
                  recompute_attention_output=cfg.recompute_attention_output,
                  offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize,
                  offload_state=facts.fsdp_cpu_offload,
-                 fsdp_shards=world_size(job_config) // job_config.parallelism.data_parallel_replicate_degree)
+                 fsdp_shards=world_size(job_config) // (job_config.parallelism.data_parallel_replicate_degree * facts.tp),
+                 tp=facts.tp)
 
 
 def shape_of(model, model_args) -> ModelShape:

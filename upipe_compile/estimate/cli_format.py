@@ -13,7 +13,8 @@ def format_report(result: Estimate, job=None) -> str:
     line above the report: the transformers source's HFJob)."""
     lines = [] if job is None else [job.describe()]
     lines += [
-        f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks (CP = {result.cp}"
+        f"seq_len {result.seq_len:,} tokens on {result.world_size} ranks ("
+        + ("" if result.tp == 1 else f"TP = {result.tp}, ") + f"CP = {result.cp}"
         + ("" if result.ring_degree == 1 else
            f" = ring {result.ring_degree} x all-to-all {result.cp // result.ring_degree}")
         + f", U = {result.heads_per_stage} heads per stage, {result.cuda_kernel} workspaces), "

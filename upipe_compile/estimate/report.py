@@ -75,6 +75,8 @@ class Estimate:
     """What of ``host_gib_per_rank`` is FSDP's offloaded state (``training.enable_cpu_offload``:
     sharded parameters, gradients, optimizer state and the optimizer step's temporaries); 0
     when the job keeps it on the device."""
+    tp: int = 1
+    """Tensor-parallel degree beside the CP ranks (``world_size`` = data x TP x CP)."""
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -83,7 +85,7 @@ class Estimate:
 def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, world: int, cp: int,
               heads_per_stage: int, ring_degree: int, modelled: dict, modelled_host: dict, gpu_gib: float,
               gpus_per_node: int, host_gib: float, device_ratio: float, step_time: dict,
-              attention_calls: dict, start: float) -> Estimate:
+              attention_calls: dict, start: float, tp: int = 1) -> Estimate:
     """The report of a measured step, whatever built the job (the torchtitan integration's
     estimate_run.py, the transformers one's hf_estimate.py): the modelled terms added, the device
     ratio and both budgets applied."""
@@ -106,7 +108,7 @@ def result_of(memory: StepMemory, *, seq_len: int, cuda_kernel: str | None, worl
         breakdown=breakdown, block_recompute=_block_recompute(memory),
         phase_peaks=_phase_peaks(memory), modelled=modelled, modelled_host=modelled_host,
         step_time=step_time, attention_calls=attention_calls, seconds=round(time.time() - start, 1),
-        host_state_gib_per_rank=_gib(memory.host_state_peak),
+        host_state_gib_per_rank=_gib(memory.host_state_peak), tp=tp,
     )
 
 

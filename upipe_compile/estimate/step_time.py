@@ -1,7 +1,7 @@
 """Step-time model: the expected seconds of one training step per rank, phase by phase, from
 FLOPs and bytes and what a device sustains of each.
 
-Per layer and rank, with ``n = S / P`` local tokens of a ``S``-token row over ``P`` ranks:
+Per layer and rank, with ``n = S / P`` local tokens of a ``S``-token row over ``P`` CP ranks:
 
 - the layer's linear algebra (projections, MLP): ``2 n W`` FLOPs forward for ``W`` weights, twice
   that backward, at the device's matmul rate;
@@ -12,7 +12,14 @@ Per layer and rank, with ``n = S / P`` local tokens of a ``S``-token row over ``
   crosses the link. UPipe sends the same bytes in ``m`` stages and overlaps all but one stage's
   with attention; Ulysses (one stage) overlaps none. Each collective also pays a launch latency;
 - a ring of R: each rank's K/V share goes round R - 1 times per attention run and twice more
-  (with its dK/dV) in backward, hidden under attention but for its latency.
+  (with its dK/dV) in backward, hidden under attention but for its latency;
+- tensor parallelism of T (with sequence parallelism, torchtitan's own, no async TP): each rank
+  holds 1/T of every matmul's weights and of the heads, so the linear algebra, attention, the
+  all-to-alls and the head's share of the work are 1/T; each layer's forward all-gathers its
+  ``n`` tokens' activations before attention and the MLP and reduce-scatters after each
+  (``(T - 1) / T`` of ``n * dim`` crosses the link each time), as its backward and every AC
+  recompute do, not overlapped. The CP groups then stride T ranks: an all-to-all of A ranks
+  spans A x T consecutive ranks.
 
 Full activation checkpointing runs each layer's forward again in backward: the linear algebra
 always, attention and its all-to-alls unless ``keep_attention`` keeps them
@@ -103,6 +110,8 @@ class Setup:
     """FSDP keeps the fp32 parameter shards, gradients and optimizer state on the host."""
     fsdp_shards: int = 1
     """Ranks FSDP shards the parameters over (dp_shard x cp)."""
+    tp: int = 1
+    """Tensor-parallel degree (heads and matmul weights split over T ranks of a node)."""
 
 
 @dataclass(frozen=True)
@@ -128,14 +137,15 @@ class StepTime:
 
 def attention_forward_flops(shape: ModelShape, setup: Setup) -> float:
     """One layer's attention forward on one rank."""
-    full = 4.0 * setup.batch * setup.seq_len ** 2 * shape.head_dim * shape.q_heads / setup.cp
+    full = 4.0 * setup.batch * setup.seq_len ** 2 * shape.head_dim * shape.q_heads / (setup.cp * setup.tp)
     return full / 2 if setup.causal else full
 
 
 def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTime:
     n = setup.batch * setup.seq_len / setup.cp  # this rank's tokens
     a2a_ranks = setup.cp // setup.ring_degree
-    linear_forward = 2.0 * n * shape.layer_weights / device.matmul_flops
+    tp = setup.tp
+    linear_forward = 2.0 * n * shape.layer_weights / tp / device.matmul_flops
     attention_forward = attention_forward_flops(shape, setup) / device.attention_forward_flops
     attention_backward = 2.5 * attention_forward_flops(shape, setup) / device.attention_backward_flops
 
@@ -145,14 +155,14 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
     per_layer_attention = attention_runs * attention_forward + attention_backward
 
     # Bytes one rank sends: q, k, v, out forward; q, k, v, out, dout in and dq, dk, dv out backward.
-    q_bytes = n * shape.q_heads * shape.head_dim * setup.element_bytes
-    kv_bytes = n * shape.kv_heads * shape.head_dim * setup.element_bytes
+    q_bytes = n * shape.q_heads // tp * shape.head_dim * setup.element_bytes
+    kv_bytes = n * max(1, shape.kv_heads // tp) * shape.head_dim * setup.element_bytes
     forward_bytes = 2 * q_bytes + 2 * kv_bytes
     backward_bytes = 4 * q_bytes + 4 * kv_bytes
     share = (a2a_ranks - 1) / a2a_ranks
-    stages = max(1, shape.q_heads // max(1, setup.heads_per_stage))
+    stages = max(1, shape.q_heads // tp // max(1, setup.heads_per_stage))
     collectives = attention_runs * 4 * stages + 8 * stages
-    a2a_link = device.all_to_all_bytes if a2a_ranks <= setup.ranks_per_node else device.inter_node_bytes
+    a2a_link = device.all_to_all_bytes if a2a_ranks * tp <= setup.ranks_per_node else device.inter_node_bytes
     moved = share * (attention_runs * forward_bytes + backward_bytes) / a2a_link
     exposed = moved / stages if stages > 1 else moved  # UPipe hides all but one stage's
     if stages > 1:
@@ -164,7 +174,7 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
     ring = setup.ring_degree
     per_layer_ring = 0.0
     if ring > 1:
-        ring_link = device.all_to_all_bytes if setup.cp <= setup.ranks_per_node else device.inter_node_bytes
+        ring_link = device.all_to_all_bytes if setup.cp * tp <= setup.ranks_per_node else device.inter_node_bytes
         passed = (ring - 1) * 2 * kv_bytes * (attention_runs + 2) / ring_link
         per_layer_ring = (max(0.0, passed - per_layer_attention)
                           + (ring - 1) * stages * (attention_runs + 2) * device.collective_latency_s)
@@ -181,7 +191,12 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
         host_optimizer = params * HOST_ADAMW_BYTES_PER_PARAM / device.host_memory_bytes
     per_layer_offload = max(0.0, transfer - (per_layer_linear + per_layer_attention))
 
-    head = 6.0 * n * shape.vocab_size * shape.dim / device.matmul_flops
+    if tp > 1:  # sequence parallelism's all-gathers and reduce-scatters, 4 per layer run
+        tp_link = device.all_to_all_bytes if tp <= setup.ranks_per_node else device.inter_node_bytes
+        gathered = (tp - 1) / tp * n * shape.dim * setup.element_bytes
+        per_layer_linear += (linear_runs + 1) * 4 * (gathered / tp_link + device.collective_latency_s)
+
+    head = 6.0 * n * shape.vocab_size * shape.dim / tp / device.matmul_flops
     layers = shape.n_layers
     return StepTime(linear=layers * per_layer_linear, attention=layers * per_layer_attention,
                     all_to_all=layers * per_layer_a2a, ring=layers * per_layer_ring, offload=layers * per_layer_offload,
@@ -194,8 +209,8 @@ def model_flops(shape: ModelShape, setup: Setup) -> float:
     backward (1 + 2.5 x its forward, as above) and the output head with its loss (``6 n V
     dim``). Recomputation (activation checkpointing, keep_attention's rerun) is not counted."""
     n = setup.batch * setup.seq_len / setup.cp
-    per_layer = 6.0 * n * shape.layer_weights + 3.5 * attention_forward_flops(shape, setup)
-    return shape.n_layers * per_layer + 6.0 * n * shape.vocab_size * shape.dim
+    per_layer = 6.0 * n * shape.layer_weights / setup.tp + 3.5 * attention_forward_flops(shape, setup)
+    return shape.n_layers * per_layer + 6.0 * n * shape.vocab_size * shape.dim / setup.tp
 
 
 def ulysses(setup: Setup, shape: ModelShape) -> Setup:

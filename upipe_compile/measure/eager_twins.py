@@ -20,7 +20,6 @@ import torch.fx as fx
 
 from upipe_compile.backend import apply_upipe_passes
 from upipe_compile.block.ops import BlockFunction
-from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.measure.memory import StageLoopFunction, count_eager_call
 from upipe_compile.attention.ops import parse_op_arguments
 from upipe_compile.block.ops import BlockSettings
@@ -36,9 +35,7 @@ def block_twin(x, wq, bq, wk, bk, wv, bv, wo, bo, extras, cu_seqlens, *settings)
 
 def attention_twin(*args):
     q, k, v, settings, cu_seqlens, sinks, alibi_slopes = parse_op_arguments(args)
-    if cu_seqlens is not None:
-        raise UnsupportedAttention("the memory estimate does not measure packed-document attention (cu_seqlens) yet")
-    return StageLoopFunction.apply(q, k, v, settings, sinks, alibi_slopes), None
+    return StageLoopFunction.apply(q, k, v, settings, sinks, alibi_slopes, cu_seqlens), None
 
 
 TWINS = {

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from upipe_compile.measure import workspace
 from upipe_compile.attention.kernels import DEFAULT_CUDA_KERNEL
-from upipe_compile.attention.document_boundaries import Documents
+from upipe_compile.attention.document_boundaries import Documents, documents_of
 from upipe_compile.errors import UnsupportedAttention
 from upipe_compile.attention.ops import op_arguments, replay_backward, save_for_backward
 from upipe_compile.attention.stage_loop import DEFAULT_PREFETCH, StageLoopSettings
@@ -139,19 +139,24 @@ class StageLoopFunction(torch.autograd.Function):
     """The op's forward and backward loops as an autograd.Function, for measuring whole
     layers on fake tensors: the registered custom op would run only its fake kernel there.
     Saves and replays exactly as the custom op does (:func:`upipe_compile.attention.ops.save_for_backward`,
-    :func:`~upipe_compile.attention.ops.replay_backward`). One sequence per batch row (no boundaries)."""
+    :func:`~upipe_compile.attention.ops.replay_backward`). ``boundaries_or_positions``: the op's
+    ``cu_seqlens`` (real values, read as the op reads them); None: one sequence per batch row."""
 
     @staticmethod
-    def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None, alibi_slopes=None):
+    def forward(ctx, q, k, v, settings: StageLoopSettings, sinks=None, alibi_slopes=None,
+                boundaries_or_positions=None):
         count_eager_call("stage-loop op")
-        out, lse = stage_loop_forward(q, k, v, settings, sinks=sinks, alibi_slopes=alibi_slopes)
-        save_for_backward(ctx, op_arguments(q, k, v, settings, sinks=sinks, alibi_slopes=alibi_slopes), (out, lse))
+        documents = documents_of(boundaries_or_positions, q.shape[2], settings.group_name, q.device,
+                                 settings.ring_group_name)
+        out, lse = stage_loop_forward(q, k, v, settings, documents, sinks=sinks, alibi_slopes=alibi_slopes)
+        save_for_backward(ctx, op_arguments(q, k, v, settings, boundaries_or_positions, sinks, alibi_slopes),
+                          (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, dout):
         dq, dk, dv, dsinks = replay_backward(ctx, dout, eager=True)
-        return dq, dk, dv, None, dsinks, None
+        return dq, dk, dv, None, dsinks, None, None
 
 
 class SDPAThroughStageLoops(TorchFunctionMode):

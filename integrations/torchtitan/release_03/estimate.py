@@ -19,7 +19,8 @@ from upipe_compile.integrations.torchtitan.release_03.trainer import shard_batch
 
 
 MODEL_KERNELS = ()
-"""0.3's RoPE is measured in fused blocks only, as the block runs it: nothing to stand in for."""
+"""0.3's RoPE is measured as the job runs it (in the fused block, or eagerly beside TP): nothing
+to stand in for."""
 
 
 def load_config(config_name: str, overrides: list[str], module: str | None = None):
@@ -33,41 +34,31 @@ def load_config(config_name: str, overrides: list[str], module: str | None = Non
     return ConfigManager().parse_args(["--module", module, "--config", config_name, *overrides])
 
 
-def build_job(config, fake_mode) -> Job:
-    """The Trainer's model, optimizers and loss for a torchtitan 0.3 job (a
-    :class:`UPipeTrainer.Config`) as fake CPU tensors: the Trainer's take-over of the job,
-    ParallelDims, the meta build, the ModelSpec's parallelize, the config's loss
-    (ChunkedLossWrapper on the model's lm_head) and optimizer."""
-    from torchtitan.components.loss import ChunkedLossWrapper
+def _parallel_dims(config, world: int):
+    """The job's ParallelDims and meshes (built outside fake mode: they hold real rank lists),
+    with the SPMD backend set as 0.3's Trainer sets it (TP's loss reads it)."""
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
 
-    torchtitan_on_cpu()
-    if not take_over(config):
-        raise JobError('the estimate measures upipe jobs: compile.enable = True and compile.backend = "upipe"')
-    p = config.parallelism
-    if p.tensor_parallel_degree > 1:
-        raise JobError(f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: the estimate does not "
-                       "model tensor parallelism; estimate the same GPUs as parallelism.tensor_parallel_degree = 1 "
-                       "and parallelism.context_parallel_degree = "
-                       f"{p.context_parallel_degree * p.tensor_parallel_degree} (with the upipe.ring_degree the "
-                       "job check asks for, if the heads need one)")
-    if any(getattr(layer, "moe", None) is not None for layer in config.model_spec.model.layers):
-        raise JobError("the model has MoE layers: the estimate does not model torchtitan 0.3's MoE layers (it "
-                       "measures fused blocks only); python -m upipe_compile.estimate --hf estimates a "
-                       "Hugging Face MoE model (e.g. --hf qwen3-30b-a3b)")
-    if not config.upipe.fuse_projections:
-        raise JobError("upipe.fuse_projections = False: the estimate measures 0.3's varlen attention through "
-                       "fused blocks only")
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size(config))
-    if not parallel_dims.fsdp_enabled:
-        raise JobError("the estimate measures FSDP jobs (its tracker follows FSDP's buffers): "
-                       "parallelism.data_parallel_shard_degree x context_parallel_degree must be > 1")
-    parallel_dims.build_mesh()  # outside fake mode: the meshes hold real rank lists
+    parallel_dims = ParallelDims.from_config(config.parallelism, world)
+    parallel_dims.build_mesh()
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+    return parallel_dims
+
+
+def _model_and_loss(config, parallel_dims, *, measuring: bool):
+    """What 0.3's Trainer.__init__ builds before the weights exist: the model config updated
+    from the job, the meta-device model, the ModelSpec's parallelize (the config marked for
+    measurement where ``measuring``) and the config's loss (ChunkedLossWrapper on the model's
+    lm_head). Returns (model, loss_fn)."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
     model_config = config.model_spec.model
     model_config.update_from_config(config=config)
     with torch.device("meta"):
         model = model_config.build()
-    mark_for_measurement(config)  # built for measurement: nothing compiled, offloaded inputs on "meta"
+    if measuring:
+        mark_for_measurement(config)  # built for measurement: nothing compiled, offloaded inputs on "meta"
     model = config.model_spec.parallelize_fn(
         model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
         compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder)
@@ -75,13 +66,54 @@ def build_job(config, fake_mode) -> Job:
     if isinstance(loss_fn, ChunkedLossWrapper):  # as the Trainer does
         loss_fn.set_lm_head(model.lm_head)
         model._skip_lm_head = True
+    return model, loss_fn
+
+
+def build_real_job(config, device: torch.device, world: int) -> Job:
+    """The Trainer's model, optimizers and loss for a torchtitan 0.3 job with real tensors on
+    ``device``, for a measurement beside the estimate's (benchmarks/estimate_check_03.py).
+    Needs the default process group; seed torch first for reproducible weights."""
+    if device.type == "cpu":
+        torchtitan_on_cpu()
+    if not take_over(config):
+        raise JobError('upipe jobs only: compile.enable = True and compile.backend = "upipe"')
+    parallel_dims = _parallel_dims(config, world)
+    model, loss_fn = _model_and_loss(config, parallel_dims, measuring=False)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = config.optimizer.build(model_parts=[model])
+    return Job(config, parallel_dims, model_dims_03(config.model_spec.model), model, optimizers, loss_fn)
+
+
+def build_job(config, fake_mode) -> Job:
+    """The Trainer's model, optimizers and loss for a torchtitan 0.3 job (a
+    :class:`UPipeTrainer.Config`) as fake CPU tensors: the Trainer's take-over of the job,
+    ParallelDims, the meta build, the ModelSpec's parallelize, the config's loss and optimizer.
+    TP runs as 0.3's own DTensor modules over the fake group, the attention through the
+    stage-loop op's eager twin."""
+    torchtitan_on_cpu()
+    if not take_over(config):
+        raise JobError('the estimate measures upipe jobs: compile.enable = True and compile.backend = "upipe"')
+    if any(getattr(layer, "moe", None) is not None for layer in config.model_spec.model.layers):
+        raise JobError("the model has MoE layers: the estimate does not model torchtitan 0.3's MoE layers (their "
+                       "token dispatch and expert buffers); python -m upipe_compile.estimate --hf estimates a "
+                       "Hugging Face MoE model (e.g. --hf qwen3-30b-a3b)")
+    from torchtitan.distributed import ParallelDims
+
+    if not ParallelDims.from_config(config.parallelism, world_size(config)).fsdp_enabled:
+        raise JobError("the estimate measures FSDP jobs (its tracker follows FSDP's buffers): "
+                       "parallelism.data_parallel_shard_degree x context_parallel_degree must be > 1")
+    parallel_dims = _parallel_dims(config, world_size(config))
+    model, loss_fn = _model_and_loss(config, parallel_dims, measuring=True)
     with fake_mode:
         model.to_empty(device="cpu")
         with torch.no_grad(), values_not_initialised():
             model.init_weights(buffer_device=None)  # creates the buffers (the RoPE tables)
     model.train()
     optimizers = config.optimizer.build(model_parts=[model])
-    return Job(config, parallel_dims, model_dims_03(model_config), model, optimizers, loss_fn)
+    return Job(config, parallel_dims, model_dims_03(config.model_spec.model), model, optimizers, loss_fn)
 
 
 def train_step(job: Job, tracker: PhaseTracker):
