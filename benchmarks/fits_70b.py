@@ -8,9 +8,15 @@ Each row is one ``python -m upipe_compile.estimate ... --json`` (one step on fak
 the device ratio a GPU measured applied, the node's host budget checked), run in its own
 process and kept as JSON under ``benchmarks/results/fits_70b/`` (an existing one is reused:
 delete it to rerun; a 70B step takes minutes on a CPU). Writes
-``benchmarks/results/fits_70b.md``. No tensor parallelism: upipe refuses TP beside its CP, and
-FSDP shards the weights over all the GPUs instead (on four nodes keeping them, their gradients and
-the optimizer state in host memory), so there are no TP x ring rows.
+``benchmarks/results/fits_70b.md``. UPipe's rows use no tensor parallelism: FSDP shards the
+weights over all the GPUs (on four nodes keeping them, their gradients and the optimizer state
+in host memory), which keeps the fused blocks and the long-context stack. The TP x ring rows are
+the layout Megatron-style jobs use on the same GPUs: torchtitan 0.3's TP 8 inside each node
+(sequence parallelism), ring attention of all 8 of a TP rank's heads at once across the nodes
+(``upipe.heads_per_stage 8`` over an all-to-all of one rank), FSDP over the CP ranks; the
+stack's block-input offload and tiled MLP do not run beside TP, FSDP's own CPU offload does.
+Their lengths: the longest the estimate's ``--max-context`` search found (its probes kept
+under ``benchmarks/results/fits_70b/``), and UPipe's.
 """
 
 from __future__ import annotations
@@ -40,6 +46,15 @@ STATE_ON_HOST = ("--training.enable_cpu_offload", "--upipe.blocks_kept_on_device
 """FSDP's parameters, gradients and optimizer state in host memory; the freed GPU memory holds the
 last 8 blocks' inputs (the shipped 0.3 four-node config's settings)."""
 
+TP_X_RING = ("--module", MODULE, "--parallelism.tensor_parallel_degree", "8", "--upipe.heads_per_stage", "8",
+             "--upipe.no_fuse_projections", "--upipe.no_offload_block_inputs", "--upipe.mlp_tile_tokens", "0")
+TP_X_RING_4 = (*TP_X_RING, "--config", "llama3_70b_upipe_4_nodes", "--parallelism.context_parallel_degree", "4",
+               "--upipe.ring_degree", "4", "--upipe.blocks_kept_on_device", "0",
+               "--upipe.no_recompute_attention_output")
+"""TP 8 x ring 4 on the 4-node config's 32 GPUs, FSDP's state on the host as that config keeps it."""
+TP_X_RING_8 = (*TP_X_RING, "--config", "llama3_70b_upipe_8_nodes", "--parallelism.context_parallel_degree", "8",
+               "--upipe.ring_degree", "8")
+
 # (nodes, method, torchtitan release, the estimate's arguments)
 ROWS = (
     (4, "UPipe 8 x ring 4, MLP tiles of 16K", "0.2.2",
@@ -61,6 +76,9 @@ ROWS = (
      ("--config", TOML_8B_4_NODES, "--model.flavor", "70B", *EIGHT_NODES, "--training.seq_len", "11010048",
       "--upipe.heads_per_stage", "64")),
     (8, "UPipe 8 x ring 8 (shipped config)", "0.3", ("--module", MODULE, "--config", "llama3_70b_upipe_8_nodes")),
+    (4, "TP 8 x ring 4, FSDP state on host (its longest)", "0.3", (*TP_X_RING_4, "--training.seq_len", "724992")),
+    (4, "TP 8 x ring 4, FSDP state on host (UPipe's length)", "0.3", (*TP_X_RING_4, "--training.seq_len", "5242880")),
+    (8, "TP 8 x ring 8 (UPipe's length)", "0.3", (*TP_X_RING_8, "--training.seq_len", "11010048")),
 )
 
 
@@ -106,7 +124,10 @@ def main() -> None:
             "context, NCCL and fragmentation) and what it offloads (block inputs; with \"FSDP state on host\", "
             "`training.enable_cpu_offload`, the parameters, gradients and optimizer state too, modelled) fits the "
             "node's host budget (2 TB less the reserve). FSDP shards the weights over all the GPUs (no tensor "
-            "parallelism).\n\n"
+            "parallelism) but in the TP x ring rows: torchtitan 0.3's TP 8 inside each node, ring attention over "
+            "all 8 of a TP rank's heads at once across the nodes, FSDP over the CP ranks, without the block-input "
+            "offload and tiled MLP (they do not run beside TP); the longest TP x ring length is the estimate's "
+            "`--max-context` search.\n\n"
             + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True) + "\n")
     with open(os.path.join(RESULTS, "fits_70b.md"), "w") as f:
         f.write(text)

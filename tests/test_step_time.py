@@ -94,3 +94,17 @@ def test_fsdp_cpu_offload_adds_the_host_optimizer_step_and_hides_its_copies_at_l
     assert offloaded.total == pytest.approx(kept.total + offloaded.host_optimizer)
     short = replace(setup, seq_len=8192)
     assert step_time(LLAMA3_8B, replace(short, offload_state=True)).offload > 0
+
+
+def test_tensor_parallelism_splits_the_work_and_adds_sequence_parallel_collectives():
+    """TP 8 beside CP 4 (32 ranks): each rank does 1/8 of the matmuls and of the attention of
+    its CP shard, the all-to-all carries 1/8 of the heads, and each layer run adds 4 all-gathers
+    or reduce-scatters of 7/8 of the shard's activations over NVLink."""
+    cp4 = Setup(seq_len=1 << 20, cp=4, heads_per_stage=8, ring_degree=4, ranks_per_node=8)
+    tp8 = replace(cp4, tp=8)
+    alone, split = step_time(LLAMA3_8B, cp4), step_time(LLAMA3_8B, tp8)
+    assert split.attention == pytest.approx(alone.attention / 8)
+    assert split.head_and_loss == pytest.approx(alone.head_and_loss / 8)
+    n = (1 << 20) / 4
+    collectives = 3 * 4 * (7 / 8 * n * 4096 * 2 / H100.all_to_all_bytes + H100.collective_latency_s)
+    assert split.linear == pytest.approx(alone.linear / 8 + 32 * collectives)

@@ -106,7 +106,7 @@ def compile_attention_alone(model: nn.Module, job_config, parallel_dims) -> None
 
 def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims) -> None:
     """What compile_blocks does to attention, eagerly, for fake-tensor memory measurement: every
-    block's SDPA runs as the real stage loops with the options it would be compiled with. The
+    block's attention runs as the real stage loops with the options it would be compiled with. The
     routing sits inside the activation-checkpoint wrapper, so AC's recompute in backward is
     routed too. With CP = 1 nothing is rewritten, as in compile_blocks."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -121,11 +121,15 @@ def route_blocks_through_stage_loops(model: nn.Module, job_config, parallel_dims
     options = UPipeOptions.from_user(dict(user_options))
     for block in model.layers.values():
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-        if options.fuse_projections:
-            # The fusion pass needs the graph: the attention module is compiled (same passes and
-            # options as training), its ops swapped for their eager twins (eager_twins.py).
-            inner.attention.forward = torch.compile(inner.attention.forward, backend=eager_twin_backend,
-                                                    options=dict(user_options), fullgraph=True, dynamic=False)
+        # 0.3's inner attention module (varlen_attn, which SDPAThroughStageLoops does not see)
+        kernel = getattr(inner.attention, "inner_attention", None)
+        if options.fuse_projections or kernel is not None:
+            # The fusion pass needs the graph, and varlen needs the rewrite: the attention module
+            # (unfused: 0.3's inner attention) is compiled with the same passes and options as
+            # training, its ops swapped for their eager twins (eager_twins.py).
+            module = inner.attention if options.fuse_projections else kernel
+            module.forward = torch.compile(module.forward, backend=eager_twin_backend, options=dict(user_options),
+                                           fullgraph=True, dynamic=False)
         else:
             _run_forward_under(inner, lambda: SDPAThroughStageLoops(options.group, options.stage_heads(),
                                                                     options.prefetch, options.ring_group))
