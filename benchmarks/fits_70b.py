@@ -15,13 +15,14 @@ the layout Megatron-style jobs use on the same GPUs: torchtitan 0.3's TP 8 insid
 (sequence parallelism), ring attention of all 8 of a TP rank's heads at once across the nodes
 (``upipe.heads_per_stage 8`` over an all-to-all of one rank), FSDP over the CP ranks; the
 stack's block-input offload and tiled MLP do not run beside TP, FSDP's own CPU offload does.
-Their lengths: the longest the estimate's ``--max-context`` search found (its probes kept
-under ``benchmarks/results/fits_70b/``), and UPipe's.
+Their lengths: the longest the estimate's ``--max-context`` search found (the same arguments
+with ``--max-context``; its probes kept under ``benchmarks/results/fits_70b/search/``), and UPipe's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import sys
@@ -78,6 +79,7 @@ ROWS = (
     (8, "UPipe 8 x ring 8 (shipped config)", "0.3", ("--module", MODULE, "--config", "llama3_70b_upipe_8_nodes")),
     (4, "TP 8 x ring 4, FSDP state on host (its longest)", "0.3", (*TP_X_RING_4, "--training.seq_len", "724992")),
     (4, "TP 8 x ring 4, FSDP state on host (UPipe's length)", "0.3", (*TP_X_RING_4, "--training.seq_len", "5242880")),
+    (8, "TP 8 x ring 8 (its longest)", "0.3", (*TP_X_RING_8, "--training.seq_len", "1204224")),
     (8, "TP 8 x ring 8 (UPipe's length)", "0.3", (*TP_X_RING_8, "--training.seq_len", "11010048")),
 )
 
@@ -88,6 +90,8 @@ def command(arguments: tuple[str, ...]) -> list[str]:
 
 def run_path(arguments: tuple[str, ...]) -> str:
     slug = re.sub("[^A-Za-z0-9]+", "_", " ".join(a.rsplit("/", 1)[-1] for a in arguments)).strip("_")
+    if len(slug) > 240:  # a file name's limit is 255 bytes: the long TP rows end in a digest
+        slug = f"{slug[:200]}_{hashlib.sha1(slug.encode()).hexdigest()[:12]}"
     return os.path.join(RUNS, f"{slug}.json")
 
 
