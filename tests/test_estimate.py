@@ -166,6 +166,16 @@ def test_unknown_override_names_the_key():
     assert "--upipe.heads_per_stagex" in result.stderr
 
 
+def test_a_varlen_flavor_is_refused_naming_the_sdpa_flavor():
+    """0.2.2's estimate feeds no document metadata: a varlen flavor is refused before its step
+    (not the model's own assertion deep in the forward)."""
+    result = run_estimate("--config", DEBUG_TOML, "--model.flavor", "debugmodel_varlen_attn", "--training.seq_len",
+                          str(SEQ), "--training.local_batch_size", "1")
+    assert result.returncode != 0
+    assert "uses varlen attention: the 0.2.2 estimate feeds one document a row" in result.stderr, result.stderr[-2000:]
+    assert "estimate the model's SDPA flavor" in result.stderr
+
+
 def test_job_without_fsdp_is_refused_with_the_keys():
     result = run_estimate("--config", DEBUG_TOML, "--parallelism.context_parallel_degree", "1")
     assert result.returncode == 2

@@ -108,6 +108,10 @@ def build_job(job_config, fake_mode) -> Job:
         raise JobError("the estimate measures FSDP jobs (its tracker follows FSDP's buffers): [parallelism] "
                        "data_parallel_shard_degree x context_parallel_degree must be > 1")
     spec, model_args, model, loss_fn = _model_and_loss(job_config, parallel_dims, measuring=True)
+    if getattr(model_args, "attn_type", "sdpa") == "varlen":
+        raise JobError(f"[model] flavor = {job_config.model.flavor!r} uses varlen attention: the 0.2.2 estimate "
+                       "feeds one document a row and no document metadata; estimate the model's SDPA flavor "
+                       "(one document a row takes the same memory through upipe)")
     with fake_mode:
         model.to_empty(device="cpu")
         with torch.no_grad(), values_not_initialised():
