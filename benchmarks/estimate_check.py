@@ -301,16 +301,19 @@ def terms_at_peak(at_peak: dict, at_end: dict) -> dict[str, int]:
     return terms
 
 
-def step_start_bytes(model, optimizer_states: list, offloader) -> dict:
+def step_start_bytes(model, optimizer_states: list, offloader=None) -> dict:
     """What is live at a step's start and persists between steps, counted from the real tensors
-    (the gradients went with the previous step's zero_grad)."""
-    return {
+    (the gradients went with the previous step's zero_grad); the offloader's host buffers where
+    the job offloads."""
+    start = {
         "params": _storages_bytes(list(model.parameters())),
         "optimizer_state": _storages_bytes([v for s in optimizer_states for v in s.values()
                                             if isinstance(v, torch.Tensor)]),
         "buffers": _storages_bytes(list(model.buffers())),
-        "host_buffers": _storages_bytes([offloader.host_buffer(i) for i in range(len(offloader.blocks))]),
     }
+    if offloader is not None:
+        start["host_buffers"] = _storages_bytes([offloader.host_buffer(i) for i in range(len(offloader.blocks))])
+    return start
 
 
 def profiled_step(train_step, seed: int):

@@ -38,8 +38,8 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` and `upipe_compil
 
 import torch  # noqa: E402
 
-from benchmarks.estimate_check import (GIB, _storages_bytes, by_op, corrected_timeline,  # noqa: E402
-                                       live_allocations, profiled_step, table, terms_at_peak)
+from benchmarks.estimate_check import (GIB, by_op, corrected_timeline, live_allocations,  # noqa: E402
+                                       profiled_step, step_start_bytes, table, terms_at_peak)
 
 MODULE = "upipe_compile.integrations.torchtitan"
 CONFIG = "llama3_debugmodel_upipe_cpu"
@@ -118,10 +118,7 @@ def measure_step(layout: Layout, seq_len: int = SEQ_LEN) -> dict:
     warmup_s = time.time() - start
     job.optimizers.zero_grad()
     gc.collect()
-    states = [v for opt in job.optimizers.optimizers for s in opt.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor)]
-    start_bytes = {"params": _storages_bytes(list(job.model.parameters())), "optimizer_state": _storages_bytes(states),
-                   "buffers": _storages_bytes(list(job.model.buffers()))}
+    start_bytes = step_start_bytes(job.model, [s for opt in job.optimizers.optimizers for s in opt.state.values()])
     prof, loss, step_s = profiled_step(train_step, 2)
     corrected = corrected_timeline(prof)
     rise, peak_ns = max(((live, t) for t, live in corrected), default=(0, None))
