@@ -83,8 +83,9 @@ def experts_in_fp32(self, x_RD, num_tokens_per_expert_E):
 
 MOE_EXPERTS, MOE_TOP_K = 8, 2
 """The MoE debug model's layers with 8 experts, 2 a token, in place of its 64 and 8: the same
-router, dispatch and experts' code, at an eighth of the weights (64 experts' fp32 weights,
-gradients and Adam state on three live ranks filled a 24 GiB runner)."""
+router, dispatch and experts' code, at an eighth of the weights (with 64, the fp32 weights,
+gradients and Adam state made each rank 2.6-3.1 GB, and the EP test used 23 of a 24 GiB
+runner's memory)."""
 
 
 def fewer_experts(moe):
