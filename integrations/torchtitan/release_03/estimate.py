@@ -34,16 +34,13 @@ def load_config(config_name: str, overrides: list[str], module: str | None = Non
     return ConfigManager().parse_args(["--module", module, "--config", config_name, *overrides])
 
 
-def _parallel_dims(config, world: int):
-    """The job's ParallelDims and meshes (built outside fake mode: they hold real rank lists),
-    with the SPMD backend set as 0.3's Trainer sets it (TP's loss reads it)."""
-    from torchtitan.distributed import ParallelDims
+def _build_meshes(config, parallel_dims) -> None:
+    """The job's meshes (built outside fake mode: they hold real rank lists), with the SPMD
+    backend set as 0.3's Trainer sets it (TP's loss reads it)."""
     from torchtitan.distributed import utils as dist_utils
 
-    parallel_dims = ParallelDims.from_config(config.parallelism, world)
     parallel_dims.build_mesh()
     dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
-    return parallel_dims
 
 
 def _model_and_loss(config, parallel_dims, *, measuring: bool):
@@ -77,7 +74,10 @@ def build_real_job(config, device: torch.device, world: int) -> Job:
         torchtitan_on_cpu()
     if not take_over(config):
         raise JobError('upipe jobs only: compile.enable = True and compile.backend = "upipe"')
-    parallel_dims = _parallel_dims(config, world)
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims = ParallelDims.from_config(config.parallelism, world)
+    _build_meshes(config, parallel_dims)
     model, loss_fn = _model_and_loss(config, parallel_dims, measuring=False)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -102,10 +102,11 @@ def build_job(config, fake_mode) -> Job:
                        "Hugging Face MoE model (e.g. --hf qwen3-30b-a3b)")
     from torchtitan.distributed import ParallelDims
 
-    if not ParallelDims.from_config(config.parallelism, world_size(config)).fsdp_enabled:
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size(config))
+    if not parallel_dims.fsdp_enabled:
         raise JobError("the estimate measures FSDP jobs (its tracker follows FSDP's buffers): "
                        "parallelism.data_parallel_shard_degree x context_parallel_degree must be > 1")
-    parallel_dims = _parallel_dims(config, world_size(config))
+    _build_meshes(config, parallel_dims)
     model, loss_fn = _model_and_loss(config, parallel_dims, measuring=True)
     with fake_mode:
         model.to_empty(device="cpu")
