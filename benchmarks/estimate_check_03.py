@@ -1,10 +1,13 @@
 """The whole-step memory estimate of torchtitan 0.3 jobs checked against a measured CPU step,
-with tensor parallelism beside UPipe's CP and without it.
+with tensor parallelism beside UPipe's CP and without it, and with expert parallelism on a
+MoE model.
 
 (a) ``estimate(job, cuda_kernel=None)`` (CPU kernels) on fake tensors over a fake process
 group: 0.3's own TP (DTensor projections, sequence parallelism) and the attention through the
 stage-loop op's eager twin;
-(b) the same job for real: 0.3's debug Llama3 (``llama3_debugmodel_upipe_cpu``) on gloo ranks
+(b) the same job for real: 0.3's debug Llama3 (``llama3_debugmodel_upipe_cpu``), or Qwen3's MoE
+debug model (``qwen3_moe_debugmodel_upipe_cpu``, routed by torchtitan's balanced round-robin,
+as the estimate sizes EP's token exchange), on gloo ranks
 (:class:`upipe_compile.launch.RankPool`), built as 0.3's Trainer builds it
 (``release_03.estimate.build_real_job``), each layer's attention compiled with the "upipe"
 backend (aot_eager inside); one warm-up step, then one step under ``torch.profiler`` with
@@ -15,7 +18,7 @@ measured): peak = bytes live at the step's start (real tensors) + the step's ris
 profiler's ``[memory]`` events, corrected for frees on gloo's threads), less the all-to-all
 buffers gloo keeps past their use on a CPU run ("retained"). These jobs offload nothing.
 
-    python benchmarks/estimate_check_03.py           # TP 2 x CP 2 and CP 4 alone, 4 ranks each
+    python benchmarks/estimate_check_03.py           # TP 2 x CP 2, CP 4 alone (4 ranks), EP 2 x CP 2 (2)
     python benchmarks/estimate_check_03.py --layout tp2-cp2 --no-write
 
 Needs torchtitan 0.3 (``PYTHONPATH=.torchtitan03``, scripts/test_torchtitan03.sh --prepare).
@@ -47,28 +50,38 @@ SEQ_LEN = 16384
 """8,192 tokens per CP rank of the 2 x 2 layout: activations, not weights, make the peak."""
 
 
+MOE_CONFIG = "qwen3_moe_debugmodel_upipe_cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     name: str
     tp: int
     cp: int
+    ep: int = 1
+    """Expert parallelism, inside the CP ranks (0.3 borrows EP's ranks from dp_shard x cp)."""
+    config: str = CONFIG
 
     @property
     def world(self) -> int:
         return self.tp * self.cp
 
     def overrides(self, seq_len: int) -> list[str]:
+        moe = [f"--parallelism.expert_parallel_degree={self.ep}",
+               # the estimate sends EP's tokens as a balanced router does: the measured step routes so
+               "--debug.moe_force_load_balance"] if self.config == MOE_CONFIG else []
         return [f"--training.seq_len={seq_len}", f"--parallelism.context_parallel_degree={self.cp}",
-                f"--parallelism.tensor_parallel_degree={self.tp}", "--upipe.no_fuse_projections"]
+                f"--parallelism.tensor_parallel_degree={self.tp}", "--upipe.no_fuse_projections", *moe]
 
 
-LAYOUTS = {layout.name: layout for layout in (Layout("tp2-cp2", 2, 2), Layout("cp4", 1, 4))}
+LAYOUTS = {layout.name: layout for layout in (Layout("tp2-cp2", 2, 2), Layout("cp4", 1, 4),
+                                              Layout("ep2-cp2", 1, 2, ep=2, config=MOE_CONFIG))}
 
 
 def job_config(layout: Layout, seq_len: int = SEQ_LEN):
     from upipe_compile.integrations.torchtitan.release_03.estimate import load_config
 
-    return load_config(CONFIG, layout.overrides(seq_len), module=MODULE)
+    return load_config(layout.config, layout.overrides(seq_len), module=MODULE)
 
 
 def estimated(layout: Layout, seq_len: int = SEQ_LEN) -> dict:
@@ -176,19 +189,22 @@ def main(argv=None) -> int:
                                                                f" --seq-len {args.seq_len}")
         with open(os.path.join(HERE, "results", "estimate_check_03.md"), "w") as f:
             f.write("\n".join([
-                "# The 0.3 estimate with tensor parallelism, checked against a measured CPU step", "",
+                "# The 0.3 estimate with tensor and expert parallelism, checked against a measured CPU step", "",
                 f"Made by `PYTHONPATH=.torchtitan03 {command}` (torch {torch.__version__}, torchtitan 0.3, "
-                f"2 shared CPU cores, {time.time() - t0:.0f} s in all). The job: `{CONFIG}` (0.3's debug Llama3, "
-                f"fp32, full AC) at seq_len {args.seq_len:,}, the attention as UPipe's stage-loop op "
-                "(`upipe.no_fuse_projections`); TP 2 x CP 2 is 0.3's own TP with sequence parallelism beside "
-                "UPipe's CP, CP 4 the same four ranks without TP. Per rank, GiB: estimated "
-                "(`estimate(job, cuda_kernel=None)`) against measured (bytes live at the step's start + the "
-                "step's rise, less the all-to-all buffers gloo keeps past their use; the script's docstring).", "",
+                f"2 shared CPU cores, {time.time() - t0:.0f} s in all), seq_len {args.seq_len:,}, fp32, full AC, "
+                f"the attention as UPipe's stage-loop op (`upipe.no_fuse_projections`). tp2-cp2: `{CONFIG}` "
+                "(0.3's debug Llama3) with 0.3's own TP and sequence parallelism beside UPipe's CP; cp4: the same "
+                f"four ranks without TP; ep2-cp2: `{MOE_CONFIG}` (Qwen3's MoE debug model, 64 experts, 8 a token) "
+                "on two CP ranks with its experts split over EP 2, routed by torchtitan's balanced round-robin "
+                "(`--debug.moe_force_load_balance`), as the estimate sizes EP's token exchange. Per rank, GiB: "
+                "estimated (`estimate(job, cuda_kernel=None)`) against measured (bytes live at the step's start + "
+                "the step's rise, less the all-to-all buffers gloo keeps past their use; the script's docstring).",
+                "",
                 text, "", *(f"- {note}" for note in notes), "",
                 "CP 4 runs its blocks compiled whole (the stage-loop op inside, AOTAutograd's partitioner around "
                 "it), which saves less than the eager modules the estimate measures: its estimate is above the "
-                "measurement. TP compiles each layer's attention alone, the rest of the block eager, as the "
-                "estimate runs it.", ""]))
+                "measurement. TP and the MoE model compile each layer's attention alone, the rest of the block "
+                "eager, as the estimate runs it.", ""]))
     return 0
 
 

@@ -88,11 +88,12 @@ def command(arguments: tuple[str, ...]) -> list[str]:
     return ["python", "-m", "upipe_compile.estimate", *arguments, "--json"]
 
 
-def run_path(arguments: tuple[str, ...]) -> str:
+def run_path(arguments: tuple[str, ...], runs: str = RUNS) -> str:
+    """Where a row's estimate is kept: its arguments as a file name under ``runs``."""
     slug = re.sub("[^A-Za-z0-9]+", "_", " ".join(a.rsplit("/", 1)[-1] for a in arguments)).strip("_")
     if len(slug) > 240:  # a file name's limit is 255 bytes: the long TP rows end in a digest
         slug = f"{slug[:200]}_{hashlib.sha1(slug.encode()).hexdigest()[:12]}"
-    return os.path.join(RUNS, f"{slug}.json")
+    return os.path.join(runs, f"{slug}.json")
 
 
 def run(arguments: tuple[str, ...], report_only: bool) -> dict | None:

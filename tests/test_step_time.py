@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from upipe_compile.estimate.step_time import H100, ModelShape, Setup, attention_forward_flops, step_time, ulysses
+from upipe_compile.estimate.step_time import (H100, ModelShape, Setup, attention_forward_flops, model_flops, step_time,
+                                              ulysses)
 
 LLAMA3_8B = ModelShape(n_layers=32, dim=4096, q_heads=32, kv_heads=8, head_dim=128, vocab_size=128256,
                        layer_weights=2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
@@ -108,3 +109,26 @@ def test_tensor_parallelism_splits_the_work_and_adds_sequence_parallel_collectiv
     n = (1 << 20) / 4
     collectives = 3 * 4 * (7 / 8 * n * 4096 * 2 / H100.all_to_all_bytes + H100.collective_latency_s)
     assert split.linear == pytest.approx(alone.linear / 8 + 32 * collectives)
+
+
+def test_a_moe_layer_runs_its_tokens_through_top_k_experts_and_ep_sends_each_routed_copy():
+    """Qwen3-30B-A3B's shape (128 experts, 8 a token): the matmuls count the weights a token
+    runs through, not every expert's; EP 8 adds a dispatch and a combine all-to-all of each
+    routed token copy per layer run and two in backward (full AC: three runs in all), 7/8 of
+    them leaving the rank; the FSDP state the host keeps is every expert's."""
+    dense_weights = 4096 * 2048 * 2 + 512 * 2048 * 2 + 128 * 2048
+    experts = 128 * 3 * 2048 * 768
+    moe = ModelShape(n_layers=48, dim=2048, q_heads=32, kv_heads=4, head_dim=128, vocab_size=151936,
+                     layer_weights=dense_weights + experts, active_layer_weights=dense_weights + experts // 16,
+                     experts_per_token=8)
+    cp8 = Setup(seq_len=1 << 20, cp=8, heads_per_stage=8)
+    as_dense = step_time(replace(moe, active_layer_weights=0, experts_per_token=0), cp8)
+    routed = step_time(moe, cp8)
+    assert routed.linear == pytest.approx(as_dense.linear * (dense_weights + experts / 16) / (dense_weights + experts))
+    assert routed.expert_all_to_all == 0  # no EP: the experts are local
+    ep8 = step_time(moe, replace(cp8, ep=8))
+    n = (1 << 20) / 8
+    per_layer = 3 * 2 * (7 / 8 * n * 8 * 2048 * 2 / H100.all_to_all_bytes + H100.collective_latency_s)
+    assert ep8.expert_all_to_all == pytest.approx(48 * per_layer)
+    assert ep8.total == pytest.approx(routed.total + ep8.expert_all_to_all)
+    assert model_flops(moe, cp8) < model_flops(replace(moe, active_layer_weights=0), cp8)

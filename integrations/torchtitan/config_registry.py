@@ -30,7 +30,7 @@ from upipe_compile.integrations.torchtitan.job_rules import SPMD_BACKEND
 from upipe_compile.integrations.torchtitan.release_03.trainer import UPipeTrainer
 
 __all__ = ["llama3_8b_upipe", "llama3_8b_upipe_5m", "llama3_8b_upipe_4_nodes", "qwen3_32b_upipe",
-           "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes", "llama3_debugmodel_upipe_cpu",
+           "llama3_70b_upipe_4_nodes", "llama3_70b_upipe_8_nodes", "qwen3_30b_a3b_upipe", "llama3_debugmodel_upipe_cpu",
            "qwen3_debugmodel_upipe_cpu", "qwen3_moe_debugmodel_upipe_cpu", "upipe_job"]
 
 LOSS_CHUNK_TOKENS = 4096
@@ -147,6 +147,21 @@ def llama3_70b_upipe_8_nodes() -> UPipeTrainer.Config:
     return upipe_job(llama3_70b(), model_spec=_llama3("70B"), context_parallel_degree=64, seq_len=11010048,
                      upipe=UPipe(ring_degree=8, offload_block_inputs=True, host_memory_reserve_gib=64,
                                  mlp_tile_tokens=16384))
+
+
+def qwen3_30b_a3b_upipe() -> UPipeTrainer.Config:
+    """Qwen3-30B-A3B (MoE: 48 layers of 128 experts, 8 a token; 32 query / 4 KV heads) on one
+    8-GPU node: each layer's attention as UPipe's stage-loop op (compiled alone beside the MoE
+    layers, so no fused block and no long-context stack), the experts split over EP 8, FSDP's
+    state in host memory; its length and the others' on the same GPUs: benchmarks/results/fits_moe.md."""
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
+
+    config = upipe_job(qwen3_30b_a3b(), model_spec=model_registry("30B-A3B", attn_backend="varlen"),
+                       context_parallel_degree=8, seq_len=524288, upipe=UPipe(fuse_projections=False))
+    config.parallelism.expert_parallel_degree = 8
+    config.training.enable_cpu_offload = True
+    return config
 
 
 def llama3_debugmodel_upipe_cpu() -> UPipeTrainer.Config:

@@ -120,19 +120,30 @@ def step_setup(job_config, heads_per_stage: int, ring_degree: int, facts=None) -
                  offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize,
                  offload_state=facts.fsdp_cpu_offload,
                  fsdp_shards=world_size(job_config) // (job_config.parallelism.data_parallel_replicate_degree * facts.tp),
-                 tp=facts.tp)
+                 tp=facts.tp, ep=facts.ep)
 
 
 def shape_of(model, model_args) -> ModelShape:
-    """The shape of a torchtitan model (0.2.2 model_args, or 0.3's dims under those names):
-    one layer's matmul weights counted from the (meta or fake) module itself."""
-    layer = next(iter(model.layers.values()))
-    weights = sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
+    """The shape of a torchtitan model (0.2.2 model_args, or 0.3's dims under those names): a
+    layer's matmul weights counted from the (meta or fake) modules themselves, the mean over
+    the layers; a MoE layer's routed experts (its 3-D weights, one slice per expert) also by
+    what one token runs through: ``top_k`` of ``num_experts``."""
+    layers = list(model.layers.values())
+    weights = active = top_k = 0
+    for layer in layers:
+        router = getattr(getattr(layer, "moe", None), "router", None)
+        share = router.top_k / router.num_experts if router is not None else 1.0
+        top_k = max(top_k, router.top_k if router is not None else 0)
+        for p in layer.parameters():
+            if p.dim() >= 2:
+                weights += p.numel()
+                active += p.numel() * (share if p.dim() == 3 else 1.0)
     heads = model_args.n_heads
     head_dim = getattr(model_args, "head_dim", None) or model_args.dim // heads
     return ModelShape(n_layers=model_args.n_layers, dim=model_args.dim, q_heads=heads,
-                      kv_heads=model_args.n_kv_heads or heads, head_dim=head_dim, layer_weights=weights,
-                      vocab_size=model_args.vocab_size)
+                      kv_heads=model_args.n_kv_heads or heads, head_dim=head_dim, layer_weights=weights // len(layers),
+                      vocab_size=model_args.vocab_size, active_layer_weights=round(active / len(layers)),
+                      experts_per_token=top_k)
 
 
 def _param_dtype(job_config):

@@ -13,6 +13,7 @@ def clip_and_step(job: Job, label) -> None:
     from torchtitan.distributed import utils as dist_utils
 
     label("grad clip")
-    dist_utils.clip_grad_norm_(list(job.model.parameters()), job.job_config.training.max_norm, foreach=True)
+    dist_utils.clip_grad_norm_(list(job.model.parameters()), job.job_config.training.max_norm, foreach=True,
+                               ep_enabled=job.parallel_dims.ep_enabled)  # EP's experts: their own norm, as the Trainer
     label("optimizer step")
     job.optimizers.step()

@@ -72,15 +72,30 @@ def test_a_tensor_parallel_job_is_estimated_through_upipes_stage_loop():
     assert result["step_time"]["phases"]["linear"] > 0, result
 
 
-def test_a_moe_job_is_refused_by_the_estimate_naming_the_hf_path():
-    refused = subprocess.run(
-        [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config",
-         "qwen3_moe_debugmodel_upipe_cpu"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )
-    assert refused.returncode != 0, refused.stdout[-2000:]
-    assert "the estimate does not model torchtitan 0.3's MoE layers" in refused.stderr, refused.stderr[-2000:]
-    assert "--hf qwen3-30b-a3b" in refused.stderr, refused.stderr[-2000:]
+def test_a_moe_job_with_expert_parallelism_is_estimated():
+    """The MoE debug model (64 experts, 8 a token) on 2 CP ranks, without EP and with EP 2:
+    FSDP gathers every expert without EP and a rank's 32 with it, the parameters' shards are
+    the same, EP's token exchange is timed, the attention runs through UPipe's stage loop."""
+    def run(ep: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config",
+             "qwen3_moe_debugmodel_upipe_cpu", "--parallelism.expert_parallel_degree", str(ep), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    results = {}
+    for ep, process in [(ep, run(ep)) for ep in (1, 2)]:
+        out, err = process.communicate(timeout=900)
+        assert process.returncode == 0, err[-3000:]
+        results[ep] = json.loads(out)
+    alone, ep2 = results[1]["breakdown"], results[2]["breakdown"]
+    assert ep2["sharded_params"] == pytest.approx(alone["sharded_params"], rel=1e-3), (alone, ep2)
+    assert ep2["fsdp_buffers"] < 0.5 * alone["fsdp_buffers"], (alone, ep2)
+    assert results[2]["step_time"]["phases"]["expert_all_to_all"] > 0 == results[1]["step_time"]["phases"][
+        "expert_all_to_all"], results
+    for result in results.values():
+        assert result["attention_calls"].get("stage-loop op", 0) > 0 and result["fits"], result
+    shape = results[2]["step_time"]["shape"]
+    assert shape["experts_per_token"] == 8 and shape["active_layer_weights"] < shape["layer_weights"], shape
 
 
 def test_max_context_rows_fit_the_host_budget():

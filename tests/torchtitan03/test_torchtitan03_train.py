@@ -135,6 +135,17 @@ def test_moe_expert_parallel_equals_cp_alone_and_one_rank(rank_pools, world, ep)
     assert_ran_upipe_per_rank(expert_parallel)
 
 
+def test_moe_expert_parallel_beside_tensor_parallel_equals_one_rank(rank_pools):
+    """EP 2 beside TP 2 x CP 2 on four ranks (the layout of the MoE TP x ring rows): 0.3
+    splits each TP group's tokens over its TP ranks before the experts' dispatch (sequence
+    parallelism), the experts over EP ranks borrowed from the CP ranks. Every rank's losses
+    and first-step gradients equal the one-rank run's, routed as above."""
+    overrides = (*TP2, *FORCED_ROUTING, "--parallelism.expert_parallel_degree=2")
+    results = rank_pools(4).run(jobs.train, 2, STEPS, overrides, None, True, MOE)
+    assert_equals_cp1(results, reference(rank_pools, config=MOE, overrides=FORCED_ROUTING))
+    assert_ran_upipe_per_rank(results)
+
+
 def test_moe_load_balancing_follows_the_whole_sequence(rank_pools):
     """With the router's own (learned) routing, the load-balancing bias 0.3's optimizer hook
     sets after each step comes from the expert counts of the whole sequence (summed over the

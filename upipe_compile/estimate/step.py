@@ -22,9 +22,9 @@ from typing import Callable, ContextManager, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from upipe_compile.estimate.fsdp_param_groups import ParamGroupsTracker, param_groups
 from upipe_compile.estimate.plain_loops import cuda_embedding_backward, fused_rms_norm
 
 DEVICE = torch.device("cpu")  # the fake stand-in for the GPU
@@ -50,11 +50,10 @@ def offload_staging_bytes(model: torch.nn.Module) -> int:
 
     largest = 0
     for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        if group is None:
+        if not isinstance(module, FSDPModule):
             continue
         staged = 0
-        for param in group.fsdp_params:
+        for param in (param for group in param_groups(module._get_fsdp_state()) for param in group.fsdp_params):
             numel = param.sharded_size.numel()
             reduce_dtype = param.reduce_dtype or param.orig_dtype
             staged += numel * (param.orig_dtype.itemsize + (param.param_dtype or param.orig_dtype).itemsize
@@ -82,8 +81,8 @@ class PhaseStats:
     peak: int = 0
 
 
-class PhaseTracker(FSDPMemTracker):
-    """FSDPMemTracker that also keeps the device peak of each phase of the step."""
+class PhaseTracker(ParamGroupsTracker):
+    """FSDPMemTracker (over every parameter group) that also keeps the device peak of each phase of the step."""
 
     def __init__(self, model, optimizer, checkpointed=None, offloaded_state: bool = False):
         """``checkpointed``: the modules activation checkpointing reruns in backward (default:
@@ -227,6 +226,12 @@ class StepMemory:
     after_forward: int
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a tensor holds on this rank: a DTensor's local shard (TP's sequence-parallel
+    activations), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)  # not to_local(): no autograd op inside a pack hook
+
+
 class SavedOnDevice:
     """Saved-tensor hooks around the model's forward: the device bytes autograd keeps for
     backward from inside the blocks (under activation checkpointing: the block inputs left on
@@ -234,14 +239,14 @@ class SavedOnDevice:
 
     def __init__(self, tracker: PhaseTracker, model: torch.nn.Module):
         self.tracker = tracker
-        self.exclude = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())
-                        if not hasattr(t, "to_local")}
+        self.exclude = {_local(t).untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
         self.storages: dict[int, int] = {}
 
     def pack(self, t):
         phase = self.tracker.phase()
-        if t.device == DEVICE and len(phase) == 3 and phase[0] == "forward":
-            storage = t.untyped_storage()
+        local = _local(t)
+        if local.device == DEVICE and len(phase) == 3 and phase[0] == "forward":
+            storage = local.untyped_storage()
             if storage._cdata not in self.exclude:
                 self.storages[storage._cdata] = storage.nbytes()
         return t

@@ -84,8 +84,17 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     layer_weights: int
-    """Weights of one layer's matmuls (projections and MLP)."""
+    """Weights of one layer's matmuls (projections and MLP; a MoE layer's every expert)."""
     vocab_size: int
+    active_layer_weights: int = 0
+    """The weights one token's matmuls run through: a MoE layer's router, shared experts and
+    ``experts_per_token`` of its routed experts (0: all of ``layer_weights``)."""
+    experts_per_token: int = 0
+    """A MoE layer's routed experts per token (0: dense)."""
+
+    @property
+    def token_weights(self) -> int:
+        return self.active_layer_weights or self.layer_weights
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,8 @@ class Setup:
     """Ranks FSDP shards the parameters over (dp_shard x cp)."""
     tp: int = 1
     """Tensor-parallel degree (heads and matmul weights split over T ranks of a node)."""
+    ep: int = 1
+    """Expert-parallel degree (a MoE layer's experts split over E of the CP ranks)."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +135,12 @@ class StepTime:
     offload: float
     head_and_loss: float
     host_optimizer: float = 0.0
+    expert_all_to_all: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.linear + self.attention + self.all_to_all + self.ring + self.offload + self.head_and_loss
-                + self.host_optimizer)
+                + self.host_optimizer + self.expert_all_to_all)
 
     def tokens_per_s(self, setup: "Setup") -> float:
         """Tokens of the rows per second (every rank works on the same rows)."""
@@ -145,7 +157,7 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
     n = setup.batch * setup.seq_len / setup.cp  # this rank's tokens
     a2a_ranks = setup.cp // setup.ring_degree
     tp = setup.tp
-    linear_forward = 2.0 * n * shape.layer_weights / tp / device.matmul_flops
+    linear_forward = 2.0 * n * shape.token_weights / tp / device.matmul_flops
     attention_forward = attention_forward_flops(shape, setup) / device.attention_forward_flops
     attention_backward = 2.5 * attention_forward_flops(shape, setup) / device.attention_backward_flops
 
@@ -196,11 +208,19 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
         gathered = (tp - 1) / tp * n * shape.dim * setup.element_bytes
         per_layer_linear += (linear_runs + 1) * 4 * (gathered / tp_link + device.collective_latency_s)
 
+    per_layer_experts = 0.0
+    if setup.ep > 1 and shape.experts_per_token:
+        # EP's dispatch and combine all-to-alls of each routed token copy, as a balanced router
+        # sends them, in each run of the layer and twice in backward; not overlapped
+        ep_link = device.all_to_all_bytes if setup.ep * tp <= setup.ranks_per_node else device.inter_node_bytes
+        routed = (setup.ep - 1) / setup.ep * n / tp * shape.experts_per_token * shape.dim * setup.element_bytes
+        per_layer_experts = (linear_runs + 1) * 2 * (routed / ep_link + device.collective_latency_s)
+
     head = 6.0 * n * shape.vocab_size * shape.dim / tp / device.matmul_flops
     layers = shape.n_layers
     return StepTime(linear=layers * per_layer_linear, attention=layers * per_layer_attention,
                     all_to_all=layers * per_layer_a2a, ring=layers * per_layer_ring, offload=layers * per_layer_offload,
-                    head_and_loss=head, host_optimizer=host_optimizer)
+                    head_and_loss=head, host_optimizer=host_optimizer, expert_all_to_all=layers * per_layer_experts)
 
 
 def model_flops(shape: ModelShape, setup: Setup) -> float:
@@ -209,7 +229,7 @@ def model_flops(shape: ModelShape, setup: Setup) -> float:
     backward (1 + 2.5 x its forward, as above) and the output head with its loss (``6 n V
     dim``). Recomputation (activation checkpointing, keep_attention's rerun) is not counted."""
     n = setup.batch * setup.seq_len / setup.cp
-    per_layer = 6.0 * n * shape.layer_weights / setup.tp + 3.5 * attention_forward_flops(shape, setup)
+    per_layer = 6.0 * n * shape.token_weights / setup.tp + 3.5 * attention_forward_flops(shape, setup)
     return shape.n_layers * per_layer + 6.0 * n * shape.vocab_size * shape.dim / setup.tp
 
 

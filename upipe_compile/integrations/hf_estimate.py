@@ -266,15 +266,21 @@ def _checkpointed_parts(model) -> list:
 
 
 def shape_of(config, model) -> ModelShape:
-    """The step-time model's view of a transformers model."""
+    """The step-time model's view of a transformers model; a MoE layer's routed experts (3-D
+    weights, one slice per expert) also by what one token runs through: ``num_experts_per_tok``
+    of ``num_experts``."""
     text = config.get_text_config()
     layer = decoder_layers(model)[0]
     heads = text.num_attention_heads
+    top_k, experts = getattr(text, "num_experts_per_tok", 0) or 0, getattr(text, "num_experts", 0) or 0
+    share = top_k / experts if top_k and experts else 1.0
+    weights = [p for p in layer.parameters() if p.dim() >= 2]
     return ModelShape(n_layers=text.num_hidden_layers, dim=text.hidden_size, q_heads=heads,
                       kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                       head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                      layer_weights=sum(p.numel() for p in layer.parameters() if p.dim() >= 2),
-                      vocab_size=text.vocab_size)
+                      layer_weights=sum(p.numel() for p in weights), vocab_size=text.vocab_size,
+                      active_layer_weights=round(sum(p.numel() * (share if p.dim() == 3 else 1) for p in weights)),
+                      experts_per_token=top_k if share < 1 else 0)
 
 
 def kept_attention_bytes(shape: ModelShape, job: HFJob, heads_per_stage: int, fused: bool) -> int:

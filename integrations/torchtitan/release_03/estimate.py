@@ -6,6 +6,8 @@ size.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from upipe_compile.estimate.errors import JobError
@@ -96,10 +98,6 @@ def build_job(config, fake_mode) -> Job:
     torchtitan_on_cpu()
     if not take_over(config):
         raise JobError('the estimate measures upipe jobs: compile.enable = True and compile.backend = "upipe"')
-    if any(getattr(layer, "moe", None) is not None for layer in config.model_spec.model.layers):
-        raise JobError("the model has MoE layers: the estimate does not model torchtitan 0.3's MoE layers (their "
-                       "token dispatch and expert buffers); python -m upipe_compile.estimate --hf estimates a "
-                       "Hugging Face MoE model (e.g. --hf qwen3-30b-a3b)")
     from torchtitan.distributed import ParallelDims
 
     parallel_dims = ParallelDims.from_config(config.parallelism, world_size(config))
@@ -115,6 +113,31 @@ def build_job(config, fake_mode) -> Job:
     model.train()
     optimizers = config.optimizer.build(model_parts=[model])
     return Job(config, parallel_dims, model_dims_03(config.model_spec.model), model, optimizers, loss_fn)
+
+
+@contextmanager
+def balanced_expert_dispatch():
+    """Expert parallelism's token exchange as a balanced router sends it: each rank sends the
+    same number of routed tokens to every EP rank (equal all-to-all splits), what
+    torchtitan's forced load-balance routing does. The real counts are data, which fake
+    tensors do not hold; the experts' buffers and the dispatch's then have their balanced
+    sizes (a skewed router's busiest rank holds more)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    exchange = AllToAllTokenDispatcher._sync_token_count_exchange
+
+    def balanced(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size):
+        if not is_fake(num_local_tokens_per_expert_E):
+            return exchange(self, num_local_tokens_per_expert_E, num_global_tokens_per_local_expert_EP_e, ep_size)
+        wait = torch.ops._c10d_functional.wait_tensor
+        return wait(num_global_tokens_per_local_expert_EP_e).reshape(-1), None, None  # None: equal splits
+
+    AllToAllTokenDispatcher._sync_token_count_exchange = balanced
+    try:
+        yield
+    finally:
+        AllToAllTokenDispatcher._sync_token_count_exchange = exchange
 
 
 def train_step(job: Job, tracker: PhaseTracker):
@@ -142,15 +165,16 @@ def train_step(job: Job, tracker: PhaseTracker):
     extra["positions"] = extra["positions"].clone()
     global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
     saved = SavedOnDevice(tracker, job.model)
-    label("forward")
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        pred = job.model(inputs, **extra)
-    logits = 0 if getattr(job.model, "_skip_lm_head", False) else pred.numel() * pred.element_size()
-    after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
-    label("loss")
-    loss, _ = job.loss_fn(pred, local_labels, global_valid_tokens, positions=extra["positions"])
-    del pred
-    loss.backward()
+    with balanced_expert_dispatch():
+        label("forward")
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            pred = job.model(inputs, **extra)
+        logits = 0 if getattr(job.model, "_skip_lm_head", False) else pred.numel() * pred.element_size()
+        after_forward = tracker.get_tracker_snapshot("current").get(DEVICE, {}).get("Total", 0)
+        label("loss")
+        loss, _ = job.loss_fn(pred, local_labels, global_valid_tokens, positions=extra["positions"])
+        del pred
+        loss.backward()
     clip_and_step(job, label)
     del on_device
     return measured(tracker, saved, logits, after_forward)
