@@ -3,11 +3,14 @@ and Ulysses, and the device peak against the whole-step estimate of the same job
 
     python benchmarks/gpu_rank.py [--layers 1 2] [--seqs 1048576 2097152] [--upipe-alone-seqs 5242880]
                                   [--timeout 420] [--out FILE]
+    python benchmarks/gpu_rank.py --job 70b --seqs 11010048   # one rank of the 8-node Llama-3.1-70B job
     python benchmarks/gpu_rank.py --tiny      # the debug model on CPU (what the tests run)
 
 The job is the shipped Llama3-8B TOML (integrations/torchtitan/llama3_8b_upipe_5m.toml: CP = 8,
-the long-context stack, full AC) with its real dimensions and ``--layers`` of its 32 layers.
-This process is rank 0 of the job's 8 ranks over torch's fake process group: its collectives
+the long-context stack, full AC) with its real dimensions and ``--layers`` of its 32 layers;
+with ``--job 70b`` the shipped 8-node Llama-3.1-70B TOML (llama3_70b_upipe_8_nodes.toml: CP =
+64 as UPipe 8 x ring 8, the stack) and ``--layers`` of its 80, against Ulysses (U = 64) there.
+This process is rank 0 of the job's ranks over torch's fake process group: its collectives
 move nothing (the other ranks' shares are whatever the buffers held), everything else is real —
 the blocks compiled with ``backend="upipe"``, the device's attention kernels, FSDP's buffers,
 the offload to pinned host memory. Per context and method: two steps (the first compiles),
@@ -47,6 +50,7 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 TOML = os.path.join(ROOT, "integrations", "torchtitan", "llama3_8b_upipe_5m.toml")
+TOML_70B = os.path.join(ROOT, "integrations", "torchtitan", "llama3_70b_upipe_8_nodes.toml")
 DEBUG_TOML = os.path.join(ROOT, "integrations", "torchtitan", "debug_model_upipe_cpu.toml")
 FLAVOR = "gpu_rank"
 GIB = 1 << 30
@@ -60,24 +64,41 @@ TINY_METHODS = {  # the debug model: 16 heads over CP = 2
     "UPipe + keep_attention": ["--upipe.heads_per_stage", "2", "--upipe.keep_attention"],
     "Ulysses (U = 16)": ["--upipe.heads_per_stage", "16"],
 }
+METHODS_70B = {  # 64 query heads over the 8 all-to-all ranks of each ring step
+    "UPipe (U = 8)": ["--upipe.heads_per_stage", "8"],
+    "Ulysses (U = 64)": ["--upipe.heads_per_stage", "64"],
+}
 TINY_OVERRIDES = ["--activation_checkpoint.mode", "full", "--upipe.offload_block_inputs",
                   "--upipe.host_memory_reserve_gib", "0", "--compile.backend", "upipe"]
 
 
-def job_config(tiny: bool, layers: int, seq_len: int, overrides: list[str]):
+@dataclasses.dataclass(frozen=True)
+class Job:
+    toml: str
+    methods: dict
+    overrides: tuple = ()
+    on_cpu: bool = False
+    """Runs on the CPU even where CUDA is (the tests' size)."""
+
+
+JOBS = {"8b": Job(TOML, METHODS), "70b": Job(TOML_70B, METHODS_70B),
+        "tiny": Job(DEBUG_TOML, TINY_METHODS, tuple(TINY_OVERRIDES), on_cpu=True)}
+
+
+def job_config(job: str, layers: int, seq_len: int, overrides: list[str]):
     """The job with the flavor FLAVOR: the TOML's model with ``layers`` layers."""
     import upipe_compile.integrations.torchtitan  # noqa: F401  (registers the specs)
     from torchtitan.protocols.train_spec import get_train_spec
 
     from upipe_compile.integrations.torchtitan.release_022.estimate import load_config
 
-    base = load_config(DEBUG_TOML if tiny else TOML, [])
+    toml = JOBS[job].toml
+    base = load_config(toml, [])
     args = get_train_spec(base.model.name).model_args
     args[FLAVOR] = dataclasses.replace(args[base.model.flavor], n_layers=layers,
                                        max_seq_len=max(seq_len, args[base.model.flavor].max_seq_len))
-    extra = TINY_OVERRIDES if tiny else []
-    return load_config(DEBUG_TOML if tiny else TOML, [
-        "--model.flavor", FLAVOR, "--training.seq_len", str(seq_len), *extra, *overrides])
+    return load_config(toml, ["--model.flavor", FLAVOR, "--training.seq_len", str(seq_len), *JOBS[job].overrides,
+                              *overrides])
 
 
 def train_step(job, device) -> None:
@@ -97,17 +118,17 @@ def train_step(job, device) -> None:
     job.optimizers.step()
 
 
-def _device(tiny: bool) -> torch.device:
-    return torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+def _device(job: str) -> torch.device:
+    return torch.device("cpu" if JOBS[job].on_cpu or not torch.cuda.is_available() else "cuda")
 
 
-def estimate_method(tiny: bool, layers: int, seq: int, overrides: list[str], cuda_kernel: str | None) -> dict:
+def estimate_method(job: str, layers: int, seq: int, overrides: list[str], cuda_kernel: str | None) -> dict:
     """The whole-step estimate of the same job (fake tensors, CPU)."""
     from upipe_compile.integrations.torchtitan.estimate_run import estimate
 
-    if cuda_kernel is None and _device(tiny).type == "cuda":
+    if cuda_kernel is None and _device(job).type == "cuda":
         cuda_kernel = _installed_cuda_kernel()
-    result = estimate(job_config(tiny, layers, seq, overrides), cuda_kernel=cuda_kernel)
+    result = estimate(job_config(job, layers, seq, overrides), cuda_kernel=cuda_kernel)
     return {"estimated_peak_gib": result.peak_device_gib, "host_gib_per_rank": result.host_gib_per_rank,
             "modelled_step_s_h100": result.step_time["seconds"], "model_flops": result.step_time["model_flops"],
             "world_size": result.world_size, "estimate_peak_phase": result.peak_phase,
@@ -132,7 +153,7 @@ def _installed_cuda_kernel() -> str:
     return next(name for name, kernel in kernels.CUDA_KERNELS.items() if kernel is installed)
 
 
-def run_method(tiny: bool, jobs: list[tuple[int, int]], overrides: list[str], lock_path: str, rows_path: str):
+def run_method(job_name: str, jobs: list[tuple[int, int]], overrides: list[str], lock_path: str, rows_path: str):
     """In this process: per (layers, seq_len) of ``jobs``, two real steps; the second timed (on
     CUDA under the allocator's history), its row appended to ``rows_path`` as one JSON line.
     The methods' processes run at once: building and the first step (mostly compiling) overlap
@@ -142,10 +163,10 @@ def run_method(tiny: bool, jobs: list[tuple[int, int]], overrides: list[str], lo
     from upipe_compile.integrations.torchtitan.release_022.estimate import build_real_job
     from upipe_compile.measure.memory import fake_process_group
 
-    device = _device(tiny)
+    device = _device(job_name)
     with open(lock_path, "a+") as lock:
         for layers, seq in jobs:
-            config = job_config(tiny, layers, seq, overrides)
+            config = job_config(job_name, layers, seq, overrides)
             world = world_size(config)
             with fake_process_group(world):
                 with _locked(lock, fcntl.LOCK_SH):
@@ -266,9 +287,9 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _command(mode: str, overrides: list[str], jobs: list[tuple[int, int]], tiny: bool, *extra: str) -> list[str]:
+def _command(mode: str, overrides: list[str], jobs: list[tuple[int, int]], job: str, *extra: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), mode, json.dumps(overrides),
-            "--jobs", *(f"{layers}:{seq}" for layers, seq in jobs), *(["--tiny"] if tiny else []), *extra]
+            "--jobs", *(f"{layers}:{seq}" for layers, seq in jobs), "--job", job, *extra]
 
 
 def method_jobs(layer_counts: list[int], seqs: list[int], alone_seqs: list[int], upipe: bool) -> list[tuple[int, int]]:
@@ -298,23 +319,23 @@ def _finish(processes: dict, deadline: float) -> tuple[dict, dict]:
     return outputs, failures
 
 
-def run(tiny: bool, layer_counts: list[int], seqs: list[int], timeout_s: float, cuda_kernel: str | None = None,
+def run(job: str, layer_counts: list[int], seqs: list[int], timeout_s: float, cuda_kernel: str | None = None,
         measure: bool = True, alone_seqs: list[int] = ()) -> tuple[list[dict], dict[str, str]]:
     """Every method in its own process, all at once (see run_method for how their timed steps
     stay alone on the device), and every estimate in its own process beside them (host CPUs).
     After ``timeout_s`` what has not finished is stopped: the rows measured by then are kept.
     ``measure=False``: the estimates alone (a row per method and job, no step)."""
     kernel = ["--cuda-kernel", cuda_kernel] if cuda_kernel else []
-    methods = TINY_METHODS if tiny else METHODS
+    methods = JOBS[job].methods
     jobs = {name: method_jobs(layer_counts, seqs, alone_seqs, name.startswith("UPipe (")) for name in methods}
     deadline = time.monotonic() + timeout_s
     popen = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with tempfile.TemporaryDirectory() as tmp:
         lock_path, rows_path = os.path.join(tmp, "device.lock"), os.path.join(tmp, "rows.jsonl")
-        estimates = {(name, *job): subprocess.Popen(_command("--estimate-one", overrides, [job], tiny, *kernel),
-                                                    **popen)
-                     for name, overrides in methods.items() for job in jobs[name]}
-        steps = {name: subprocess.Popen(_command("--one", overrides, jobs[name], tiny, "--lock", lock_path,
+        estimates = {(name, *pair): subprocess.Popen(_command("--estimate-one", overrides, [pair], job, *kernel),
+                                                     **popen)
+                     for name, overrides in methods.items() for pair in jobs[name]}
+        steps = {name: subprocess.Popen(_command("--one", overrides, jobs[name], job, "--lock", lock_path,
                                                  "--rows", rows_path), **popen)
                  for name, overrides in methods.items() if measure}
         _, failures = _finish(steps, deadline)
@@ -419,7 +440,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, nargs="+", default=[262144, 524288, 1048576], help="job seq_len values")
     parser.add_argument("--upipe-alone-seqs", type=int, nargs="*", default=[],
                         help="lengths UPipe (without keep) runs alone after the rest, at the fewest layers")
-    parser.add_argument("--tiny", action="store_true", help="torchtitan's debug model on CPU, CP = 2 (the tests)")
+    parser.add_argument("--job", choices=sorted(JOBS), default="8b",
+                        help="the shipped 8B 5M TOML (default), the 8-node 70B TOML, or the debug model")
+    parser.add_argument("--tiny", action="store_true", help="--job tiny: torchtitan's debug model on CPU, CP = 2 "
+                        "(the tests)")
     parser.add_argument("--timeout", type=float, default=420,
                         help="seconds for the whole run; what has not finished by then is stopped and left out")
     parser.add_argument("--out", help="also write the table to this markdown file")
@@ -434,14 +458,15 @@ def main(argv=None) -> int:
     parser.add_argument("--lock", help=argparse.SUPPRESS)  # with --one: the file lock the methods share
     parser.add_argument("--rows", help=argparse.SUPPRESS)  # with --one: the JSON-lines file of rows
     args = parser.parse_args(argv)
+    job = "tiny" if args.tiny else args.job
     if args.one is not None:
-        run_method(args.tiny, args.jobs, json.loads(args.one), args.lock, args.rows)
+        run_method(job, args.jobs, json.loads(args.one), args.lock, args.rows)
         return 0
     if args.estimate_one is not None:
         layers, seq = args.jobs[0]
-        print(json.dumps(estimate_method(args.tiny, layers, seq, json.loads(args.estimate_one), args.cuda_kernel)))
+        print(json.dumps(estimate_method(job, layers, seq, json.loads(args.estimate_one), args.cuda_kernel)))
         return 0
-    rows, failures = run(args.tiny, args.layers, args.seqs, args.timeout, args.cuda_kernel, not args.estimates_only,
+    rows, failures = run(job, args.layers, args.seqs, args.timeout, args.cuda_kernel, not args.estimates_only,
                          args.upipe_alone_seqs)
     given = argv if argv is not None else sys.argv[1:]
     shown = [os.path.basename(arg) if i and given[i - 1] == "--out" else arg for i, arg in enumerate(given)]
