@@ -31,7 +31,10 @@ def param_groups(state: FSDPState) -> list:
 
 @contextmanager
 def _first_group_answers():
-    original = FSDPState.__dict__["_fsdp_param_group"]
+    original = FSDPState.__dict__.get("_fsdp_param_group")
+    if not isinstance(original, property):  # a torch whose states hold one group, as an attribute
+        yield
+        return
     FSDPState._fsdp_param_group = property(lambda state: next(iter(param_groups(state)), None))
     try:
         yield
