@@ -272,7 +272,9 @@ def shape_of(config, model) -> ModelShape:
     text = config.get_text_config()
     layer = decoder_layers(model)[0]
     heads = text.num_attention_heads
-    top_k, experts = getattr(text, "num_experts_per_tok", 0) or 0, getattr(text, "num_experts", 0) or 0
+    top_k = getattr(text, "num_experts_per_tok", 0) or 0
+    experts = next((n for name in ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen, Mixtral, DeepSeek
+                    if (n := getattr(text, name, 0) or 0)), 0)
     share = top_k / experts if top_k and experts else 1.0
     weights = [p for p in layer.parameters() if p.dim() >= 2]
     return ModelShape(n_layers=text.num_hidden_layers, dim=text.hidden_size, q_heads=heads,
