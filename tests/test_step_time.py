@@ -132,3 +132,6 @@ def test_a_moe_layer_runs_its_tokens_through_top_k_experts_and_ep_sends_each_rou
     assert ep8.expert_all_to_all == pytest.approx(48 * per_layer)
     assert ep8.total == pytest.approx(routed.total + ep8.expert_all_to_all)
     assert model_flops(moe, cp8) < model_flops(replace(moe, active_layer_weights=0), cp8)
+    on_host = replace(cp8, offload_state=True, fsdp_shards=8)
+    assert step_time(moe, on_host).host_optimizer == step_time(replace(moe, active_layer_weights=0),
+                                                               on_host).host_optimizer > 0
