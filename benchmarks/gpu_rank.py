@@ -3,7 +3,7 @@ and Ulysses, and the device peak against the whole-step estimate of the same job
 
     python benchmarks/gpu_rank.py [--layers 1 2] [--seqs 1048576 2097152] [--upipe-alone-seqs 5242880]
                                   [--timeout 420] [--out FILE]
-    python benchmarks/gpu_rank.py --job 70b --seqs 11010048   # one rank of the 8-node Llama-3.1-70B job
+    python benchmarks/gpu_rank.py --job 70b --layers 1 2 --seqs 1048576 2097152   # the 8-node 70B job's rank
     python benchmarks/gpu_rank.py --tiny      # the debug model on CPU (what the tests run)
 
 The job is the shipped Llama3-8B TOML (integrations/torchtitan/llama3_8b_upipe_5m.toml: CP = 8,
@@ -74,6 +74,7 @@ TINY_OVERRIDES = ["--activation_checkpoint.mode", "full", "--upipe.offload_block
 
 @dataclasses.dataclass(frozen=True)
 class Job:
+    """A job this script runs one rank of: its TOML, the methods compared, what it adds."""
     toml: str
     methods: dict
     overrides: tuple = ()
