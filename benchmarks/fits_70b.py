@@ -34,6 +34,7 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
     sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 from benchmarks.estimate_runs import kept_estimate  # noqa: E402
+from benchmarks.report import emit  # noqa: E402
 from upipe_compile.estimate.gpu import DEVICE_RATIO  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -133,10 +134,8 @@ def main() -> None:
             "all 8 of a TP rank's heads at once across the nodes, FSDP over the CP ranks, without the block-input "
             "offload and tiled MLP (they do not run beside TP); the longest TP x ring length is the estimate's "
             "`--max-context` search.\n\n"
-            + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True) + "\n")
-    with open(os.path.join(RESULTS, "fits_70b.md"), "w") as f:
-        f.write(text)
-    print(text)
+            + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))
+    emit(text, os.path.join(RESULTS, "fits_70b.md"))
 
 
 if __name__ == "__main__":

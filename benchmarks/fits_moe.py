@@ -27,6 +27,7 @@ if ROOT not in sys.path:  # run as a script: make `benchmarks` importable
     sys.path.append(ROOT)  # after site-packages: an installed upipe_compile wins over the bare checkout
 
 from benchmarks.estimate_runs import kept_estimate  # noqa: E402
+from benchmarks.report import emit  # noqa: E402
 from benchmarks.fits_70b import MODULE, run_path  # noqa: E402
 from upipe_compile.estimate.gpu import DEVICE_RATIO  # noqa: E402
 
@@ -87,10 +88,8 @@ def main() -> None:
             "alone as UPipe's stage-loop op, full AC, FSDP's parameters, gradients and optimizer state in host "
             "memory. TP x ring: 0.3's TP with sequence parallelism inside the node, ring attention of a TP "
             "rank's 8 heads at once across the rest. \"step s\": the step-time model's seconds for the row.\n\n"
-            + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True) + "\n")
-    with open(os.path.join(RESULTS, "fits_moe.md"), "w") as f:
-        f.write(text)
-    print(text)
+            + tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))
+    emit(text, os.path.join(RESULTS, "fits_moe.md"))
 
 
 if __name__ == "__main__":
