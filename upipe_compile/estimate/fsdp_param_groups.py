@@ -54,7 +54,12 @@ class ParamGroupsTracker(FSDPMemTracker):
     def _register_module_and_optimizer_hooks(self) -> None:
         self._first_group = _first_group_answers()
         self._first_group.__enter__()
-        super()._register_module_and_optimizer_hooks()
+        try:
+            super()._register_module_and_optimizer_hooks()
+        except BaseException:  # the tracker is not entered: nothing will deregister
+            self._first_group.__exit__(None, None, None)
+            self._first_group = None
+            raise
         for module in self._root_mod.modules():
             if not isinstance(module, FSDPModule):
                 continue
