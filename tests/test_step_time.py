@@ -115,7 +115,8 @@ def test_a_moe_layer_runs_its_tokens_through_top_k_experts_and_ep_sends_each_rou
     """Qwen3-30B-A3B's shape (128 experts, 8 a token): the matmuls count the weights a token
     runs through, not every expert's; EP 8 adds a dispatch and a combine all-to-all of each
     routed token copy per layer run and two in backward (full AC: three runs in all), 7/8 of
-    them leaving the rank; the FSDP state the host keeps is every expert's."""
+    them leaving the rank; the FSDP state the host keeps is every expert's; tiles of tokens
+    run the MoE layer once more."""
     dense_weights = 4096 * 2048 * 2 + 512 * 2048 * 2 + 128 * 2048
     experts = 128 * 3 * 2048 * 768
     moe = ModelShape(n_layers=48, dim=2048, q_heads=32, kv_heads=4, head_dim=128, vocab_size=151936,
@@ -135,3 +136,9 @@ def test_a_moe_layer_runs_its_tokens_through_top_k_experts_and_ep_sends_each_rou
     on_host = replace(cp8, offload_state=True, fsdp_shards=8)
     assert step_time(moe, on_host).host_optimizer == step_time(replace(moe, active_layer_weights=0),
                                                                on_host).host_optimizer > 0
+    # tokens in tiles (mlp_tile_tokens): each tile's MoE layer runs once more in backward, its
+    # router and experts' matmuls and both all-to-alls (four runs instead of three)
+    tiled = step_time(moe, replace(cp8, ep=8, moe_tiles=True))
+    assert tiled.linear - ep8.linear == pytest.approx(48 * 2 * n * (128 * 2048 + experts / 16) / H100.matmul_flops)
+    assert tiled.expert_all_to_all == pytest.approx(ep8.expert_all_to_all * 4 / 3)
+    assert step_time(replace(moe, active_layer_weights=0, experts_per_token=0), replace(cp8, moe_tiles=True)) == as_dense

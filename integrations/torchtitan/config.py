@@ -17,7 +17,7 @@ torchtitan 0.2.2 merges a user dataclass into its JobConfig when the TOML names 
     offload_block_inputs = false    # checkpointed block inputs -> host memory (needs full AC)
     blocks_kept_on_device = 0       # with offload: the last blocks whose inputs stay on the GPU
     host_memory_reserve_gib = -1    # node RAM kept free for everything else; -1: a quarter of it, <= 64 GiB
-    mlp_tile_tokens = 0             # SwiGLU over tiles of this many tokens; 0 = untiled
+    mlp_tile_tokens = 0             # SwiGLU (or a MoE layer's tokens) over tiles of this many tokens; 0 = untiled
     loss_chunk_tokens = 0           # output projection + loss over chunks; 0 = whole logits
 
 Without that line the section is unknown to torchtitan's ConfigManager (it rejects the TOML),
@@ -114,7 +114,9 @@ class UPipe:
 
     mlp_tile_tokens: int = 0
     """Run each block's SwiGLU feed-forward over tiles of this many tokens, recomputed tile by
-    tile in backward, so tokens x hidden_dim intermediates exist for one tile only. 0 = off."""
+    tile in backward, so tokens x hidden_dim intermediates exist for one tile only; a MoE
+    layer (torchtitan 0.3) runs its tokens in tiles of as many, each recomputed on its own, so
+    its routed copies exist for one tile only. 0 = off."""
 
     loss_chunk_tokens: int = 0
     """Compute the output projection and cross-entropy this many tokens at a time (logits

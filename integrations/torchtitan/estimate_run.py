@@ -120,7 +120,7 @@ def step_setup(job_config, heads_per_stage: int, ring_degree: int, facts=None) -
                  offload_block_inputs=cfg.offload_block_inputs, element_bytes=_param_dtype(job_config).itemsize,
                  offload_state=facts.fsdp_cpu_offload,
                  fsdp_shards=world_size(job_config) // (job_config.parallelism.data_parallel_replicate_degree * facts.tp),
-                 tp=facts.tp, ep=facts.ep)
+                 tp=facts.tp, ep=facts.ep, moe_tiles=bool(facts.moe and cfg.mlp_tile_tokens))
 
 
 def shape_of(model, model_args) -> ModelShape:

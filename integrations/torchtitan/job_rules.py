@@ -293,14 +293,18 @@ def _memory_budget_ac(f: JobFacts) -> list[str]:
 
 
 _WHOLE_BLOCK_KEYS = ("keep_attention", "offload_block_inputs", "mlp_tile_tokens")
-"""Stack keys that act on whole compiled blocks, not run where upipe compiles the attention alone."""
+"""Stack keys that act on whole compiled blocks or on plain (not TP-sharded) activations: none
+runs beside TP; beside MoE layers alone only keep_attention does not (it keeps the fused
+block's outputs, and a MoE block is not fused)."""
+_BESIDE_MOE_KEYS = ("offload_block_inputs", "mlp_tile_tokens")
 
 
 def _attention_alone(f: JobFacts) -> list[str]:
     """TP (the projections are TP-sharded DTensors) and MoE layers (the experts' token dispatch,
     an all-to-all of its own with EP) stay outside upipe's graph: upipe compiles each layer's
     attention alone, as the plain stage-loop op on the rank's heads (no fused block), and the
-    stack keys that act on whole blocks stay off."""
+    stack keys that act on whole blocks or plain activations stay off (beside MoE layers alone,
+    offload and tiling run: _BESIDE_MOE_KEYS)."""
     s = f.spelling
     if f.tp < 1:
         return [f"{s.key('parallelism.tensor_parallel_degree')} = {f.tp} must be >= 1"]
@@ -319,14 +323,15 @@ def _attention_alone(f: JobFacts) -> list[str]:
         problems.append(f"{what}: {why}, so upipe cannot fuse the projections into its stage loop; set "
                         f"{s.key('upipe.fuse_projections')} = {s.value(False)} (upipe then runs its stage-loop "
                         "attention on each rank's heads)")
-    # folding TP into CP brings the whole-block keys back for a dense model only
     fold = (f", or set {s.key('parallelism.tensor_parallel_degree')} = 1 and fold the TP ranks into "
             f"{s.key('parallelism.context_parallel_degree')} = {f.cp * f.tp}{_ring_hint(f, f.cp * f.tp, 1)}"
-            if f.tp > 1 and not f.moe else "")
+            if f.tp > 1 else "")
     for name in _WHOLE_BLOCK_KEYS:
-        if getattr(f.upipe, name):
+        if getattr(f.upipe, name) and (f.tp > 1 or name not in _BESIDE_MOE_KEYS):
+            # folding TP into CP brings back what a model's MoE layers allow
+            unfold = fold if not f.moe or name in _BESIDE_MOE_KEYS else ""
             problems.append(f"{what}: {s.key('upipe.' + name)} is not supported where upipe compiles the attention "
-                            f"alone; turn it off{fold}")
+                            f"alone; turn it off{unfold}")
     if f.tp > 1 and f.seq_len % (f.cp * f.tp):
         problems.append(f"{s.key('training.seq_len')} = {f.seq_len} must be divisible by CP x TP = {f.cp * f.tp} "
                         "(each CP shard is split over the TP ranks)")

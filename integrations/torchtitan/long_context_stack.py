@@ -1,13 +1,14 @@
-"""The long-context stack on a torchtitan model, from the [upipe] keys: sequence-tiled MLP,
-chunked output projection + loss, offload of checkpointed block inputs. Each piece is a plain
-module of upipe_compile (tiled_mlp, chunked_loss, offload); this file only checks the keys,
-applies them to torchtitan's model at the right point of ``parallelize_llama_upipe`` and
-builds the matching loss.
+"""The long-context stack on a torchtitan model, from the [upipe] keys: sequence-tiled MLP (a MoE
+layer's tokens in tiles), chunked output projection + loss, offload of checkpointed block
+inputs. Each piece is a plain module of upipe_compile (tiled_mlp, tiled_moe, chunked_loss,
+offload); this file only checks the keys, applies them to torchtitan's model at the right
+point of ``parallelize_llama_upipe`` and builds the matching loss.
 
 Where each piece goes, relative to torchtitan's AC -> per-block compile -> FSDP:
 
 - tiled MLP and the lazy output projection replace submodules of the *raw* model (before AC),
-  keeping parameter names, so AC, compile, FSDP, init_weights and checkpoints see the same
+  a tiled MoE layer keeps its module (its class gains a tiled forward), all keeping parameter
+  names, so AC, compile, FSDP, init_weights and checkpoints see the same
   parameters under the same state-dict keys;
 - the offload hooks go on the final per-block modules (after FSDP), outside the compiled
   region: they see what the compiled, checkpointed block saves for backward.
@@ -28,6 +29,7 @@ from upipe_compile.integrations.torchtitan.measurement import host_device
 from upipe_compile.stack.host_memory import node_host_memory_problem, ranks_per_node, size_text
 from upipe_compile.stack.offload import BlockInputOffloader, host_bytes_per_rank
 from upipe_compile.stack.tiled_mlp import SequenceTiledSwiGLU, swiglu_problem
+from upipe_compile.stack.tiled_moe import moe_tiling_problem, tile_moe_tokens
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +41,38 @@ def stack_enabled(cfg) -> list[str]:
     return [key for key in STACK_KEYS if getattr(cfg, key)]
 
 
+def _token_mixers(block: nn.Module) -> tuple[str, nn.Module | None]:
+    """A block's feed-forward: its MoE layer (0.3's MoE blocks) or its SwiGLU."""
+    if getattr(block, "moe_enabled", False):
+        return "moe", block.moe
+    return "feed_forward", getattr(block, "feed_forward", None)
+
+
 def mlp_tile_problems(model: nn.Module, cfg) -> list[str]:
     """What ``mlp_tile_tokens`` cannot tile on this model (torchtitan 0.2.2 and 0.3)."""
     if cfg.mlp_tile_tokens:
         for name, block in model.layers.named_children():
-            feed_forward = getattr(block, "feed_forward", None)
-            problem = "it has no feed_forward (a MoE layer?)" if feed_forward is None else swiglu_problem(feed_forward)
+            attr, module = _token_mixers(block)
+            if module is None:
+                problem = "it has neither a feed_forward nor a MoE layer"
+            else:
+                problem = moe_tiling_problem(module) if attr == "moe" else swiglu_problem(module)
             if problem:
-                return [f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile layers.{name}: {problem}"]
+                return [f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile layers.{name}.{attr}: {problem}"]
     return []
 
 
 def tile_mlps(model: nn.Module, cfg) -> None:
-    """Each block's SwiGLU over tiles of ``mlp_tile_tokens`` (raw model: before AC/compile/FSDP)."""
+    """Each block's SwiGLU over tiles of ``mlp_tile_tokens`` tokens, each MoE layer's tokens in
+    tiles of as many (raw model: before AC/compile/FSDP)."""
     if cfg.mlp_tile_tokens:
         for block in model.layers.values():
-            block.feed_forward = SequenceTiledSwiGLU(block.feed_forward, cfg.mlp_tile_tokens)
-        log.info("upipe: SwiGLU of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
+            attr, module = _token_mixers(block)
+            if attr == "moe":
+                tile_moe_tokens(module, cfg.mlp_tile_tokens)
+            else:
+                block.feed_forward = SequenceTiledSwiGLU(module, cfg.mlp_tile_tokens)
+        log.info("upipe: the feed-forward of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
 
 
 def model_problems(model: nn.Module, job_config, spelling) -> list[str]:

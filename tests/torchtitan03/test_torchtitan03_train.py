@@ -135,6 +135,21 @@ def test_moe_expert_parallel_equals_cp_alone_and_one_rank(rank_pools, world, ep)
     assert_ran_upipe_per_rank(expert_parallel)
 
 
+def test_moe_long_context_stack_equals_one_rank(rank_pools):
+    """The long-context stack beside MoE layers and EP 2 on CP 2: each MoE layer's tokens in
+    tiles of 48 (256 local tokens: uneven tiles), each recomputed on its own with its own
+    dispatch all-to-alls, and the checkpointed block inputs offloaded to host memory. Every
+    rank's losses and first-step gradients equal the one-rank run's (round-robin routing: 48
+    tokens x top 2 is a multiple of the 8 experts, so a tile routes as the whole shard)."""
+    overrides = (*FORCED_ROUTING, "--parallelism.expert_parallel_degree=2", "--upipe.offload_block_inputs",
+                 "--upipe.mlp_tile_tokens=48", "--upipe.host_memory_reserve_gib=0")
+    results = rank_pools(2).run(jobs.train, 2, STEPS, overrides, None, True, MOE)
+    assert_equals_cp1(results, reference(rank_pools, config=MOE, overrides=FORCED_ROUTING))
+    assert_ran_upipe_per_rank(results)
+    for *_, events in results:  # 6 tiles a layer, each run forward, in the block's recompute and its own
+        assert events.get("upipe::moe_tile") == jobs.LAYERS * 6 * 3, events
+
+
 def test_moe_expert_parallel_beside_tensor_parallel_equals_one_rank(rank_pools):
     """EP 2 beside TP 2 x CP 2 on four ranks (the layout of the MoE TP x ring rows): 0.3
     splits each TP group's tokens over its TP ranks before the experts' dispatch (sequence
@@ -271,12 +286,23 @@ def test_the_shipped_configs_pass_the_check():
     (("--parallelism.tensor_parallel_degree=2",), lambda c: _qwen3_moe(c),
      "parallelism.tensor_parallel_degree = 2 and the model's MoE layers: the q/k/v/o projections are TP-sharded; "
      "their token dispatch is torchtitan's own"),
+    (("--upipe.keep_attention",), lambda c: _qwen3_moe(c),
+     "the model's MoE layers: upipe.keep_attention is not supported where upipe compiles the attention alone; "
+     "turn it off\n"),
+    (TP2 + ("--upipe.offload_block_inputs",), lambda c: _qwen3_moe(c),
+     "upipe.offload_block_inputs is not supported where upipe compiles the attention alone; turn it off, or set "
+     "parallelism.tensor_parallel_degree = 1 and fold the TP ranks into parallelism.context_parallel_degree = 4"),
 ], ids=["load-balancer", "spmd-types", "tp-fused", "validator", "loss-chunks", "loss-chunk-count", "keep-without-full-ac",
         "offload-without-full-ac", "ring-degree", "heads", "batch", "heads-per-stage", "flex", "custom-parallelize", "qwen3.5",
         "moe-fused", "ep-dense", "tp-keep-attention", "tp-heads", "tp-seq-len", "tp-pp", "tp-fold-ring",
-        "tp-moe"])
+        "tp-moe", "moe-keep-attention", "tp-moe-offload"])
 def test_bad_jobs_are_refused_naming_the_field(overrides, change, names):
-    assert names in problems_of(*overrides, change=change)
+    assert names in problems_of(*overrides, change=change) + "\n"
+
+
+def test_beside_moe_layers_alone_the_offload_and_the_tiles_are_accepted():
+    assert problems_of("--upipe.offload_block_inputs", "--upipe.mlp_tile_tokens=48", "--upipe.no_fuse_projections",
+                       change=_qwen3_moe) == ""
 
 
 def _plain_loss():

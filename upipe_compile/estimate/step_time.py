@@ -22,7 +22,7 @@ Per layer and rank, with ``n = S / P`` local tokens of a ``S``-token row over ``
   spans A x T consecutive ranks.
 
 Full activation checkpointing runs each layer's forward again in backward: the linear algebra
-always, attention and its all-to-alls unless ``keep_attention`` keeps them
+always (a MoE layer's in tiles once more, with its all-to-alls), attention and its all-to-alls unless ``keep_attention`` keeps them
 (``recompute_attention_output`` runs attention once more in backward). The output projection
 and loss add ``6 n V dim`` FLOPs per step. Offloaded block inputs and kept outputs travel over
 the host link while the blocks compute; only what a layer's transfer exceeds its compute is
@@ -96,6 +96,11 @@ class ModelShape:
     def token_weights(self) -> int:
         return self.active_layer_weights or self.layer_weights
 
+    @property
+    def attention_weights(self) -> int:
+        """One layer's q, k, v and output projections."""
+        return 2 * self.dim * (self.q_heads + self.kv_heads) * self.head_dim
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -123,6 +128,8 @@ class Setup:
     """Tensor-parallel degree (heads and matmul weights split over T ranks of a node)."""
     ep: int = 1
     """Expert-parallel degree (a MoE layer's experts split over E of the CP ranks)."""
+    moe_tiles: bool = False
+    """A MoE layer's tokens run in tiles (``mlp_tile_tokens``), each run once more in backward."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,8 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
     attention_runs = 1 + (setup.full_ac and not setup.keep_attention) + setup.recompute_attention_output
     linear_runs = 1 + setup.full_ac
     per_layer_linear = linear_runs * linear_forward + 2 * linear_forward
+    moe_reruns = int(setup.moe_tiles and shape.experts_per_token > 0)
+    per_layer_linear += moe_reruns * 2.0 * n * (shape.token_weights - shape.attention_weights) / tp / device.matmul_flops
     per_layer_attention = attention_runs * attention_forward + attention_backward
 
     # Bytes one rank sends: q, k, v, out forward; q, k, v, out, dout in and dq, dk, dv out backward.
@@ -214,7 +223,7 @@ def step_time(shape: ModelShape, setup: Setup, device: Device = H100) -> StepTim
         # sends them, in each run of the layer and twice in backward; not overlapped
         ep_link = device.all_to_all_bytes if setup.ep * tp <= setup.ranks_per_node else device.inter_node_bytes
         routed = (setup.ep - 1) / setup.ep * n / tp * shape.experts_per_token * shape.dim * setup.element_bytes
-        per_layer_experts = (linear_runs + 1) * 2 * (routed / ep_link + device.collective_latency_s)
+        per_layer_experts = (linear_runs + 1 + moe_reruns) * 2 * (routed / ep_link + device.collective_latency_s)
 
     head = 6.0 * n * shape.vocab_size * shape.dim / tp / device.matmul_flops
     layers = shape.n_layers

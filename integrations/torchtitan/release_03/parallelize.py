@@ -19,7 +19,8 @@ Differences from 0.3's ``parallelize_llama`` when ``compile.backend = "upipe"``:
   TP rank's heads; UPipe's all-to-all and stage loop then run over the CP group on those
   heads, and the rest of each block is 0.3's own eager modules: TP's DTensor ops, the
   experts' dispatch (compile_blocks.compile_attention_alone); beside EP, FSDP shards the
-  experts over 0.3's "efsdp" mesh.
+  experts over 0.3's "efsdp" mesh. Beside MoE layers without TP the block-input offload runs,
+  and ``upipe.mlp_tile_tokens`` runs each MoE layer's tokens in tiles (stack/tiled_moe.py).
 
 The inputs are sharded by the Trainer (release_03/trainer.py).
 """

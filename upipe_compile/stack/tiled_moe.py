@@ -1,0 +1,82 @@
+"""A mixture-of-experts layer over token tiles, each tile recomputed on its own in backward.
+
+Under full activation checkpointing a MoE layer's backward recomputes the whole layer at once:
+every routed copy of every local token (top-k of them a token) through the dispatch, the
+experts' grouped matmuls and the combine, and holds all of it while the gradients flow back.
+At Qwen3-30B-A3B's 92,160 tokens a rank (737,280 over 8 ranks, top-8 of 128 experts) that is
+34 GiB, the largest thing in the step.
+
+Token-choice routing is per token: the router's scores, its top-k, the experts' SwiGLU and the
+weighted sum of a token's copies depend on that token alone. So the layer run on consecutive
+tiles of the sequence, its outputs joined, is the layer run on the whole sequence. Each tile
+runs under its own non-reentrant checkpoint (nested inside the block's): forward keeps only
+the tile's input, backward recomputes and differentiates one tile at a time, so the routed
+copies of one tile exist at the peak instead of the whole shard's.
+
+With expert parallelism each tile's dispatch and combine are all-to-alls over the EP ranks:
+every rank has the same number of tokens and so the same tiles, and runs them in the same
+order forward and backward, so the collectives pair up.
+
+What changes: the layer's load-balancing counts (``tokens_per_expert``) are added once more per
+step (forward, the block's recompute, the tile's recompute instead of forward and the block's
+recompute), the same for every expert, which the sign-based bias update does not see.
+torchtitan's debug round-robin routing numbers a call's tokens from 0, so it routes a tile as
+the whole shard only when ``tile tokens x top_k`` is a multiple of the expert count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from upipe_compile.stack.tiled_mlp import check_tile_tokens
+
+
+def _known_moe_forwards() -> tuple:
+    """MoE classes whose forward routes each token by itself (token-choice top-k, no
+    sequence-level auxiliary loss, no capacity that drops tokens): torchtitan 0.3's."""
+    try:
+        from torchtitan.models.common.moe import MoE
+    except ImportError:
+        return ()
+    return (MoE.forward,)
+
+
+def moe_tiling_problem(module: nn.Module) -> str | None:
+    """Why ``module``'s tokens cannot be run in tiles, or None."""
+    if type(module).forward not in _known_moe_forwards():
+        return (f"{type(module).__name__} is not a known token-choice MoE layer (torchtitan 0.3's MoE, whose "
+                "tokens are routed one by one)")
+    return None
+
+
+@functools.cache
+def _tiled_class(base: type) -> type:
+    """``base`` with a forward over token tiles (one subclass per base class, as FSDP2 makes its own)."""
+
+    def one_tile(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("upipe::moe_tile"):  # each run of a tile, recomputes included
+            return base.forward(self, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tile = max(1, self.upipe_tile_tokens // x.shape[0])  # positions of each row of the batch
+        if x.shape[1] <= tile:
+            return base.forward(self, x)
+        return torch.cat([checkpoint(one_tile, self, part, use_reentrant=False) for part in x.split(tile, dim=1)],
+                         dim=1)
+
+    return type(f"TokenTiled{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+
+
+def tile_moe_tokens(module: nn.Module, tile_tokens: int) -> None:
+    """Run ``module`` (a MoE layer with input ``[batch, tokens, dim]``) over tiles of
+    ``tile_tokens`` tokens, in place: the module keeps its class's methods, parameters, buffers
+    and state-dict keys (its class becomes a subclass with a tiled forward)."""
+    problem = moe_tiling_problem(module)
+    if problem:
+        raise ValueError(f"cannot tile this MoE layer: {problem}")
+    module.upipe_tile_tokens = check_tile_tokens(tile_tokens)
+    module.__class__ = _tiled_class(type(module))
