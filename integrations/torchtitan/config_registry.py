@@ -160,7 +160,7 @@ def qwen3_30b_a3b_upipe() -> UPipeTrainer.Config:
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
 
     config = upipe_job(qwen3_30b_a3b(), model_spec=model_registry("30B-A3B", attn_backend="varlen"),
-                       context_parallel_degree=8, seq_len=2883584,
+                       context_parallel_degree=8, seq_len=4456448,
                        upipe=UPipe(fuse_projections=False, offload_block_inputs=True, mlp_tile_tokens=16384))
     config.parallelism.expert_parallel_degree = 8
     config.training.enable_cpu_offload = True

@@ -64,7 +64,8 @@ def mlp_tile_problems(model: nn.Module, cfg) -> list[str]:
 
 def tile_mlps(model: nn.Module, cfg) -> None:
     """Each block's SwiGLU over tiles of ``mlp_tile_tokens`` tokens, each MoE layer's tokens in
-    tiles of as many (raw model: before AC/compile/FSDP)."""
+    tiles of as many (raw model: before AC/compile/FSDP; then :func:`count_tiled_moe_tokens_twice_where_recomputed`
+    after AC)."""
     if cfg.mlp_tile_tokens:
         for block in model.layers.values():
             attr, module = _token_mixers(block)
@@ -73,6 +74,17 @@ def tile_mlps(model: nn.Module, cfg) -> None:
             else:
                 block.feed_forward = SequenceTiledSwiGLU(module, cfg.mlp_tile_tokens)
         log.info("upipe: the feed-forward of %d blocks tiled by %d tokens", len(model.layers), cfg.mlp_tile_tokens)
+
+
+def count_tiled_moe_tokens_twice_where_recomputed(model: nn.Module) -> None:
+    """After AC: a tiled MoE layer counts its tokens as the untiled one does, twice where AC
+    recomputes its block, as torchtitan's bias update tells it (it then halves the counts)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    for block in model.layers.values():
+        moe = getattr(block, "moe", None) if getattr(block, "moe_enabled", False) else None
+        if hasattr(moe, "upipe_block_recomputed"):
+            moe.upipe_block_recomputed = getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
 
 
 def model_problems(model: nn.Module, job_config, spelling) -> list[str]:

@@ -163,13 +163,15 @@ def test_moe_expert_parallel_beside_tensor_parallel_equals_one_rank(rank_pools):
     assert_ran_upipe_per_rank(results)
 
 
-def test_moe_load_balancing_follows_the_whole_sequence(rank_pools):
+@pytest.mark.parametrize("overrides", [(), ("--upipe.mlp_tile_tokens=48",)], ids=["whole", "tiled"])
+def test_moe_load_balancing_follows_the_whole_sequence(rank_pools, overrides):
     """With the router's own (learned) routing, the load-balancing bias 0.3's optimizer hook
     sets after each step comes from the expert counts of the whole sequence (summed over the
     "loss" mesh, the CP ranks included): every rank's biases equal the one-rank run's, and
-    the losses, routed by them, agree."""
+    the losses, routed by them, agree; so with the MoE layers' tokens in tiles (each token
+    counted once a step there, twice untiled: the sign-based update sees no difference)."""
     steps = 2
-    sharded = rank_pools(2).run(jobs.train, 2, steps, (), None, True, MOE, None, True)
+    sharded = rank_pools(2).run(jobs.train, 2, steps, overrides, None, True, MOE, None, True)
     (whole,) = rank_pools(1).run(jobs.train, 1, steps, (), None, True, MOE, None, True)
     losses, biases = whole
     assert any(bias.abs().sum() > 0 for bias in biases[0].values())  # the hook moved them

@@ -17,9 +17,11 @@ With expert parallelism each tile's dispatch and combine are all-to-alls over th
 every rank has the same number of tokens and so the same tiles, and runs them in the same
 order forward and backward, so the collectives pair up.
 
-What changes: the layer's load-balancing counts (``tokens_per_expert``) are added once more per
-step (forward, the block's recompute, the tile's recompute instead of forward and the block's
-recompute), the same for every expert, which the sign-based bias update does not see.
+The layer's load-balancing counts (``tokens_per_expert``) are the untiled layer's: each token
+counted in the forward and, where activation checkpointing recomputes the block, once more
+(torchtitan's bias update halves them then). The recomputes' own counts are taken back and the
+forward's added twice instead: left alone they would count some tiles twice and some three
+times, as checkpoint's early stop can end the block's recompute at any tile.
 torchtitan's debug round-robin routing numbers a call's tokens from 0, so it routes a tile as
 the whole shard only when ``tile tokens x top_k`` is a multiple of the expert count.
 """
@@ -53,30 +55,53 @@ def moe_tiling_problem(module: nn.Module) -> str | None:
     return None
 
 
+def _in_backward() -> bool:
+    """Whether this runs inside the autograd engine: a recompute of activation checkpointing."""
+    return torch._C._current_graph_task_id() != -1
+
+
 @functools.cache
 def _tiled_class(base: type) -> type:
     """``base`` with a forward over token tiles (one subclass per base class, as FSDP2 makes its own)."""
 
     def one_tile(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.profiler.record_function("upipe::moe_tile"):  # each run of a tile, recomputes included
-            return base.forward(self, x)
+        # A run inside the autograd engine is a recompute (the block's or the tile's own): its
+        # routing counts are taken back, also when checkpoint's early stop ends it mid-way.
+        recompute = _in_backward()
+        counts = self.tokens_per_expert_E.clone() if recompute else None
+        try:
+            with torch.profiler.record_function("upipe::moe_tile"):  # each run of a tile, recomputes included
+                return base.forward(self, x.contiguous())  # (a tile of a batch of rows is strided)
+        finally:
+            if recompute:
+                with torch.no_grad():
+                    self.tokens_per_expert_E.copy_(counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tile = max(1, self.upipe_tile_tokens // x.shape[0])  # positions of each row of the batch
         if x.shape[1] <= tile:
             return base.forward(self, x)
-        return torch.cat([checkpoint(one_tile, self, part, use_reentrant=False) for part in x.split(tile, dim=1)],
-                         dim=1)
+        counts = self.tokens_per_expert_E
+        before = counts.clone() if self.upipe_block_recomputed and not _in_backward() else None
+        out = torch.cat([checkpoint(one_tile, self, part, use_reentrant=False) for part in x.split(tile, dim=1)],
+                        dim=1)
+        if before is not None:
+            with torch.no_grad():  # what the untiled layer counts again in the block's recompute
+                counts.add_(counts - before)
+        return out
 
     return type(f"TokenTiled{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
 
 
-def tile_moe_tokens(module: nn.Module, tile_tokens: int) -> None:
+def tile_moe_tokens(module: nn.Module, tile_tokens: int, *, block_recomputed: bool = False) -> None:
     """Run ``module`` (a MoE layer with input ``[batch, tokens, dim]``) over tiles of
     ``tile_tokens`` tokens, in place: the module keeps its class's methods, parameters, buffers
-    and state-dict keys (its class becomes a subclass with a tiled forward)."""
+    and state-dict keys (its class becomes a subclass with a tiled forward).
+    ``block_recomputed``: activation checkpointing recomputes the block around it (settable
+    later, as ``upipe_block_recomputed``, once the block is wrapped)."""
     problem = moe_tiling_problem(module)
     if problem:
         raise ValueError(f"cannot tile this MoE layer: {problem}")
     module.upipe_tile_tokens = check_tile_tokens(tile_tokens)
+    module.upipe_block_recomputed = block_recomputed
     module.__class__ = _tiled_class(type(module))

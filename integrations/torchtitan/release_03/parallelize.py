@@ -103,6 +103,7 @@ def parallelize_upipe(model: nn.Module, *, parallel_dims, training, parallelism,
     if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
         model.parallelize(parallel_dims)
     _apply_ac(model, ac_config, job.upipe, dump_folder)
+    long_context_stack.count_tiled_moe_tokens_twice_where_recomputed(model)
     if not attention_alone:
         compile_blocks(model, job, parallel_dims)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
