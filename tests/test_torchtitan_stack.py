@@ -78,12 +78,12 @@ def test_tiled_mlp_on_a_model_without_swiglu_names_the_key_and_layer():
         model.layers["0"].feed_forward = GeluMLP()
 
     message = refusal("--upipe.mlp_tile_tokens=64", mutate=swap)
-    assert "[upipe] mlp_tile_tokens = 64 cannot tile layers.0: GeluMLP is not a known SwiGLU feed-forward" in message
+    assert "[upipe] mlp_tile_tokens = 64 cannot tile layers.0.feed_forward: GeluMLP is not a known SwiGLU feed-forward" in message
 
     def drop(model):  # a MoE layer has `moe` instead of `feed_forward`
         del model.layers["1"].feed_forward
 
-    assert "cannot tile layers.1: it has no feed_forward" in refusal("--upipe.mlp_tile_tokens=64", mutate=drop)
+    assert "cannot tile layers.1: it has neither a feed_forward nor a MoE layer" in refusal("--upipe.mlp_tile_tokens=64", mutate=drop)
 
 
 def test_chunked_loss_on_an_output_with_bias_names_the_key():

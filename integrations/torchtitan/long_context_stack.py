@@ -54,11 +54,12 @@ def mlp_tile_problems(model: nn.Module, cfg) -> list[str]:
         for name, block in model.layers.named_children():
             attr, module = _token_mixers(block)
             if module is None:
-                problem = "it has neither a feed_forward nor a MoE layer"
+                where, problem = f"layers.{name}", "it has neither a feed_forward nor a MoE layer"
             else:
+                where = f"layers.{name}.{attr}"
                 problem = moe_tiling_problem(module) if attr == "moe" else swiglu_problem(module)
             if problem:
-                return [f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile layers.{name}.{attr}: {problem}"]
+                return [f"[upipe] mlp_tile_tokens = {cfg.mlp_tile_tokens} cannot tile {where}: {problem}"]
     return []
 
 

@@ -73,21 +73,35 @@ def test_a_tensor_parallel_job_is_estimated_through_upipes_stage_loop():
     assert result["step_time"]["phases"]["linear"] > 0, result
 
 
+MOE_STACK = ("--upipe.offload_block_inputs", "--upipe.mlp_tile_tokens", "512", "--upipe.host_memory_reserve_gib", "0")
+
+
 def test_a_moe_job_with_expert_parallelism_is_estimated():
     """The MoE debug model (64 experts, 8 a token) on 2 CP ranks, without EP and with EP 2:
     FSDP gathers every expert without EP and a rank's 32 with it, the parameters' shards are
-    the same, EP's token exchange is timed, the attention runs through UPipe's stage loop."""
-    def run(ep: int) -> subprocess.Popen:
+    the same, EP's token exchange is timed, the attention runs through UPipe's stage loop.
+    With the stack beside EP (block inputs offloaded, the MoE layers' 8,192 local tokens in
+    tiles of 512): the block inputs are on the host, the MoE recompute holds one tile's routed
+    copies (at fewer tokens the experts' gathered weights and gradients outweigh them), and the
+    step-time model runs the tiles once more."""
+    def run(ep: int, *stack: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "upipe_compile.estimate", "--module", MODULE, "--config",
-             "qwen3_moe_debugmodel_upipe_cpu", "--parallelism.expert_parallel_degree", str(ep), "--json"],
+             "qwen3_moe_debugmodel_upipe_cpu", "--training.seq_len", "16384", "--parallelism.expert_parallel_degree",
+             str(ep), *stack, "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
     results = {}
-    for ep, process in [(ep, run(ep)) for ep in (1, 2)]:
+    for key, process in [(key, run(*key)) for key in ((1,), (2,), (2, *MOE_STACK))]:
         out, err = process.communicate(timeout=900)
         assert process.returncode == 0, err[-3000:]
-        results[ep] = json.loads(out)
+        results[key[0] if len(key) == 1 else "stack"] = json.loads(out)
+    stack = results.pop("stack")
+    assert stack["breakdown"]["checkpointed_inputs_on_device"] == 0 < results[2]["breakdown"][
+        "checkpointed_inputs_on_device"], stack
+    assert stack["host_gib_per_rank"] > results[2]["host_gib_per_rank"], stack
+    assert stack["block_recompute"]["mlp"] < 0.5 * results[2]["block_recompute"]["mlp"], (stack, results[2])
+    assert stack["step_time"]["phases"]["expert_all_to_all"] > results[2]["step_time"]["phases"]["expert_all_to_all"]
     alone, ep2 = results[1]["breakdown"], results[2]["breakdown"]
     assert ep2["sharded_params"] == pytest.approx(alone["sharded_params"], rel=1e-3), (alone, ep2)
     assert ep2["fsdp_buffers"] < 0.5 * alone["fsdp_buffers"], (alone, ep2)
