@@ -120,7 +120,8 @@ SLOW_TESTS = {
     "torchtitan03/test_torchtitan03_estimate_check.py::test_estimate_matches_the_profiled_step_on_every_rank[ep2-cp2]",
     # 0.3 MoE: EP beside TP (CI: EP 2 on 2 CP ranks, and TP 2 x CP 2 on the dense models)
     "torchtitan03/test_torchtitan03_train.py::test_moe_expert_parallel_beside_tensor_parallel_equals_one_rank",
-    # 0.3 MoE: EP on 4 CP ranks (CI: EP 2 on 2 CP ranks)
+    # 0.3 MoE: EP on 4 CP ranks, and over 2 data shards x 2 CP ranks (CI: EP 2 on 2 CP ranks)
+    "torchtitan03/test_torchtitan03_train.py::test_moe_expert_parallel_over_data_and_context_ranks_equals_one_rank",
     "torchtitan03/test_torchtitan03_train.py::test_moe_expert_parallel_equals_cp_alone_and_one_rank[cp4-ep2]",
     "torchtitan03/test_torchtitan03_train.py::test_moe_expert_parallel_equals_cp_alone_and_one_rank[cp4-ep4]",
 }

@@ -150,17 +150,18 @@ def llama3_70b_upipe_8_nodes() -> UPipeTrainer.Config:
 
 
 def qwen3_30b_a3b_upipe() -> UPipeTrainer.Config:
-    """Qwen3-30B-A3B (MoE: 48 layers of 128 experts, 8 a token; 32 query / 4 KV heads), 720,896
+    """Qwen3-30B-A3B (MoE: 48 layers of 128 experts, 8 a token; 32 query / 4 KV heads), 4,112,384
     tokens on one 8-GPU node: each layer's attention as UPipe's stage-loop op (compiled alone
-    beside the MoE layers, so no fused block and no long-context stack), the experts split over
-    EP 8, FSDP's state in host memory. Expected on the device with the estimate's device ratio:
-    71.36 GiB of the 72.95 budget (the bound: the MoE layers' recompute), host memory 455 GiB per
-    node; the other layouts on the same GPUs: benchmarks/results/fits_moe.md."""
+    beside the MoE layers, so no fused block), the experts split over EP 8, FSDP's state in host
+    memory, the checkpointed block inputs offloaded and each MoE layer's tokens in tiles of
+    16,384. Expected on the device with the estimate's device ratio: 72.65 GiB of the 72.95
+    budget (the bound: the attention's stage loop), host memory 1,208 GiB per node; the other
+    layouts on the same GPUs: benchmarks/results/fits_moe.md."""
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
 
     config = upipe_job(qwen3_30b_a3b(), model_spec=model_registry("30B-A3B", attn_backend="varlen"),
-                       context_parallel_degree=8, seq_len=4456448,
+                       context_parallel_degree=8, seq_len=4112384,
                        upipe=UPipe(fuse_projections=False, offload_block_inputs=True, mlp_tile_tokens=16384))
     config.parallelism.expert_parallel_degree = 8
     config.training.enable_cpu_offload = True

@@ -135,6 +135,18 @@ def test_moe_expert_parallel_equals_cp_alone_and_one_rank(rank_pools, world, ep)
     assert_ran_upipe_per_rank(expert_parallel)
 
 
+def test_moe_expert_parallel_over_data_and_context_ranks_equals_one_rank(rank_pools):
+    """EP 4 over FSDP's data shards and the CP ranks (data_parallel_shard_degree 2 x CP 2 on
+    four ranks): the experts split over all four, each data shard's CP pair through UPipe's
+    stage loop. Both data shards train on the same row here, so the step equals the one-rank
+    run: every rank's losses and first-step gradients."""
+    overrides = (*FORCED_ROUTING, "--parallelism.data_parallel_shard_degree=2",
+                 "--parallelism.expert_parallel_degree=4")
+    results = rank_pools(4).run(jobs.train, 2, STEPS, overrides, None, True, MOE)
+    assert_equals_cp1(results, reference(rank_pools, config=MOE, overrides=FORCED_ROUTING))
+    assert_ran_upipe_per_rank(results)
+
+
 def test_moe_long_context_stack_equals_one_rank(rank_pools):
     """The long-context stack beside MoE layers and EP 2 on CP 2: each MoE layer's tokens in
     tiles of 48 (256 local tokens: uneven tiles), each recomputed on its own with its own
