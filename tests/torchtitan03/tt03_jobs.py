@@ -331,6 +331,9 @@ def train_job(cp: int, steps: int = 4, overrides: tuple[str, ...] = (), window=N
             optimizers.zero_grad()
             input_dict, labels = training_batch(config.training.seq_len, step)
             global_valid_tokens = (labels != IGNORE_INDEX).sum()
+            if parallel_dims.dp_enabled:  # as the Trainer: the data shards' tokens together
+                global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens,
+                                                                 parallel_dims.get_mesh("batch"))
             inputs, labels, extra = UPipeTrainer.post_dataloading_process(trainer, input_dict, labels)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 pred = model(inputs, **extra)
