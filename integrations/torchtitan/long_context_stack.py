@@ -8,8 +8,8 @@ Where each piece goes, relative to torchtitan's AC -> per-block compile -> FSDP:
 
 - tiled MLP and the lazy output projection replace submodules of the *raw* model (before AC),
   a tiled MoE layer keeps its module (its class gains a tiled forward), all keeping parameter
-  names, so AC, compile, FSDP, init_weights and checkpoints see the same
-  parameters under the same state-dict keys;
+  names, so AC, compile, FSDP, init_weights and checkpoints see the same parameters under the
+  same state-dict keys;
 - the offload hooks go on the final per-block modules (after FSDP), outside the compiled
   region: they see what the compiled, checkpointed block saves for backward.
 """
@@ -65,8 +65,8 @@ def mlp_tile_problems(model: nn.Module, cfg) -> list[str]:
 
 def tile_mlps(model: nn.Module, cfg) -> None:
     """Each block's SwiGLU over tiles of ``mlp_tile_tokens`` tokens, each MoE layer's tokens in
-    tiles of as many (raw model: before AC/compile/FSDP; then :func:`count_tiled_moe_tokens_twice_where_recomputed`
-    after AC)."""
+    tiles of as many (raw model: before AC/compile/FSDP; after AC,
+    :func:`count_tiled_moe_tokens_twice_where_recomputed`)."""
     if cfg.mlp_tile_tokens:
         for block in model.layers.values():
             attr, module = _token_mixers(block)

@@ -22,8 +22,9 @@ Per layer and rank, with ``n = S / P`` local tokens of a ``S``-token row over ``
   spans A x T consecutive ranks.
 
 Full activation checkpointing runs each layer's forward again in backward: the linear algebra
-always (a MoE layer's in tiles once more, with its all-to-alls), attention and its all-to-alls unless ``keep_attention`` keeps them
-(``recompute_attention_output`` runs attention once more in backward). The output projection
+always (a MoE layer's in tiles once more, with its all-to-alls), attention and its all-to-alls
+unless ``keep_attention`` keeps them (``recompute_attention_output`` runs attention once more
+in backward). The output projection
 and loss add ``6 n V dim`` FLOPs per step. Offloaded block inputs and kept outputs travel over
 the host link while the blocks compute; only what a layer's transfer exceeds its compute is
 counted. So do the parameter shards and gradients of FSDP's CPU offload (``offload_state``: each
