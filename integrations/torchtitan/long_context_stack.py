@@ -83,9 +83,9 @@ def count_tiled_moe_tokens_twice_where_recomputed(model: nn.Module) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 
     for block in model.layers.values():
-        moe = getattr(block, "moe", None) if getattr(block, "moe_enabled", False) else None
-        if hasattr(moe, "upipe_block_recomputed"):
-            moe.upipe_block_recomputed = getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
+        attr, module = _token_mixers(block)
+        if attr == "moe" and hasattr(module, "upipe_block_recomputed"):
+            module.upipe_block_recomputed = getattr(block, "checkpoint_impl", None) is CheckpointImpl.NO_REENTRANT
 
 
 def model_problems(model: nn.Module, job_config, spelling) -> list[str]:
