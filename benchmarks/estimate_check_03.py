@@ -10,8 +10,8 @@ debug model (``qwen3_moe_debugmodel_upipe_cpu``, routed by torchtitan's balanced
 as the estimate sizes EP's token exchange), on gloo ranks
 (:class:`upipe_compile.launch.RankPool`), built as 0.3's Trainer builds it
 (``release_03.estimate.build_real_job``), each layer's attention compiled with the "upipe"
-backend (aot_eager inside); one warm-up step, then one step under ``torch.profiler`` with
-``profile_memory=True``.
+backend (aot_eager inside); one warm-up step on 1/16 of the sequence (it makes the optimizer
+state), then one step under ``torch.profiler`` with ``profile_memory=True``.
 
 The measurement and its comparison are estimate_check.py's (its docstring says what is
 measured): peak = bytes live at the step's start (real tensors) + the step's rise (the
@@ -33,6 +33,7 @@ import gc
 import os
 import sys
 import time
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -96,8 +97,8 @@ def estimated(layout: Layout, seq_len: int = SEQ_LEN) -> dict:
 
 
 def measure_step(layout: Layout, seq_len: int = SEQ_LEN) -> dict:
-    """On every rank of the pool: the job built as 0.3's Trainer builds it, one warm-up step,
-    then one profiled step (0.3's Trainer.train_step, one microbatch, upipe's input sharding)."""
+    """On every rank of the pool: the job built as 0.3's Trainer builds it, one short warm-up
+    step, then one profiled step (0.3's Trainer.train_step, one microbatch, upipe's input sharding)."""
     import torch.distributed as dist
     from torchtitan.components.loss import IGNORE_INDEX
 
@@ -111,7 +112,7 @@ def measure_step(layout: Layout, seq_len: int = SEQ_LEN) -> dict:
     job = build_real_job(config, torch.device("cpu"), dist.get_world_size())
     vocab = job.model_args.vocab_size
 
-    def train_step(seed: int) -> float:
+    def train_step(seed: int, seq_len: int = seq_len) -> float:
         job.optimizers.zero_grad()
         gen = torch.Generator().manual_seed(seed)
         full = {"input": torch.randint(0, vocab, (1, seq_len), generator=gen),
@@ -127,12 +128,17 @@ def measure_step(layout: Layout, seq_len: int = SEQ_LEN) -> dict:
         return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
 
     start = time.time()
-    train_step(1)  # compiles; creates the optimizer state
-    warmup_s = time.time() - start
-    job.optimizers.zero_grad()
-    gc.collect()
-    start_bytes = step_start_bytes(job.model, [s for opt in job.optimizers.optimizers for s in opt.state.values()])
-    prof, loss, step_s = profiled_step(train_step, 2)
+    # The warm-up creates the optimizer state, on 1/16 of the sequence: the state is the
+    # parameters' size whatever the length, and the step at full length costs minutes on a CPU.
+    # Without automatic dynamic shapes the measured step recompiles the attention for its own
+    # length, as the estimate compiles it: static shapes.
+    with mock.patch.object(torch._dynamo.config, "automatic_dynamic_shapes", False):
+        train_step(1, seq_len // 16)
+        warmup_s = time.time() - start
+        job.optimizers.zero_grad()
+        gc.collect()
+        start_bytes = step_start_bytes(job.model, [s for opt in job.optimizers.optimizers for s in opt.state.values()])
+        prof, loss, step_s = profiled_step(train_step, 2)
     corrected = corrected_timeline(prof)
     rise, peak_ns = max(((live, t) for t, live in corrected), default=(0, None))
     at_peak, at_end = live_allocations(prof, peak_ns), live_allocations(prof, None)

@@ -1,5 +1,5 @@
 """upipe_compile.launch: results by rank, a rank's exception with its traceback, progress
-reports, and a hang that fails the job and leaves the pool usable."""
+reports, and a hang or a crash in native code that fails the job and leaves the pool usable."""
 
 import time
 
@@ -29,7 +29,16 @@ def hangs_on_rank_0():
     return "done"
 
 
-def test_pool_runs_reports_fails_and_recovers():
+def crashes_on_rank_1():
+    if dist.get_rank() == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    dist.barrier()
+    return "fine"
+
+
+def test_pool_runs_reports_fails_and_recovers(capfd):
     with RankPool(2, timeout_s=20) as pool:
         reports = []
         assert pool.run(rank_and_sum, 3, on_report=lambda rank, m: reports.append((rank, m))) == [(0, 6.0), (1, 6.0)]
@@ -44,3 +53,9 @@ def test_pool_runs_reports_fails_and_recovers():
             pool.run(hangs_on_rank_0)
         pool.timeout_s = 20
         assert pool.run(rank_and_sum, 2) == [(0, 4.0), (1, 4.0)]
+
+        with pytest.raises(RankError, match="rank 1 was killed by SIGSEGV while running crashes_on_rank_1"):
+            pool.run(crashes_on_rank_1)
+        assert "in crashes_on_rank_1" in capfd.readouterr().err  # faulthandler's stack of the crash
+        assert pool.run(rank_and_sum, 5) == [(0, 10.0), (1, 10.0)]
+

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -56,7 +57,11 @@ def report(message: Any) -> None:
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, group_timeout_s: float,
             jobs, results) -> None:
     global _outbox, _rank
+    import faulthandler
+
     import torch
+
+    faulthandler.enable()  # a rank that crashes in native code prints where, before its exit code is reported
     import torch.distributed as dist
 
     _outbox, _rank = results, rank
@@ -165,7 +170,8 @@ class RankPool:
         if dead:
             self.restart()
             rank, code = dead[0]
-            raise RankError(f"rank {rank} exited with code {code} while running {fn.__name__}")
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            raise RankError(f"rank {rank} {how} while running {fn.__name__} (a crash's Python stack is on its stderr)")
 
     def restart(self) -> None:
         self._stop(wait_s=0)  # the group may be broken: no goodbye over it
