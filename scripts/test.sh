@@ -12,4 +12,4 @@ case "${1:-}" in
   --full) TIER=(); shift ;;
 esac
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=30 "${TIER[@]}" "$@"
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=60 "${TIER[@]}" "$@"

@@ -25,4 +25,4 @@ if [ "${1:-}" = "--full" ]; then
 fi
 export PYTHONPATH="$PWD/.torchtitan03${PYTHONPATH:+:$PYTHONPATH}"
 .venv/bin/python -c "import torchtitan, importlib.metadata as m; print('torchtitan', m.version('torchtitan'))"
-exec .venv/bin/python -m pytest tests/torchtitan03 -q -p no:cacheprovider --durations=15 "${TIER[@]}" "$@"
+exec .venv/bin/python -m pytest tests/torchtitan03 -q -p no:cacheprovider --durations=40 "${TIER[@]}" "$@"
