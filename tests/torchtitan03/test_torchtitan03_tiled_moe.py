@@ -2,11 +2,12 @@
 the layer run on the whole sequence: the output, the input's gradient and every parameter's,
 under full activation checkpointing as the 0.3 path runs it (each tile's checkpoint nested in
 the block's), with hypothesis drawing the batch, the length and the tile. The layer keeps its
-parameters, buffers and state-dict keys. Runs in the torchtitan 0.3 tier."""
+parameters, buffers and state-dict keys, and pickles whole. Runs in the torchtitan 0.3 tier."""
 
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -78,6 +79,17 @@ def test_the_layer_keeps_its_parameters_and_state_dict_keys():
     tile_moe_tokens(layer, 16, block_recomputed=True)
     assert dict(layer.named_parameters()) == before and list(layer.state_dict()) == keys
     assert isinstance(layer, type(moe_layer())) and type(layer).__name__ == "TokenTiledMoE"
+
+
+def test_a_tiled_layer_pickles_whole():
+    """torch.save of the whole module (not only its state dict) rebuilds it tiled."""
+    layer = moe_layer()
+    tile_moe_tokens(layer, 16, block_recomputed=True)
+    copy_of = pickle.loads(pickle.dumps(layer))
+    assert type(copy_of) is type(layer) and copy_of.upipe_tile_tokens == 16 and copy_of.upipe_block_recomputed
+    x = torch.randn(2, 40, layer.router.gate.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", enabled=False):
+        assert torch.equal(copy_of(x), layer(x))
 
 
 def test_what_is_not_a_known_moe_layer_is_refused():

@@ -90,7 +90,20 @@ def _tiled_class(base: type) -> type:
                 counts.add_(counts - before)
         return out
 
-    return type(f"TokenTiled{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
+    def __reduce_ex__(self, protocol):
+        # pickle names an object's class; this one is made at run time, so the object is rebuilt
+        # from its base class, which pickle can name, and its state as usual
+        return (_new_tiled, (base,), *object.__reduce_ex__(self, protocol)[2:])
+
+    return type(f"TokenTiled{base.__name__}", (base,),
+                {"forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__})
+
+
+def _new_tiled(base: type) -> nn.Module:
+    """An empty ``base`` with the tiled forward, for pickle to fill in."""
+    module = base.__new__(base)
+    module.__class__ = _tiled_class(base)
+    return module
 
 
 def tile_moe_tokens(module: nn.Module, tile_tokens: int, *, block_recomputed: bool = False) -> None:
