@@ -175,13 +175,16 @@ def test_moe_expert_parallel_beside_tensor_parallel_equals_one_rank(rank_pools):
     assert_ran_upipe_per_rank(results)
 
 
-@pytest.mark.parametrize("overrides", [(), ("--upipe.mlp_tile_tokens=48",)], ids=["whole", "tiled"])
+@pytest.mark.parametrize("overrides", [(), ("--upipe.mlp_tile_tokens=48",),
+                                       ("--upipe.mlp_tile_tokens=48", "activation_checkpoint:selective")],
+                         ids=["whole", "tiled", "tiled-selective-ac"])
 def test_moe_load_balancing_follows_the_whole_sequence(rank_pools, overrides):
     """With the router's own (learned) routing, the load-balancing bias 0.3's optimizer hook
     sets after each step comes from the expert counts of the whole sequence (summed over the
-    "loss" mesh, the CP ranks included): every rank's biases equal the one-rank run's, and
-    the losses, routed by them, agree; so with the MoE layers' tokens in tiles (each token
-    counted once a step there, twice untiled: the sign-based update sees no difference)."""
+    "loss" mesh, the CP ranks included): every rank's biases equal the one-rank run's (full
+    AC), and the losses, routed by them, agree; so with the MoE layers' tokens in tiles, under
+    full AC and under 0.3's per-op selective AC (the tiles' checkpoints nested in its
+    policy's, which recomputes the router and the count)."""
     steps = 2
     sharded = rank_pools(2).run(jobs.train, 2, steps, overrides, None, True, MOE, None, True)
     (whole,) = rank_pools(1).run(jobs.train, 1, steps, (), None, True, MOE, None, True)

@@ -19,9 +19,11 @@ order forward and backward, so the collectives pair up.
 
 The layer's load-balancing counts (``tokens_per_expert``) are the untiled layer's: each token
 counted in the forward and, where activation checkpointing recomputes the block, once more
-(torchtitan's bias update halves them then). The recomputes' own counts are taken back and the
-forward's added twice instead: left alone they would count some tiles twice and some three
-times, as checkpoint's early stop can end the block's recompute at any tile.
+(torchtitan's bias update halves them then). The forward adds its counts twice instead, and
+when the backward ends the counts are set back to what the forwards left: the recomputes,
+left alone, would count some tiles twice and some three times, as checkpoint's early stop can
+end the block's recompute at any tile. The recomputes themselves run the forward's ops and no
+others, as selective AC requires.
 torchtitan's debug round-robin routing numbers a call's tokens from 0, so it routes a tile as
 the whole shard only when ``tile tokens x top_k`` is a multiple of the expert count.
 """
@@ -60,35 +62,52 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _restore_counts_when_backward_ends(module: nn.Module) -> None:
+    """From inside a recompute: once this backward is done, set the layer's routing counts back
+    to what its forwards left (the recomputes count again, some tiles twice, some not at all:
+    checkpoint's early stop can end a recompute at any tile). Nothing is computed here: a
+    recompute under selective AC must run exactly the forward's ops."""
+    task = torch._C._current_graph_task_id()
+    if module.upipe_counts_restored_in == task:
+        return
+    module.upipe_counts_restored_in = task
+
+    def restore():
+        with torch.no_grad():
+            module.tokens_per_expert_E.copy_(module.upipe_counts_after_forward)
+
+    torch.autograd.Variable._execution_engine.queue_callback(restore)
+
+
 @functools.cache
 def _tiled_class(base: type) -> type:
     """``base`` with a forward over token tiles (one subclass per base class, as FSDP2 makes its own)."""
 
     def one_tile(self, x: torch.Tensor) -> torch.Tensor:
-        # A run inside the autograd engine is a recompute (the block's or the tile's own): its
-        # routing counts are taken back, also when checkpoint's early stop ends it mid-way.
-        recompute = _in_backward()
-        counts = self.tokens_per_expert_E.clone() if recompute else None
-        try:
-            with torch.profiler.record_function("upipe::moe_tile"):  # each run of a tile, recomputes included
-                return base.forward(self, x.contiguous())  # (a tile of a batch of rows is strided)
-        finally:
-            if recompute:
-                with torch.no_grad():
-                    self.tokens_per_expert_E.copy_(counts)
+        if _in_backward():  # the tile's own recompute
+            _restore_counts_when_backward_ends(self)
+        with torch.profiler.record_function("upipe::moe_tile"):  # each run of a tile, recomputes included
+            return base.forward(self, x.contiguous())  # (a tile of a batch of rows is strided)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tile = max(1, self.upipe_tile_tokens // x.shape[0])  # positions of each row of the batch
-        if x.shape[1] <= tile:
-            return base.forward(self, x)
+        whole = x.shape[1] <= tile
+        if _in_backward():  # the block's recompute
+            _restore_counts_when_backward_ends(self)
+            return base.forward(self, x) if whole else self._upipe_tiles(x, tile)
         counts = self.tokens_per_expert_E
-        before = counts.clone() if self.upipe_block_recomputed and not _in_backward() else None
-        out = torch.cat([checkpoint(one_tile, self, part, use_reentrant=False) for part in x.split(tile, dim=1)],
-                        dim=1)
-        if before is not None:
-            with torch.no_grad():  # what the untiled layer counts again in the block's recompute
+        before = counts.clone()
+        recomputed = self.upipe_block_recomputed and torch.is_grad_enabled()  # (no recompute without autograd)
+        out = base.forward(self, x) if whole else self._upipe_tiles(x, tile)
+        with torch.no_grad():
+            if recomputed:  # what the block's recompute counts again
                 counts.add_(counts - before)
+            self.upipe_counts_after_forward = counts.clone()
         return out
+
+    def tiles(self, x: torch.Tensor, tile: int) -> torch.Tensor:
+        return torch.cat([checkpoint(one_tile, self, part, use_reentrant=False) for part in x.split(tile, dim=1)],
+                         dim=1)
 
     def __reduce_ex__(self, protocol):
         # pickle names an object's class; this one is made at run time, so the object is rebuilt
@@ -96,7 +115,7 @@ def _tiled_class(base: type) -> type:
         return (_new_tiled, (base,), *object.__reduce_ex__(self, protocol)[2:])
 
     return type(f"TokenTiled{base.__name__}", (base,),
-                {"forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__})
+                {"forward": forward, "_upipe_tiles": tiles, "__reduce_ex__": __reduce_ex__, "__module__": __name__})
 
 
 def _new_tiled(base: type) -> nn.Module:
@@ -117,4 +136,5 @@ def tile_moe_tokens(module: nn.Module, tile_tokens: int, *, block_recomputed: bo
         raise ValueError(f"cannot tile this MoE layer: {problem}")
     module.upipe_tile_tokens = check_tile_tokens(tile_tokens)
     module.upipe_block_recomputed = block_recomputed
+    module.upipe_counts_restored_in = None  # the backward (graph task) that will restore the counts
     module.__class__ = _tiled_class(type(module))
