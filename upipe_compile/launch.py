@@ -60,9 +60,9 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, group_
     import faulthandler
 
     import torch
+    import torch.distributed as dist
 
     faulthandler.enable()  # a rank that crashes in native code prints where, before its exit code is reported
-    import torch.distributed as dist
 
     _outbox, _rank = results, rank
     if backend == "nccl":
