@@ -58,4 +58,3 @@ def test_pool_runs_reports_fails_and_recovers(capfd):
             pool.run(crashes_on_rank_1)
         assert "in crashes_on_rank_1" in capfd.readouterr().err  # faulthandler's stack of the crash
         assert pool.run(rank_and_sum, 5) == [(0, 10.0), (1, 10.0)]
-
