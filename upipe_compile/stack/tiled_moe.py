@@ -90,22 +90,23 @@ def _tiled_class(base: type) -> type:
             return base.forward(self, x.contiguous())  # (a tile of a batch of rows is strided)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tile = max(1, self.upipe_tile_tokens // x.shape[0])  # positions of each row of the batch
-        whole = x.shape[1] <= tile
         if _in_backward():  # the block's recompute
             _restore_counts_when_backward_ends(self)
-            return base.forward(self, x) if whole else self._upipe_tiles(x, tile)
+            return self._upipe_tiles(x)
         counts = self.tokens_per_expert_E
         before = counts.clone()
         recomputed = self.upipe_block_recomputed and torch.is_grad_enabled()  # (no recompute without autograd)
-        out = base.forward(self, x) if whole else self._upipe_tiles(x, tile)
+        out = self._upipe_tiles(x)
         with torch.no_grad():
             if recomputed:  # what the block's recompute counts again
                 counts.add_(counts - before)
             self.upipe_counts_after_forward = counts.clone()
         return out
 
-    def tiles(self, x: torch.Tensor, tile: int) -> torch.Tensor:
+    def tiles(self, x: torch.Tensor) -> torch.Tensor:
+        tile = max(1, self.upipe_tile_tokens // x.shape[0])  # positions of each row of the batch
+        if x.shape[1] <= tile:
+            return base.forward(self, x)
         return torch.cat([checkpoint(one_tile, self, part, use_reentrant=False) for part in x.split(tile, dim=1)],
                          dim=1)
 
